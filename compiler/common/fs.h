@@ -1,0 +1,61 @@
+// File helpers: read-only memory maps, whole-file reads of small files, and atomic publication
+// (write into a staging name beside the target, fsync, rename) so nothing is ever half-written.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace dp {
+
+// A read-only private mapping of a whole file. Pages are faulted in on demand, so mapping a large
+// checkpoint shard costs address space, not memory.
+class MappedFile {
+ public:
+  MappedFile() = default;
+  explicit MappedFile(const std::filesystem::path& path);  // throws dp::Error(io)
+  ~MappedFile();
+  MappedFile(MappedFile&& o) noexcept;
+  MappedFile& operator=(MappedFile&& o) noexcept;
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  std::span<const uint8_t> bytes() const { return {data_, size_}; }
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Reads a small file (configs, manifests) completely; throws dp::Error(io) naming the path.
+std::string read_text_file(const std::filesystem::path& path);
+
+// Writes `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename.
+void write_file_atomic(const std::filesystem::path& path, std::string_view bytes);
+
+// A directory that is removed on destruction unless committed; used to stage outputs before one rename.
+class StagingDir {
+ public:
+  // Creates a fresh directory next to `target` (same file system, so the final rename is atomic).
+  explicit StagingDir(const std::filesystem::path& target);
+  ~StagingDir();
+  StagingDir(const StagingDir&) = delete;
+  StagingDir& operator=(const StagingDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  // Replaces `target` (file or directory) with the staged contents in one rename.
+  void commit();
+
+ private:
+  std::filesystem::path target_;
+  std::filesystem::path path_;
+  bool committed_ = false;
+};
+
+}  // namespace dp

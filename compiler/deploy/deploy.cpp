@@ -1,0 +1,582 @@
+#include "deploy/deploy.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <set>
+
+#include "common/embedded.h"
+#include "common/error.h"
+#include "model/ir.h"
+
+namespace dp::deploy {
+namespace {
+
+// ---- Tables ----------------------------------------------------------------------------------------
+
+// Sorted by name (find_target and the "valid:" lists rely on it). CUDA versions are the first toolkit
+// that accepts the architecture; LLVM versions the first release with the AMDGPU processor. gfx90a
+// and gfx942 also build with the project's clang-19; gfx950 needs LLVM 20.
+constexpr std::array kTargets = {
+    TargetInfo{"gfx90a", Vendor::hip, 0, 0, 13, "MI210, MI250X"},
+    TargetInfo{"gfx942", Vendor::hip, 0, 0, 17, "MI300X, MI325X"},
+    TargetInfo{"gfx950", Vendor::hip, 0, 0, 20, "MI350X, MI355X"},
+    TargetInfo{"sm_100a", Vendor::cuda, 12, 8, 0, "B200, GB200"},
+    TargetInfo{"sm_120a", Vendor::cuda, 12, 8, 0, "RTX 5090, RTX PRO 6000 Blackwell"},
+    TargetInfo{"sm_80", Vendor::cuda, 11, 0, 0, "A100"},
+    TargetInfo{"sm_86", Vendor::cuda, 11, 1, 0, "A10, RTX 3090"},
+    TargetInfo{"sm_89", Vendor::cuda, 11, 8, 0, "L40S, RTX 4090"},
+    TargetInfo{"sm_90", Vendor::cuda, 11, 8, 0, "H100, H200 (without wgmma/setmaxnreg)"},
+    TargetInfo{"sm_90a", Vendor::cuda, 12, 0, 0, "H100, H200"},
+};
+
+constexpr std::array<int64_t, 4> kTensorParallel = {1, 2, 4, 8};
+
+// Every field, per object. parse_deploy rejects anything else and known_keys() lists exactly these, so
+// the reader, the schema test and the "valid fields" messages share one list.
+struct Section {
+  std::string_view name;  // "" for the top level
+  std::vector<std::string_view> keys;
+};
+const std::vector<Section>& sections() {
+  static const std::vector<Section> s = {
+      {"", {"targets", "tensor_parallel", "ranks", "max_num_seqs", "widths", "num_speculative_tokens",
+            "kv_cache", "kda_state", "conv_state", "dcp", "prefetch", "indexer"}},
+      {"kv_cache", {"dtype", "block_size"}},
+      {"kda_state", {"dtype", "layout"}},
+      {"conv_state", {"dtype", "layout"}},
+      {"dcp", {"size", "interleave"}},
+      {"prefetch", {"enabled", "cap_bytes", "max_rows", "width_cap_bytes"}},
+      {"indexer", {"max_keys_per_chunk", "max_requests"}},
+  };
+  return s;
+}
+
+// JSON spelling of each enum value, plus hints for spellings people carry over from vLLM flags.
+template <typename E>
+struct EnumSpelling {
+  E value;
+  std::string_view name;
+};
+struct Hint {
+  std::string_view given;
+  std::string_view advice;
+};
+
+constexpr std::array kKvCacheDtypes = {EnumSpelling<KvCacheDtype>{KvCacheDtype::bf16, "bf16"},
+                                       EnumSpelling<KvCacheDtype>{KvCacheDtype::fp8, "fp8"}};
+constexpr std::array kKvCacheHints = {
+    Hint{"auto", "vLLM's \"auto\" means the model dtype: write bf16"},
+    Hint{"bfloat16", "write bf16"},
+    Hint{"fp8_e4m3", "write fp8 (e4m3 is what fp8 means here)"},
+    Hint{"fp8_e5m2", "only e4m3 is supported, written fp8"},
+    Hint{"fp8_ds_mla", "fp8_ds_mla is the DeepSeek sparse-MLA page layout; Kimi's MLA is dense, use fp8"},
+    Hint{"float16", "the Kimi models are bf16"},
+    Hint{"fp16", "the Kimi models are bf16"},
+};
+constexpr std::array kKdaStateDtypes = {EnumSpelling<KdaStateDtype>{KdaStateDtype::float32, "float32"}};
+constexpr std::array kKdaStateHints = {
+    Hint{"bf16", "vLLM keeps the KDA recurrent state in float32 whatever mamba_cache_dtype says, and the "
+                 "delta-rule update needs it"},
+    Hint{"float16", "vLLM keeps the KDA recurrent state in float32 whatever mamba_cache_dtype says"},
+    Hint{"fp32", "write float32"},
+};
+constexpr std::array kKdaStateLayouts = {EnumSpelling<KdaStateLayout>{KdaStateLayout::kv, "kv"},
+                                         EnumSpelling<KdaStateLayout>{KdaStateLayout::vk, "vk"}};
+constexpr std::array kConvStateDtypes = {EnumSpelling<ConvStateDtype>{ConvStateDtype::bf16, "bf16"},
+                                         EnumSpelling<ConvStateDtype>{ConvStateDtype::float32, "float32"}};
+constexpr std::array kConvStateHints = {
+    Hint{"auto", "vLLM's \"auto\" means the model dtype: write bf16"},
+    Hint{"fp32", "write float32"},
+    Hint{"bfloat16", "write bf16"},
+};
+constexpr std::array kConvStateLayouts = {EnumSpelling<ConvStateLayout>{ConvStateLayout::sd, "sd"},
+                                          EnumSpelling<ConvStateLayout>{ConvStateLayout::ds, "ds"}};
+constexpr std::array<Hint, 2> kLayoutHints = {
+    Hint{"SD", "write it in lower case: sd"},
+    Hint{"DS", "write it in lower case: ds"},
+};
+
+template <typename E, size_t N>
+const char* enum_name(const std::array<EnumSpelling<E>, N>& table, E v) {
+  for (const auto& e : table)
+    if (e.value == v) return e.name.data();  // the names are literals, so NUL-terminated
+  return "?";
+}
+
+// ---- Formatting --------------------------------------------------------------------------------------
+
+std::string join(const std::vector<int64_t>& v) {
+  std::string s;
+  for (int64_t x : v) s += (s.empty() ? "" : ", ") + std::to_string(x);
+  return s;
+}
+
+// "1..8" for a contiguous run, "1, 2, 4" otherwise.
+std::string compact(const std::vector<int64_t>& v) {
+  if (v.size() > 2 && v.back() - v.front() + 1 == static_cast<int64_t>(v.size()))
+    return fmt::format("{}..{}", v.front(), v.back());
+  return join(v);
+}
+
+std::vector<int64_t> divisors(int64_t n) {
+  std::vector<int64_t> out;
+  for (int64_t i = 1; i <= n; ++i)
+    if (n % i == 0) out.push_back(i);
+  return out;
+}
+
+// Tensor-parallel sizes are powers of two, so the useful "valid" values for a quantity are the powers
+// of two that divide it (32 → 1, 2, 4, 8, 16, 32).
+std::vector<int64_t> pow2_divisors(int64_t n) {
+  std::vector<int64_t> out;
+  for (int64_t p = 1; n > 0 && p <= n; p *= 2)
+    if (n % p == 0) out.push_back(p);
+  return out;
+}
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// ---- Reading -----------------------------------------------------------------------------------------
+
+// One JSON object of the deploy file being read: knows the file name and its own dotted path.
+class Obj {
+ public:
+  Obj(const Json& j, const std::string& where, std::string path) : j_(j), where_(where), path_(std::move(path)) {
+    if (!j_.is_object())
+      fail(Errc::input, "{}: {} is {} ({}), expected an object", where_, path_.empty() ? "the top level" : path_,
+           json_type_name(j_), j_.dump());
+    check_keys();
+  }
+
+  std::string field(std::string_view key) const {
+    return path_.empty() ? std::string(key) : path_ + "." + std::string(key);
+  }
+  bool has(std::string_view key) const { return j_.contains(key); }
+  const Json& at(std::string_view key) const { return j_.at(key); }
+  const std::string& where() const { return where_; }
+
+  int64_t integer(std::string_view key, int64_t def, int64_t lo, int64_t hi) const {
+    if (!has(key)) return def;
+    return checked_integer(at(key), field(key), lo, hi);
+  }
+
+  // Any JSON integer that fits int64 (8.0 counts: JSON Schema calls it the integer 8).
+  int64_t integer_value(const Json& v, const std::string& name) const {
+    if (v.is_number_unsigned()) {
+      uint64_t u = v.get<uint64_t>();
+      if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+        fail(Errc::input, "{}: {} {} is out of range (too large for a 64-bit integer)", where_, name, u);
+      return static_cast<int64_t>(u);
+    }
+    if (v.is_number_integer()) return v.get<int64_t>();
+    if (v.is_number_float()) {
+      double x = v.get<double>();
+      if (std::isfinite(x) && std::floor(x) == x && std::fabs(x) < 9.0e15) return static_cast<int64_t>(x);
+    }
+    fail(Errc::input, "{}: {} is {} ({}), expected an integer", where_, name, json_type_name(v), v.dump());
+  }
+
+  int64_t checked_integer(const Json& v, const std::string& name, int64_t lo, int64_t hi) const {
+    int64_t x = integer_value(v, name);
+    if (x < lo || x > hi) fail(Errc::input, "{}: {} {} is out of range (valid: {}..{})", where_, name, x, lo, hi);
+    return x;
+  }
+
+  bool boolean(std::string_view key, bool def) const {
+    if (!has(key)) return def;
+    const Json& v = at(key);
+    if (!v.is_boolean())
+      fail(Errc::input, "{}: {} is {} ({}), expected true or false", where_, field(key), json_type_name(v), v.dump());
+    return v.get<bool>();
+  }
+
+  std::string string(const Json& v, const std::string& name) const {
+    if (!v.is_string())
+      fail(Errc::input, "{}: {} is {} ({}), expected a string", where_, name, json_type_name(v), v.dump());
+    return v.get<std::string>();
+  }
+
+  const Json& array(std::string_view key) const {
+    const Json& v = at(key);
+    if (!v.is_array())
+      fail(Errc::input, "{}: {} is {} ({}), expected a list", where_, field(key), json_type_name(v), v.dump());
+    if (v.empty()) fail(Errc::input, "{}: {} is an empty list, expected at least one entry", where_, field(key));
+    return v;
+  }
+
+  template <typename E, size_t N, size_t H>
+  E enumeration(std::string_view key, E def, const std::array<EnumSpelling<E>, N>& table,
+                const std::array<Hint, H>& hints) const {
+    if (!has(key)) return def;
+    std::string s = string(at(key), field(key));
+    for (const auto& e : table)
+      if (e.name == s) return e.value;
+    std::string valid;
+    for (const auto& e : table) valid += (valid.empty() ? "" : ", ") + std::string(e.name);
+    for (const Hint& h : hints)
+      if (h.given == s)
+        fail(Errc::input, "{}: {} \"{}\" is not supported (valid: {}; {})", where_, field(key), s, valid, h.advice);
+    fail(Errc::input, "{}: {} \"{}\" is not supported (valid: {})", where_, field(key), s, valid);
+  }
+
+  // A nested object; absent means "all defaults" and reads as an empty object.
+  Obj object(std::string_view key) const {
+    static const Json empty = Json::object();
+    return Obj(has(key) ? at(key) : empty, where_, field(key));
+  }
+
+ private:
+  // Unknown fields are errors (they are typos far more often than forward-compatible additions), and
+  // null is not "default": the schema does not allow it, and leaving the field out already says that.
+  void check_keys() const {
+    const Section* sec = nullptr;
+    for (const Section& s : sections())
+      if (s.name == path_) sec = &s;
+    if (!sec) fail(Errc::internal, "deploy: no field table for {}", path_);
+    for (auto it = j_.begin(); it != j_.end(); ++it) {
+      const std::string& k = it.key();
+      if (std::find(sec->keys.begin(), sec->keys.end(), k) == sec->keys.end()) {
+        std::vector<std::string_view> sorted = sec->keys;
+        std::sort(sorted.begin(), sorted.end());
+        std::string valid;
+        for (std::string_view s : sorted) valid += (valid.empty() ? "" : ", ") + std::string(s);
+        std::string_view best;
+        size_t best_d = 3;  // suggest only close matches
+        for (std::string_view s : sorted)
+          if (size_t d = edit_distance(k, s); d < best_d) best = s, best_d = d;
+        std::string where_in = path_.empty() ? "the top level" : path_;
+        if (!best.empty())
+          fail(Errc::input, "{}: unknown field {}: did you mean {}? (valid fields of {}: {})", where_, field(k),
+               field(best), where_in, valid);
+        fail(Errc::input, "{}: unknown field {} (valid fields of {}: {})", where_, field(k), where_in, valid);
+      }
+      if (it->is_null())
+        fail(Errc::input, "{}: {} is null; leave it out to get the default", where_, field(k));
+    }
+  }
+
+  const Json& j_;
+  const std::string& where_;
+  std::string path_;
+};
+
+std::string valid_targets() {
+  std::string s;
+  for (const TargetInfo& t : kTargets) s += (s.empty() ? "" : ", ") + std::string(t.name);
+  return s;
+}
+
+std::vector<std::string> read_targets(const Obj& top) {
+  if (!top.has("targets"))
+    fail(Errc::input, "{}: missing field targets (a list of GPU architectures; valid: {})", top.where(),
+         valid_targets());
+  const Json& a = top.array("targets");
+  std::vector<std::string> out;
+  for (size_t i = 0; i < a.size(); ++i) {
+    std::string name = fmt::format("targets[{}]", i);
+    std::string t = top.string(a[i], name);
+    if (!find_target(t))
+      fail(Errc::input, "{}: {} \"{}\" is not a known target (valid: {})", top.where(), name, t, valid_targets());
+    if (std::find(out.begin(), out.end(), t) != out.end())
+      fail(Errc::input, "{}: {} \"{}\" is listed twice (each target once)", top.where(), name, t);
+    out.push_back(t);
+  }
+  // Order carries no meaning; sorting makes ["gfx942","sm_90a"] and its reverse the same bundle.
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// A list of distinct integers in [lo, hi], returned sorted.
+std::vector<int64_t> read_int_set(const Obj& o, std::string_view key, int64_t lo, int64_t hi,
+                                  std::string_view what) {
+  const Json& a = o.array(key);
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < a.size(); ++i) {
+    std::string name = fmt::format("{}[{}]", o.field(key), i);
+    int64_t x = o.checked_integer(a[i], name, lo, hi);
+    if (std::find(out.begin(), out.end(), x) != out.end())
+      fail(Errc::input, "{}: {} {} is listed twice (each {} once)", o.where(), name, x, what);
+    out.push_back(x);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::vector<int64_t> read_widths(const Obj& top) {
+  bool seqs = top.has("max_num_seqs"), list = top.has("widths");
+  if (seqs && list)
+    fail(Errc::input,
+         "{}: give either max_num_seqs or widths, not both (max_num_seqs N means widths 1..N; widths lists "
+         "them explicitly)",
+         top.where());
+  if (!seqs && !list)
+    fail(Errc::input, "{}: missing field max_num_seqs (the largest batch width, 1..{}), or an explicit widths list",
+         top.where(), kMaxWidth);
+  if (list) return read_int_set(top, "widths", 1, kMaxWidth, "width");
+  int64_t n = top.integer_value(top.at("max_num_seqs"), "max_num_seqs");
+  if (n < 1 || n > kMaxWidth)
+    fail(Errc::input,
+         "{}: max_num_seqs {} is out of range (valid: 1..{}; steps wider than the largest built width fall back "
+         "to the host's own layers, so the host may run with a larger max_num_seqs)",
+         top.where(), n, kMaxWidth);
+  std::vector<int64_t> out;
+  for (int64_t w = 1; w <= n; ++w) out.push_back(w);
+  return out;
+}
+
+std::optional<int64_t> width_key(const std::string& k) {
+  if (k.empty() || k.size() > 6 || k[0] < '1' || k[0] > '9') return std::nullopt;
+  int64_t x = 0;
+  for (char c : k) {
+    if (c < '0' || c > '9') return std::nullopt;
+    x = x * 10 + (c - '0');
+  }
+  return x;
+}
+
+// ---- Model checks ------------------------------------------------------------------------------------
+
+bool uses(const model::Model& m, model::Mixer mixer, bool fallback) {
+  if (m.layers.empty()) return fallback;  // hand-built models without a layer list: trust the config
+  return std::any_of(m.layers.begin(), m.layers.end(), [&](const model::LayerSpec& l) { return l.mixer == mixer; });
+}
+bool uses(const model::Model& m, model::Ffn ffn, bool fallback) {
+  if (m.layers.empty()) return fallback;
+  return std::any_of(m.layers.begin(), m.layers.end(), [&](const model::LayerSpec& l) { return l.ffn == ffn; });
+}
+
+std::string shape_str(const std::vector<int64_t>& s) { return "[" + join(s) + "]"; }
+
+// The first way `tp` fails to fit the model, as a message without the file prefix; nullopt if it fits.
+std::optional<std::string> tp_problem(int64_t tp, const model::Model& m) {
+  auto divides = [&](int64_t n) { return n % tp == 0; };
+  auto msg = [&](std::string_view what, int64_t n) {
+    return fmt::format("tensor_parallel {} does not divide {} {} (valid: {})", tp, what, n, join(pow2_divisors(n)));
+  };
+  bool moe = uses(m, model::Ffn::moe, m.moe.num_experts > 0) || uses(m, model::Ffn::latent_moe, false);
+  bool dense = uses(m, model::Ffn::dense, m.dense_intermediate > 0);
+
+  if (uses(m, model::Mixer::kda, m.kda.num_heads > 0) && !divides(m.kda.num_heads))
+    return msg("kda num_heads", m.kda.num_heads);
+  if (uses(m, model::Mixer::mla, m.mla.num_heads > 0) && !divides(m.mla.num_heads))
+    return msg("mla num_heads", m.mla.num_heads);
+  if (moe && !divides(m.moe.num_experts)) return msg("moe num_experts", m.moe.num_experts);
+  if (dense && !divides(m.dense_intermediate)) return msg("dense intermediate_size", m.dense_intermediate);
+  if (moe && !divides(m.moe.intermediate)) return msg("moe_intermediate_size", m.moe.intermediate);
+  if (moe && m.moe.num_shared > 0 && !divides(m.moe.intermediate * m.moe.num_shared))
+    return msg("shared expert width", m.moe.intermediate * m.moe.num_shared);
+
+  for (const model::WeightSpec& w : m.weights) {
+    if (w.split.kind != model::Split::Kind::dim) continue;
+    if (w.split.dim < 0 || w.split.dim >= static_cast<int>(w.shape.size()))
+      fail(Errc::internal, "model IR: {} {} is split along dim {}, which it does not have", w.name,
+           shape_str(w.shape), w.split.dim);
+    int64_t n = w.shape[static_cast<size_t>(w.split.dim)];
+    if (!divides(n))
+      return fmt::format("tensor_parallel {} does not divide dim {} ({}) of {} {} (valid: {})", tp, w.split.dim, n,
+                         w.name, shape_str(w.shape), join(pow2_divisors(n)));
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+// ---- Public ------------------------------------------------------------------------------------------
+
+const char* to_string(Vendor v) { return v == Vendor::cuda ? "cuda" : "hip"; }
+const char* to_string(KvCacheDtype d) { return enum_name(kKvCacheDtypes, d); }
+const char* to_string(KdaStateDtype d) { return enum_name(kKdaStateDtypes, d); }
+const char* to_string(KdaStateLayout l) { return enum_name(kKdaStateLayouts, l); }
+const char* to_string(ConvStateDtype d) { return enum_name(kConvStateDtypes, d); }
+const char* to_string(ConvStateLayout l) { return enum_name(kConvStateLayouts, l); }
+
+DType element_dtype(KvCacheDtype d) { return d == KvCacheDtype::bf16 ? DType::BF16 : DType::F8_E4M3; }
+DType element_dtype(KdaStateDtype) { return DType::F32; }
+DType element_dtype(ConvStateDtype d) { return d == ConvStateDtype::bf16 ? DType::BF16 : DType::F32; }
+
+std::span<const TargetInfo> known_targets() { return kTargets; }
+
+const TargetInfo* find_target(std::string_view name) {
+  for (const TargetInfo& t : kTargets)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+int64_t Deploy::prefetch_cap(int64_t width) const {
+  if (!prefetch.enabled) return 0;
+  if (auto it = prefetch.width_cap_bytes.find(width); it != prefetch.width_cap_bytes.end()) return it->second;
+  return width * q() <= prefetch.max_rows ? prefetch.cap_bytes : 0;
+}
+
+Deploy parse_deploy(const Json& j, const std::string& where) {
+  Obj top(j, where, "");
+  Deploy d;
+
+  d.targets = read_targets(top);
+
+  // vLLM tensor_parallel_size defaults to 1. Only powers of two up to one node's 8 GPUs: every model in
+  // the family has power-of-two head and expert counts, and the all-reduce kernels assume one node.
+  d.tensor_parallel = top.has("tensor_parallel") ? top.integer_value(top.at("tensor_parallel"), "tensor_parallel") : 1;
+  if (std::find(kTensorParallel.begin(), kTensorParallel.end(), d.tensor_parallel) == kTensorParallel.end())
+    fail(Errc::input, "{}: tensor_parallel {} is not supported (valid: 1, 2, 4, 8)", where, d.tensor_parallel);
+
+  if (top.has("ranks")) {
+    const Json& a = top.array("ranks");
+    for (size_t i = 0; i < a.size(); ++i) {
+      std::string name = fmt::format("ranks[{}]", i);
+      int64_t r = top.integer_value(a[i], name);
+      if (r < 0 || r >= d.tensor_parallel)
+        fail(Errc::input, "{}: {} {} is not a rank of tensor_parallel {} (valid: 0..{})", where, name, r,
+             d.tensor_parallel, d.tensor_parallel - 1);
+    }
+    d.ranks = read_int_set(top, "ranks", 0, d.tensor_parallel - 1, "rank");
+  } else {
+    for (int64_t r = 0; r < d.tensor_parallel; ++r) d.ranks.push_back(r);  // all ranks
+  }
+
+  d.widths = read_widths(top);
+  d.num_speculative_tokens = top.integer("num_speculative_tokens", 0, 0, kMaxSpeculativeTokens);
+
+  {
+    Obj o = top.object("kv_cache");
+    d.kv_cache.dtype = o.enumeration("dtype", KvCacheDtype::bf16, kKvCacheDtypes, kKvCacheHints);
+    d.kv_cache.block_size = o.integer("block_size", 64, 16, kMaxBlockSize);
+    if (d.kv_cache.block_size % 16 != 0)
+      fail(Errc::input, "{}: kv_cache.block_size {} is not a multiple of 16 (valid: 16, 32, 48, ..., {}; 64 is "
+           "FlashMLA's)", where, d.kv_cache.block_size, kMaxBlockSize);
+  }
+  {
+    Obj o = top.object("kda_state");
+    d.kda_state.dtype = o.enumeration("dtype", KdaStateDtype::float32, kKdaStateDtypes, kKdaStateHints);
+    d.kda_state.layout = o.enumeration("layout", KdaStateLayout::kv, kKdaStateLayouts, std::array<Hint, 0>{});
+  }
+  {
+    Obj o = top.object("conv_state");
+    d.conv_state.dtype = o.enumeration("dtype", ConvStateDtype::bf16, kConvStateDtypes, kConvStateHints);
+    d.conv_state.layout = o.enumeration("layout", ConvStateLayout::sd, kConvStateLayouts, kLayoutHints);
+  }
+  {
+    // vLLM: decode_context_parallel_size 1, cp_kv_cache_interleave_size 1, and the same two rules.
+    Obj o = top.object("dcp");
+    d.dcp.size = o.integer("size", 1, 1, 8);
+    if (d.tensor_parallel % d.dcp.size != 0)
+      fail(Errc::input, "{}: dcp.size {} does not divide tensor_parallel {} (valid: {})", where, d.dcp.size,
+           d.tensor_parallel, join(divisors(d.tensor_parallel)));
+    d.dcp.interleave = o.integer("interleave", 1, 1, kMaxBlockSize);
+    if (d.kv_cache.block_size % d.dcp.interleave != 0)
+      fail(Errc::input, "{}: dcp.interleave {} does not divide kv_cache.block_size {} (valid: {})", where,
+           d.dcp.interleave, d.kv_cache.block_size, join(divisors(d.kv_cache.block_size)));
+  }
+  {
+    Obj o = top.object("prefetch");
+    d.prefetch.enabled = o.boolean("enabled", true);
+    d.prefetch.cap_bytes = o.integer("cap_bytes", 24 << 20, 0, kMaxPrefetchCapBytes);
+    d.prefetch.max_rows = o.integer("max_rows", 8, 0, kMaxWidth * (1 + kMaxSpeculativeTokens));
+    if (o.has("width_cap_bytes")) {
+      const Json& m = o.at("width_cap_bytes");
+      std::string name = o.field("width_cap_bytes");
+      if (!m.is_object())
+        fail(Errc::input, "{}: {} is {} ({}), expected an object mapping widths to byte caps", where, name,
+             json_type_name(m), m.dump());
+      for (auto it = m.begin(); it != m.end(); ++it) {
+        std::optional<int64_t> w = width_key(it.key());
+        if (!w)
+          fail(Errc::input, "{}: {} key \"{}\" is not a width (valid: {})", where, name, it.key(), compact(d.widths));
+        if (!std::binary_search(d.widths.begin(), d.widths.end(), *w))
+          fail(Errc::input, "{}: {}.{} names width {}, which is not built (valid: {})", where, name, it.key(), *w,
+               compact(d.widths));
+        d.prefetch.width_cap_bytes[*w] =
+            o.checked_integer(it.value(), name + "." + it.key(), 0, kMaxPrefetchCapBytes);
+      }
+    }
+  }
+  {
+    Obj o = top.object("indexer");
+    d.indexer.max_keys_per_chunk = o.integer("max_keys_per_chunk", 40 * 163840, 1, kMaxIndexerLimit);
+    d.indexer.max_requests = o.integer("max_requests", 1024, 1, kMaxIndexerLimit);
+  }
+  return d;
+}
+
+Deploy load_deploy(const std::string& spec) {
+  if (spec == "default") {
+    constexpr std::string_view name = "deploy-default.json";
+    std::optional<std::string_view> text = embedded_file(name);
+    if (!text) fail(Errc::internal, "built-in {} is missing from this build", name);
+    return parse_deploy(parse_json(*text, name), std::string(name));
+  }
+  return parse_deploy(load_json_file(spec), spec);
+}
+
+Json to_json(const Deploy& d) {
+  Json caps = Json::object();
+  for (const auto& [w, c] : d.prefetch.width_cap_bytes) caps[std::to_string(w)] = c;
+  // nlohmann::json keeps object keys sorted, so dump() of this is already in canonical key order.
+  return Json{
+      {"targets", d.targets},
+      {"tensor_parallel", d.tensor_parallel},
+      {"ranks", d.ranks},
+      {"widths", d.widths},
+      {"num_speculative_tokens", d.num_speculative_tokens},
+      {"kv_cache", {{"dtype", to_string(d.kv_cache.dtype)}, {"block_size", d.kv_cache.block_size}}},
+      {"kda_state", {{"dtype", to_string(d.kda_state.dtype)}, {"layout", to_string(d.kda_state.layout)}}},
+      {"conv_state", {{"dtype", to_string(d.conv_state.dtype)}, {"layout", to_string(d.conv_state.layout)}}},
+      {"dcp", {{"size", d.dcp.size}, {"interleave", d.dcp.interleave}}},
+      {"prefetch",
+       {{"enabled", d.prefetch.enabled},
+        {"cap_bytes", d.prefetch.cap_bytes},
+        {"max_rows", d.prefetch.max_rows},
+        {"width_cap_bytes", caps}}},
+      {"indexer",
+       {{"max_keys_per_chunk", d.indexer.max_keys_per_chunk}, {"max_requests", d.indexer.max_requests}}},
+  };
+}
+
+std::vector<std::string> known_keys() {
+  std::vector<std::string> out;
+  for (const Section& s : sections())
+    for (std::string_view k : s.keys) out.push_back(s.name.empty() ? std::string(k) : std::string(s.name) + "." + std::string(k));
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void check_against_model(const Deploy& d, const model::Model& m, const std::string& where) {
+  if (d.tensor_parallel < 1) fail(Errc::internal, "{}: tensor_parallel {} was not validated", where, d.tensor_parallel);
+  if (auto p = tp_problem(d.tensor_parallel, m)) fail(Errc::input, "{}: {}", where, *p);
+
+  bool mla = uses(m, model::Mixer::mla, m.mla.num_heads > 0);
+  if (d.dcp.size < 1 || d.tensor_parallel % d.dcp.size != 0)
+    fail(Errc::input, "{}: dcp.size {} does not divide tensor_parallel {} (valid: {})", where, d.dcp.size,
+         d.tensor_parallel, join(divisors(d.tensor_parallel)));
+  // DCP spreads the MLA latent cache over ranks; a model without MLA layers has nothing to spread.
+  if (d.dcp.size > 1 && !mla)
+    fail(Errc::input, "{}: dcp.size {} needs MLA layers, and the model has none (valid: 1)", where, d.dcp.size);
+  if (mla && (d.kv_cache.block_size < 16 || d.kv_cache.block_size % 16 != 0))
+    fail(Errc::input, "{}: kv_cache.block_size {} is not a positive multiple of 16, which the MLA cache needs "
+         "(valid: 16, 32, 48, ...; 64 is FlashMLA's)", where, d.kv_cache.block_size);
+}
+
+std::vector<int64_t> valid_tensor_parallel(const model::Model& m) {
+  std::vector<int64_t> out;
+  for (int64_t tp : kTensorParallel)
+    if (!tp_problem(tp, m)) out.push_back(tp);
+  return out;
+}
+
+}  // namespace dp::deploy

@@ -1,0 +1,499 @@
+// Config readers: HF config.json of `kimi_linear` (as the Hub ships it and as HF transformers 5
+// writes it) and `kimi_k3` (text config under `text_config`, tensors under `language_model.`),
+// into the one model IR of ir.h, with every weight's name, dtype, shape and TP split rule.
+#include <algorithm>
+#include <filesystem>
+#include <set>
+
+#include "common/embedded.h"
+#include "common/error.h"
+#include "common/fs.h"
+#include "common/hash.h"
+#include "model/ir.h"
+
+namespace fs = std::filesystem;
+
+namespace dp::model {
+
+const char* to_string(ModelType t) { return t == ModelType::kimi_linear ? "kimi_linear" : "kimi_k3"; }
+const char* to_string(Mixer m) { return m == Mixer::kda ? "kda" : "mla"; }
+const char* to_string(Ffn f) {
+  switch (f) {
+    case Ffn::dense: return "dense";
+    case Ffn::moe: return "moe";
+    case Ffn::latent_moe: return "latent_moe";
+  }
+  return "?";
+}
+const char* to_string(Activation a) { return a == Activation::silu ? "silu" : "situ"; }
+const char* to_string(ExpertFormat f) { return f == ExpertFormat::bf16 ? "bf16" : "mxfp4"; }
+std::string to_string(const Split& s) {
+  return s.kind == Split::Kind::replicated ? std::string("replicated") : fmt::format("dim{}", s.dim);
+}
+
+int64_t WeightSpec::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape)
+    if (__builtin_mul_overflow(n, d, &n)) fail(Errc::input, "tensor {}: element count overflows", name);
+  return n;
+}
+
+uint64_t WeightSpec::bytes() const {
+  uint64_t b;
+  if (__builtin_mul_overflow(static_cast<uint64_t>(numel()), dtype_size(dtype), &b))
+    fail(Errc::input, "tensor {}: byte size overflows", name);
+  return b;
+}
+
+const WeightSpec* Model::find(std::string_view name) const {
+  for (const WeightSpec& w : weights)
+    if (w.name == name) return &w;
+  return nullptr;
+}
+
+int64_t Model::count(Mixer m) const {
+  return std::count_if(layers.begin(), layers.end(), [m](const LayerSpec& l) { return l.mixer == m; });
+}
+
+uint64_t Model::total_weight_bytes() const {
+  uint64_t total = 0;
+  for (const WeightSpec& w : weights) total += w.bytes();
+  return total;
+}
+
+namespace {
+
+// Builds the weight list of a model whose hyper-parameters are already read.
+class WeightBuilder {
+ public:
+  explicit WeightBuilder(Model& m) : m_(m) {}
+
+  void layer_weight(LayerSpec& layer, std::string key, std::vector<int64_t> shape, Split split,
+                    DType dtype = DType::BF16, std::vector<DType> alt = {}, std::vector<std::string> alias_keys = {},
+                    int expert = -1) {
+    WeightSpec w;
+    std::string lp = fmt::format("{}layers.{}.", m_.prefix, layer.index);
+    w.name = lp + key;
+    for (const std::string& a : alias_keys) w.aliases.push_back(lp + a);
+    w.key = std::move(key);
+    w.dtype = dtype;
+    w.alt_dtypes = std::move(alt);
+    w.shape = std::move(shape);
+    w.split = split;
+    w.layer = layer.index;
+    w.expert = expert;
+    layer.weights.push_back(m_.weights.size());
+    m_.weights.push_back(std::move(w));
+  }
+
+  void model_weight(std::string name, std::string key, std::vector<int64_t> shape, Split split, bool decode) {
+    WeightSpec w;
+    w.name = std::move(name);
+    w.key = std::move(key);
+    w.shape = std::move(shape);
+    w.split = split;
+    w.decode = decode;
+    m_.weights.push_back(std::move(w));
+  }
+
+ private:
+  Model& m_;
+};
+
+const Split kRep = Split::replicated();
+const Split kCol = Split::along(0);  // column-parallel: output features divided
+const Split kRow = Split::along(1);  // row-parallel: input features divided
+
+void add_kda_weights(Model& m, WeightBuilder& b, LayerSpec& l) {
+  const KdaConfig& k = m.kda;
+  const int64_t H = m.hidden, P = k.projection_size(), h = k.num_heads, r = k.gate_rank;
+  for (const char* x : {"q", "k", "v"}) b.layer_weight(l, fmt::format("self_attn.{}_proj.weight", x), {P, H}, kCol);
+  // vLLM keeps the conv weights, A_log and dt_bias in fp32; HF transformers may save them as bf16.
+  for (const char* x : {"q", "k", "v"})
+    b.layer_weight(l, fmt::format("self_attn.{}_conv1d.weight", x), {P, 1, k.conv_kernel}, kCol, DType::F32,
+                   {DType::BF16});
+  b.layer_weight(l, "self_attn.f_a_proj.weight", {r, H}, kRep);
+  b.layer_weight(l, "self_attn.f_b_proj.weight", {P, r}, kCol);
+  b.layer_weight(l, "self_attn.dt_bias", {P}, kCol, DType::F32, {DType::BF16});
+  if (m.type == ModelType::kimi_k3)
+    b.layer_weight(l, "self_attn.A_log", {k.a_log_size}, kRep, DType::F32, {DType::BF16});
+  else
+    b.layer_weight(l, "self_attn.A_log", {1, 1, h, 1}, Split::along(2), DType::F32, {DType::BF16});
+  b.layer_weight(l, "self_attn.b_proj.weight", {h, H}, kCol);
+  if (k.full_rank_gate) {
+    b.layer_weight(l, "self_attn.g_proj.weight", {P, H}, kCol);
+  } else {
+    b.layer_weight(l, "self_attn.g_a_proj.weight", {r, H}, kRep);
+    b.layer_weight(l, "self_attn.g_b_proj.weight", {P, r}, kCol);
+  }
+  b.layer_weight(l, "self_attn.o_norm.weight", {k.head_dim}, kRep,
+                 m.type == ModelType::kimi_k3 ? DType::F32 : DType::BF16, {DType::BF16, DType::F32});
+  b.layer_weight(l, "self_attn.o_proj.weight", {H, P}, kRow);
+}
+
+void add_mla_weights(Model& m, WeightBuilder& b, LayerSpec& l) {
+  const MlaConfig& a = m.mla;
+  const int64_t H = m.hidden, N = a.num_heads;
+  if (a.q_lora_rank > 0) {
+    b.layer_weight(l, "self_attn.q_a_proj.weight", {a.q_lora_rank, H}, kRep);
+    b.layer_weight(l, "self_attn.q_a_layernorm.weight", {a.q_lora_rank}, kRep);
+    b.layer_weight(l, "self_attn.q_b_proj.weight", {N * a.qk_head_dim(), a.q_lora_rank}, kCol);
+  } else {
+    b.layer_weight(l, "self_attn.q_proj.weight", {N * a.qk_head_dim(), H}, kCol);
+  }
+  b.layer_weight(l, "self_attn.kv_a_proj_with_mqa.weight", {a.kv_lora_rank + a.qk_rope_head_dim, H}, kRep);
+  b.layer_weight(l, "self_attn.kv_a_layernorm.weight", {a.kv_lora_rank}, kRep);
+  b.layer_weight(l, "self_attn.kv_b_proj.weight", {N * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank}, kCol);
+  if (a.output_gate) b.layer_weight(l, "self_attn.g_proj.weight", {N * a.v_head_dim, H}, kCol);
+  b.layer_weight(l, "self_attn.o_proj.weight", {H, N * a.v_head_dim}, kRow);
+}
+
+void add_ffn_weights(Model& m, WeightBuilder& b, LayerSpec& l) {
+  const int64_t H = m.hidden;
+  const MoeConfig& e = m.moe;
+  if (l.ffn == Ffn::dense) {
+    const int64_t I = m.dense_intermediate;
+    // HF transformers 5 names layer 0's dense MLP block_sparse_moe.*; vLLM's loader expects mlp.*.
+    b.layer_weight(l, "mlp.gate_proj.weight", {I, H}, kCol, DType::BF16, {}, {"block_sparse_moe.gate_proj.weight"});
+    b.layer_weight(l, "mlp.up_proj.weight", {I, H}, kCol, DType::BF16, {}, {"block_sparse_moe.up_proj.weight"});
+    b.layer_weight(l, "mlp.down_proj.weight", {H, I}, kRow, DType::BF16, {}, {"block_sparse_moe.down_proj.weight"});
+    return;
+  }
+  b.layer_weight(l, "block_sparse_moe.gate.weight", {e.num_experts, H}, kRep);
+  b.layer_weight(l, "block_sparse_moe.gate.e_score_correction_bias", {e.num_experts}, kRep, DType::F32,
+                 {DType::BF16});
+  const int64_t I = e.intermediate;
+  const int64_t D = l.ffn == Ffn::latent_moe ? e.latent_dim : H;  // width the experts run in
+  if (l.ffn == Ffn::latent_moe) {
+    b.layer_weight(l, "block_sparse_moe.routed_expert_down_proj.weight", {D, H}, kRep);
+    b.layer_weight(l, "block_sparse_moe.routed_expert_up_proj.weight", {H, D}, kRep);
+    if (e.latent_norm) b.layer_weight(l, "block_sparse_moe.routed_expert_norm.weight", {D}, kRep);
+  }
+  for (int64_t x = 0; x < e.num_experts; ++x) {
+    const std::string p = fmt::format("block_sparse_moe.experts.{}.", x);
+    const int ex = static_cast<int>(x);
+    if (e.expert_format == ExpertFormat::mxfp4) {
+      // MXFP4: two E2M1 values per byte along the input dim, one E8M0 scale per 32 inputs.
+      const int64_t g = e.mxfp4_group;
+      for (const char* w : {"w1", "w3"}) {
+        b.layer_weight(l, p + w + ".weight_packed", {I, D / 2}, kCol, DType::U8, {}, {}, ex);
+        b.layer_weight(l, p + w + ".weight_scale", {I, D / g}, kCol, DType::U8, {DType::F8_E8M0}, {}, ex);
+      }
+      b.layer_weight(l, p + "w2.weight_packed", {D, I / 2}, kRow, DType::U8, {}, {}, ex);
+      b.layer_weight(l, p + "w2.weight_scale", {D, I / g}, kRow, DType::U8, {DType::F8_E8M0}, {}, ex);
+    } else {
+      b.layer_weight(l, p + "w1.weight", {I, D}, kCol, DType::BF16, {}, {}, ex);
+      b.layer_weight(l, p + "w3.weight", {I, D}, kCol, DType::BF16, {}, {}, ex);
+      b.layer_weight(l, p + "w2.weight", {D, I}, kRow, DType::BF16, {}, {}, ex);
+    }
+  }
+  if (e.num_shared > 0) {
+    const int64_t S = I * e.num_shared;
+    b.layer_weight(l, "block_sparse_moe.shared_experts.gate_proj.weight", {S, H}, kCol);
+    b.layer_weight(l, "block_sparse_moe.shared_experts.up_proj.weight", {S, H}, kCol);
+    b.layer_weight(l, "block_sparse_moe.shared_experts.down_proj.weight", {H, S}, kRow);
+  }
+}
+
+std::vector<int64_t> read_layer_list(const JsonReader& r, std::string_view key, int64_t num_layers) {
+  std::vector<int64_t> v = r.int_list(key);
+  std::set<int64_t> seen;
+  for (int64_t x : v) {
+    if (x < 1 || x > num_layers)
+      fail(Errc::input, "{}: field {} holds layer {}, expected 1-based layer numbers in [1, {}]", r.where(),
+           r.field(key), x, num_layers);
+    if (!seen.insert(x).second) fail(Errc::input, "{}: field {} lists layer {} twice", r.where(), r.field(key), x);
+  }
+  return v;
+}
+
+void positive(const JsonReader& r, std::string_view key, int64_t v) {
+  if (v <= 0) fail(Errc::input, "{}: field {} is {}, expected a positive integer", r.where(), r.field(key), v);
+}
+
+int64_t pos_int(const JsonReader& r, std::string_view key) {
+  int64_t v = r.integer(key);
+  positive(r, key, v);
+  return v;
+}
+
+int64_t pos_int_or(const JsonReader& r, std::string_view key, int64_t def) {
+  int64_t v = r.integer_or(key, def);
+  positive(r, key, v);
+  return v;
+}
+
+// True when a quantization_config describes MXFP4 experts (compressed-tensors "mxfp4-pack-quantized",
+// or a config group whose format or type says mxfp4).
+bool is_mxfp4(const Json& q) {
+  if (!q.is_object()) return false;
+  auto lower = [](std::string s) {
+    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+    return s;
+  };
+  auto says_mxfp4 = [&](const Json& o, const char* key) {
+    auto it = o.find(key);
+    return it != o.end() && it->is_string() && lower(it->get<std::string>()).find("mxfp4") != std::string::npos;
+  };
+  if (says_mxfp4(q, "format") || says_mxfp4(q, "quant_method")) return true;
+  if (auto g = q.find("config_groups"); g != q.end() && g->is_object())
+    for (const Json& grp : *g)
+      if (grp.is_object() && (says_mxfp4(grp, "format") || says_mxfp4(grp, "type"))) return true;
+  return false;
+}
+
+// Reads the decoder hyper-parameters shared by kimi_linear and the K3 text config.
+void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
+  m.hidden = pos_int(t, "hidden_size");
+  m.num_layers = pos_int(t, "num_hidden_layers");
+  m.vocab = pos_int(t, "vocab_size");
+  m.rms_norm_eps = t.number_or("rms_norm_eps", 1e-5);
+  if (!(m.rms_norm_eps > 0 && m.rms_norm_eps < 1))
+    fail(Errc::input, "{}: field {} is {}, expected a value in (0, 1)", t.where(), t.field("rms_norm_eps"),
+         m.rms_norm_eps);
+  m.tie_word_embeddings = t.boolean_or("tie_word_embeddings", false);
+
+  std::string act = t.string_or("hidden_act", "silu");
+  if (act == "silu") {
+    m.activation = Activation::silu;
+  } else if (act == "situ") {
+    m.activation = Activation::situ;
+    m.situ_beta = t.number_or("activation_situ_beta", 4.0);
+    m.situ_linear_beta = t.number_or("activation_situ_linear_beta", 25.0);
+  } else {
+    fail(Errc::input, "{}: field {} is \"{}\", expected \"silu\" or \"situ\"", t.where(), t.field("hidden_act"), act);
+  }
+
+  // KDA. Hub configs carry linear_attn_config; HF transformers 5 also writes flat keys
+  // (linear_head_dim, ...) and layer_types. The nested block wins where both are present.
+  const bool has_lac = t.has("linear_attn_config");
+  std::vector<int64_t> kda_layers, full_layers;
+  if (has_lac) {
+    JsonReader lac = t.object("linear_attn_config");
+    m.kda.num_heads = pos_int(lac, "num_heads");
+    m.kda.head_dim = pos_int(lac, "head_dim");
+    m.kda.conv_kernel = pos_int_or(lac, "short_conv_kernel_size", 4);
+    m.kda.full_rank_gate = lac.boolean_or("use_full_rank_gate", false);
+    if (lac.has("gate_lower_bound")) m.kda.gate_lower_bound = lac.number("gate_lower_bound");
+    kda_layers = read_layer_list(lac, "kda_layers", m.num_layers);
+    full_layers = read_layer_list(lac, "full_attn_layers", m.num_layers);
+  } else if (t.has("layer_types")) {
+    m.kda.num_heads = pos_int(t, "linear_num_heads");
+    m.kda.head_dim = pos_int(t, "linear_head_dim");
+    m.kda.conv_kernel = pos_int_or(t, "linear_conv_kernel_dim", 4);
+  } else {
+    fail(Errc::input, "{}: missing field {} (and no layer_types): cannot tell KDA from MLA layers", t.where(),
+         t.field("linear_attn_config"));
+  }
+  m.kda.gate_rank = m.kda.head_dim;
+  m.kda.a_log_size = m.type == ModelType::kimi_k3 ? std::max(m.kda.num_heads, m.kda.head_dim) : m.kda.num_heads;
+
+  // Per-layer mixer: layer_types (HF transformers 5) when present, checked against the lists.
+  std::vector<Mixer> mixers(static_cast<size_t>(m.num_layers));
+  std::vector<bool> assigned(mixers.size(), false);
+  if (has_lac) {
+    for (int64_t x : kda_layers) mixers[x - 1] = Mixer::kda, assigned[x - 1] = true;
+    for (int64_t x : full_layers) {
+      if (assigned[x - 1])
+        fail(Errc::input, "{}: layer {} (1-based) is in both linear_attn_config.kda_layers and full_attn_layers",
+             t.where(), x);
+      mixers[x - 1] = Mixer::mla, assigned[x - 1] = true;
+    }
+  }
+  if (t.has("layer_types")) {
+    const Json& lt = t.raw("layer_types");
+    if (!lt.is_array() || static_cast<int64_t>(lt.size()) != m.num_layers)
+      fail(Errc::input, "{}: field {} has {} entries, expected num_hidden_layers = {}", t.where(),
+           t.field("layer_types"), lt.is_array() ? lt.size() : 0, m.num_layers);
+    for (size_t i = 0; i < lt.size(); ++i) {
+      std::string s = lt[i].is_string() ? lt[i].get<std::string>() : lt[i].dump();
+      Mixer mx;
+      if (s == "linear_attention" || s == "kda") mx = Mixer::kda;
+      else if (s == "full_attention" || s == "mla") mx = Mixer::mla;
+      else
+        fail(Errc::input, "{}: field {}[{}] is \"{}\", expected \"linear_attention\" or \"full_attention\"",
+             t.where(), t.field("layer_types"), i, s);
+      if (assigned[i] && mixers[i] != mx)
+        fail(Errc::input, "{}: field {}[{}] is \"{}\" but linear_attn_config makes layer {} (1-based) {}", t.where(),
+             t.field("layer_types"), i, s, i + 1, to_string(mixers[i]));
+      mixers[i] = mx, assigned[i] = true;
+    }
+  }
+  for (size_t i = 0; i < assigned.size(); ++i)
+    if (!assigned[i])
+      fail(Errc::input, "{}: layer {} (1-based) is in neither linear_attn_config.kda_layers nor full_attn_layers",
+           t.where(), i + 1);
+
+  // MLA.
+  m.mla.num_heads = pos_int(t, "num_attention_heads");
+  m.mla.q_lora_rank = t.integer_or("q_lora_rank", 0);
+  m.mla.kv_lora_rank = pos_int(t, "kv_lora_rank");
+  m.mla.qk_nope_head_dim = pos_int(t, "qk_nope_head_dim");
+  m.mla.qk_rope_head_dim = t.integer_or("qk_rope_head_dim", 0);
+  m.mla.v_head_dim = pos_int(t, "v_head_dim");
+  m.mla.use_nope = t.boolean_or("mla_use_nope", true);
+  m.mla.output_gate = t.boolean_or("mla_use_output_gate", false);
+  if (m.mla.q_lora_rank < 0 || m.mla.qk_rope_head_dim < 0)
+    fail(Errc::input, "{}: negative q_lora_rank or qk_rope_head_dim", t.where());
+  if (!m.mla.use_nope)
+    fail(Errc::input, "{}: field {} is false: rotary MLA is not supported (Kimi MLA layers are NoPE)", t.where(),
+         t.field("mla_use_nope"));
+
+  // FFN.
+  m.dense_intermediate = pos_int(t, "intermediate_size");
+  m.first_k_dense = t.integer_or("first_k_dense_replace", 1);
+  int64_t moe_freq = pos_int_or(t, "moe_layer_freq", 1);
+  if (m.first_k_dense < 0 || m.first_k_dense > m.num_layers)
+    fail(Errc::input, "{}: field {} is {}, expected 0..{}", t.where(), t.field("first_k_dense_replace"),
+         m.first_k_dense, m.num_layers);
+  m.moe.num_experts = pos_int(t, "num_experts");
+  m.moe.top_k = pos_int(t, "num_experts_per_token");
+  if (m.moe.top_k > m.moe.num_experts)
+    fail(Errc::input, "{}: field {} is {}, more than num_experts {}", t.where(), t.field("num_experts_per_token"),
+         m.moe.top_k, m.moe.num_experts);
+  m.moe.intermediate = pos_int(t, "moe_intermediate_size");
+  m.moe.num_shared = t.integer_or("num_shared_experts", 0);
+  m.moe.routed_scaling = t.number_or("routed_scaling_factor", 1.0);
+  m.moe.renormalize = t.boolean_or("moe_renormalize", true);
+  m.moe.num_expert_group = pos_int_or(t, "num_expert_group", 1);
+  m.moe.topk_group = pos_int_or(t, "topk_group", 1);
+  m.moe.scoring = t.string_or("moe_router_activation_func", "sigmoid");
+  if (m.moe.scoring != "sigmoid")
+    fail(Errc::input, "{}: field {} is \"{}\", expected \"sigmoid\"", t.where(),
+         t.field("moe_router_activation_func"), m.moe.scoring);
+  m.moe.latent_dim = t.integer_or("routed_expert_hidden_size", 0);
+  m.moe.latent_norm = t.boolean_or("latent_moe_use_norm", false);
+  if (quant && is_mxfp4(*quant)) m.moe.expert_format = ExpertFormat::mxfp4;
+  if (m.moe.expert_format == ExpertFormat::mxfp4) {
+    int64_t d = m.moe.latent_dim > 0 ? m.moe.latent_dim : m.hidden;
+    if (d % m.moe.mxfp4_group || m.moe.intermediate % m.moe.mxfp4_group)
+      fail(Errc::input, "{}: MXFP4 experts need expert widths divisible by {}: got {} and moe_intermediate_size {}",
+           t.where(), m.moe.mxfp4_group, d, m.moe.intermediate);
+  }
+  m.attn_res_block = t.integer_or("attn_res_block_size", 0);
+
+  // Dense or MoE per layer: mlp_layer_types (HF transformers 5) when present, else the vLLM rule.
+  std::vector<Ffn> ffns(mixers.size());
+  for (int64_t i = 0; i < m.num_layers; ++i)
+    ffns[i] = (i >= m.first_k_dense && (i - m.first_k_dense) % moe_freq == 0)
+                  ? (m.moe.latent_dim > 0 ? Ffn::latent_moe : Ffn::moe)
+                  : Ffn::dense;
+  if (t.has("mlp_layer_types")) {
+    const Json& mt = t.raw("mlp_layer_types");
+    if (!mt.is_array() || static_cast<int64_t>(mt.size()) != m.num_layers)
+      fail(Errc::input, "{}: field {} has {} entries, expected num_hidden_layers = {}", t.where(),
+           t.field("mlp_layer_types"), mt.is_array() ? mt.size() : 0, m.num_layers);
+    for (size_t i = 0; i < mt.size(); ++i) {
+      std::string s = mt[i].is_string() ? mt[i].get<std::string>() : mt[i].dump();
+      bool sparse;
+      if (s == "sparse" || s == "moe") sparse = true;
+      else if (s == "dense") sparse = false;
+      else
+        fail(Errc::input, "{}: field {}[{}] is \"{}\", expected \"dense\" or \"sparse\"", t.where(),
+             t.field("mlp_layer_types"), i, s);
+      ffns[i] = sparse ? (m.moe.latent_dim > 0 ? Ffn::latent_moe : Ffn::moe) : Ffn::dense;
+    }
+  }
+
+  for (int64_t i = 0; i < m.num_layers; ++i) {
+    LayerSpec l;
+    l.index = static_cast<int>(i);
+    l.mixer = mixers[i];
+    l.ffn = ffns[i];
+    l.attn_res_push = m.attn_res_block > 0 && i > 0 && i % m.attn_res_block == 0;
+    m.layers.push_back(std::move(l));
+  }
+}
+
+void build_weights(Model& m) {
+  WeightBuilder b(m);
+  const int64_t H = m.hidden;
+  b.model_weight(m.prefix + "embed_tokens.weight", "embed_tokens.weight", {m.vocab, H}, kCol, false);
+  for (LayerSpec& l : m.layers) {
+    b.layer_weight(l, "input_layernorm.weight", {H}, kRep);
+    b.layer_weight(l, "post_attention_layernorm.weight", {H}, kRep);
+    if (m.attn_res_block > 0) {
+      b.layer_weight(l, "self_attention_res_norm.weight", {H}, kRep);
+      b.layer_weight(l, "self_attention_res_proj.weight", {1, H}, kRep);
+      b.layer_weight(l, "mlp_res_norm.weight", {H}, kRep);
+      b.layer_weight(l, "mlp_res_proj.weight", {1, H}, kRep);
+    }
+    if (l.mixer == Mixer::kda) add_kda_weights(m, b, l);
+    else add_mla_weights(m, b, l);
+    add_ffn_weights(m, b, l);
+  }
+  b.model_weight(m.prefix + "norm.weight", "norm.weight", {H}, kRep, true);
+  if (m.attn_res_block > 0) {
+    b.model_weight(m.prefix + "output_attn_res_norm.weight", "output_attn_res_norm.weight", {H}, kRep, true);
+    b.model_weight(m.prefix + "output_attn_res_proj.weight", "output_attn_res_proj.weight", {1, H}, kRep, true);
+  }
+  if (!m.tie_word_embeddings) {
+    // "model." -> "lm_head.weight"; "language_model.model." -> "language_model.lm_head.weight".
+    std::string outer = m.prefix.substr(0, m.prefix.size() - std::string("model.").size());
+    b.model_weight(outer + "lm_head.weight", "lm_head.weight", {m.vocab, H}, kCol, false);
+  }
+}
+
+}  // namespace
+
+Model model_from_config(const Json& config, const std::string& where) {
+  JsonReader top(config, where);
+  Model m;
+  m.config_source = where;
+  m.model_type = top.string("model_type");
+  if (top.has("architectures")) {
+    const Json& a = top.raw("architectures");
+    if (a.is_array() && !a.empty() && a[0].is_string()) m.architecture = a[0].get<std::string>();
+  }
+  const Json* quant = top.has("quantization_config") ? &top.raw("quantization_config") : nullptr;
+  if (m.model_type == "kimi_linear") {
+    m.type = ModelType::kimi_linear;
+    m.prefix = "model.";
+    read_text_config(m, top, quant);
+  } else if (m.model_type == "kimi_k3") {
+    m.type = ModelType::kimi_k3;
+    m.prefix = "language_model.model.";
+    JsonReader text = top.object("text_config");
+    std::string inner = text.string_or("model_type", "kimi_linear");
+    if (inner != "kimi_linear")
+      fail(Errc::input, "{}: field text_config.model_type is \"{}\", expected \"kimi_linear\"", where, inner);
+    if (!quant && text.has("quantization_config")) quant = &text.raw("quantization_config");
+    read_text_config(m, text, quant);
+  } else {
+    fail(Errc::input, "{}: field model_type is \"{}\", expected \"kimi_linear\" or \"kimi_k3\"", where,
+         m.model_type);
+  }
+  if (m.moe.latent_dim > 0 && m.type != ModelType::kimi_k3)
+    fail(Errc::input, "{}: routed_expert_hidden_size (latent MoE) is only defined for kimi_k3", where);
+  build_weights(m);
+  m.config_digest = sha256_hex(canonical_json(config));
+  return m;
+}
+
+std::vector<std::string> preset_names() {
+  std::vector<std::string> out;
+  for (const EmbeddedFile& f : embedded_files()) {
+    std::string_view p = f.path;
+    if (p.starts_with("presets/") && p.ends_with(".json"))
+      out.emplace_back(p.substr(8, p.size() - 8 - 5));
+  }
+  return out;
+}
+
+Model load_model(const std::string& spec) {
+  std::error_code ec;
+  fs::path p(spec);
+  if (fs::is_directory(p, ec)) {
+    fs::path cfg = p / "config.json";
+    if (!fs::exists(cfg, ec)) fail(Errc::input, "{}: directory has no config.json", p.string());
+    return model_from_config(load_json_file(cfg), cfg.string());
+  }
+  if (fs::is_regular_file(p, ec)) return model_from_config(load_json_file(p), p.string());
+  if (auto data = embedded_file("presets/" + spec + ".json"))
+    return model_from_config(parse_json(*data, "preset " + spec), "preset " + spec);
+  std::string names;
+  for (const std::string& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
+  fail(Errc::input, "--model {}: no such directory, file or preset (presets: {})", spec, names);
+}
+
+}  // namespace dp::model

@@ -1,0 +1,163 @@
+#include "model/synth.h"
+
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include "common/embedded.h"
+#include "common/error.h"
+#include "common/fs.h"
+#include "common/hash.h"
+#include "model/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace dp::model {
+namespace {
+
+// splitmix64: small, fast, and good enough for test weights.
+struct Rng {
+  uint64_t s;
+  uint64_t next() {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1)
+  double symmetric(double a) { return (2 * uniform() - 1) * a; }              // (-a, a)
+};
+
+uint64_t name_seed(uint64_t seed, const std::string& key, int layer, int expert) {
+  // Hash the layer-relative key plus indices so that vLLM and transformers layouts get the same values.
+  std::string h = sha256_hex(fmt::format("{}|{}|{}|{}", seed, key, layer, expert));
+  uint64_t v = 0;
+  for (int i = 0; i < 16; ++i) v = v * 16 + static_cast<uint64_t>(h[i] <= '9' ? h[i] - '0' : h[i] - 'a' + 10);
+  return v;
+}
+
+uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fff + ((u >> 16) & 1);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+enum class Fill { linear, norm, a_log, dt_bias, conv, bias, scale_e8m0, packed_fp4, res_proj };
+
+Fill fill_for(const WeightSpec& w) {
+  const std::string& k = w.key;
+  auto ends = [&](std::string_view s) { return k.size() >= s.size() && k.compare(k.size() - s.size(), s.size(), s) == 0; };
+  if (ends("A_log")) return Fill::a_log;
+  if (ends("dt_bias")) return Fill::dt_bias;
+  if (ends("conv1d.weight")) return Fill::conv;
+  if (ends("e_score_correction_bias")) return Fill::bias;
+  if (ends("weight_scale")) return Fill::scale_e8m0;
+  if (ends("weight_packed")) return Fill::packed_fp4;
+  if (ends("_res_proj.weight")) return Fill::res_proj;
+  if (ends("norm.weight") || ends("layernorm.weight")) return Fill::norm;
+  return Fill::linear;
+}
+
+}  // namespace
+
+std::vector<uint8_t> synth_tensor(const WeightSpec& w, DType dtype, uint64_t seed) {
+  Rng rng{name_seed(seed, w.key, w.layer, w.expert)};
+  const int64_t n = w.numel();
+  const Fill fill = fill_for(w);
+  std::vector<uint8_t> out(static_cast<size_t>(n) * dtype_size(dtype));
+  if (dtype == DType::U8 || dtype == DType::F8_E8M0) {
+    for (int64_t i = 0; i < n; ++i) {
+      // E8M0 scales near 2^-6 keep MXFP4 weights (|v| <= 6) at a sensible magnitude.
+      out[i] = fill == Fill::scale_e8m0 ? static_cast<uint8_t>(127 - 8 + rng.next() % 5)
+                                        : static_cast<uint8_t>(rng.next() & 0xff);
+    }
+    return out;
+  }
+  const int64_t fan_in = w.shape.size() >= 2 ? w.shape.back() : 1;
+  for (int64_t i = 0; i < n; ++i) {
+    double v;
+    switch (fill) {
+      case Fill::linear: v = rng.symmetric(std::sqrt(3.0 / static_cast<double>(fan_in))); break;
+      case Fill::norm: v = 1.0 + rng.symmetric(0.1); break;
+      case Fill::a_log: v = std::log(1.0 + 15.0 * rng.uniform()); break;  // A in [1, 16), as Mamba-style init
+      case Fill::dt_bias: v = rng.symmetric(1.0) - 2.0; break;
+      case Fill::conv: v = rng.symmetric(0.5); break;
+      case Fill::bias: v = rng.symmetric(0.05); break;
+      case Fill::res_proj: v = rng.symmetric(0.2); break;
+      default: v = 0; break;
+    }
+    if (dtype == DType::F32) {
+      float f = static_cast<float>(v);
+      std::memcpy(&out[i * 4], &f, 4);
+    } else if (dtype == DType::BF16) {
+      uint16_t b = to_bf16(static_cast<float>(v));
+      std::memcpy(&out[i * 2], &b, 2);
+    } else {
+      fail(Errc::internal, "synth: tensor {}: no fill for dtype {}", w.name, dtype_name(dtype));
+    }
+  }
+  return out;
+}
+
+SynthResult synthesize(const SynthOptions& opt) {
+  Model m = load_model(opt.preset);
+  const bool hf = opt.layout == CheckpointLayout::transformers;
+  if (hf && m.type != ModelType::kimi_linear)
+    fail(Errc::usage, "--layout transformers: HF transformers implements kimi_linear only, not {}",
+         to_string(m.type));
+
+  struct Planned {
+    const WeightSpec* w;
+    std::string name;
+    DType dtype;
+  };
+  std::vector<Planned> plan;
+  uint64_t total = 0;
+  for (const WeightSpec& w : m.weights) {
+    Planned p{&w, w.name, w.dtype};
+    if (hf) {
+      if (!w.aliases.empty()) p.name = w.aliases.front();
+      if (p.dtype == DType::F32 && !w.alt_dtypes.empty() && w.alt_dtypes.front() == DType::BF16) p.dtype = DType::BF16;
+    }
+    total += static_cast<uint64_t>(w.numel()) * dtype_size(p.dtype);
+    plan.push_back(std::move(p));
+  }
+  const uint64_t shard_target = opt.shard_bytes ? opt.shard_bytes : std::max<uint64_t>(total / 3 + 1, 1);
+
+  // Cut into shards at tensor boundaries, in IR order.
+  std::vector<std::vector<size_t>> shards(1);
+  uint64_t acc = 0;
+  for (size_t i = 0; i < plan.size(); ++i) {
+    uint64_t b = static_cast<uint64_t>(plan[i].w->numel()) * dtype_size(plan[i].dtype);
+    if (acc > 0 && acc + b > shard_target) shards.emplace_back(), acc = 0;
+    shards.back().push_back(i);
+    acc += b;
+  }
+
+  StagingDir stage(opt.out);
+  std::map<std::string, std::string> weight_map;
+  const size_t ns = shards.size();
+  for (size_t s = 0; s < ns; ++s) {
+    std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, ns);
+    std::vector<st::TensorData> tensors;
+    for (size_t i : shards[s]) {
+      const Planned& p = plan[i];
+      tensors.push_back({p.name, p.dtype, p.w->shape, synth_tensor(*p.w, p.dtype, opt.seed)});
+      weight_map[p.name] = file;
+    }
+    st::write_file(stage.path() / file, tensors, {{"format", "pt"}});
+    if (opt.progress) opt.progress(fmt::format("[{}/{}] wrote {} ({} tensors)", s + 1, ns, file, tensors.size()));
+  }
+  st::write_index(stage.path(), weight_map, total);
+
+  // config.json: the preset's own JSON, byte for byte as decodepack reads it.
+  Json cfg;
+  if (auto data = embedded_file("presets/" + opt.preset + ".json")) cfg = parse_json(*data, opt.preset);
+  else cfg = load_json_file(fs::is_directory(opt.preset) ? fs::path(opt.preset) / "config.json" : fs::path(opt.preset));
+  write_file_atomic(stage.path() / "config.json", cfg.dump(2) + "\n");
+  stage.commit();
+  return {plan.size(), ns, total};
+}
+
+}  // namespace dp::model

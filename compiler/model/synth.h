@@ -1,0 +1,40 @@
+// `decodepack synth`: a random checkpoint with the real tensor names, shapes and dtypes of a preset,
+// written as safetensors shards + model.safetensors.index.json + config.json.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <string>
+
+#include "model/ir.h"
+
+namespace dp::model {
+
+enum class CheckpointLayout {
+  vllm,          // names and dtypes as the Hub ships them and vLLM loads them
+  transformers,  // as HF transformers 5 writes them (layer-0 MLP under block_sparse_moe., fp32 params in bf16)
+};
+
+struct SynthOptions {
+  std::string preset;                 // preset name or config path
+  std::filesystem::path out;          // output directory (replaced atomically)
+  uint64_t seed = 0;
+  uint64_t shard_bytes = 0;           // target shard size; 0: about a third of the model (>= 2 shards)
+  CheckpointLayout layout = CheckpointLayout::vllm;
+  std::function<void(const std::string&)> progress;  // one line per shard written
+};
+
+struct SynthResult {
+  size_t tensors = 0;
+  size_t shards = 0;
+  uint64_t bytes = 0;
+};
+
+SynthResult synthesize(const SynthOptions& opt);
+
+// The deterministic fill of one tensor: a function of (seed, name, shape, dtype) only, so a shard
+// layout or tensor order change never changes a tensor's values.
+std::vector<uint8_t> synth_tensor(const WeightSpec& w, DType dtype, uint64_t seed);
+
+}  // namespace dp::model

@@ -1,0 +1,450 @@
+#include "plan/plan.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "common/error.h"
+
+namespace dp::plan {
+
+using model::Ffn;
+using model::Mixer;
+using model::Model;
+using model::WeightSpec;
+
+const char* to_string(LayerClass c) {
+  switch (c) {
+    case LayerClass::kda_dense: return "kda_dense";
+    case LayerClass::kda_moe: return "kda_moe";
+    case LayerClass::kda_latent_moe: return "kda_lmoe";
+    case LayerClass::mla_dense: return "mla_dense";
+    case LayerClass::mla_moe: return "mla_moe";
+    case LayerClass::mla_latent_moe: return "mla_lmoe";
+    case LayerClass::final_norm: return "final_norm";
+  }
+  return "?";
+}
+
+LayerClass layer_class(const model::LayerSpec& l) {
+  const bool kda = l.mixer == Mixer::kda;
+  switch (l.ffn) {
+    case Ffn::dense: return kda ? LayerClass::kda_dense : LayerClass::mla_dense;
+    case Ffn::moe: return kda ? LayerClass::kda_moe : LayerClass::mla_moe;
+    case Ffn::latent_moe: return kda ? LayerClass::kda_latent_moe : LayerClass::mla_latent_moe;
+  }
+  return LayerClass::kda_dense;
+}
+
+int64_t KernelInstance::param(std::string_view key) const {
+  for (const auto& [k, v] : params)
+    if (k == key) return v;
+  return -1;
+}
+
+std::string kernel_name(std::string_view op, const std::vector<std::pair<std::string, int64_t>>& params) {
+  std::string name(op);
+  for (const auto& [k, v] : params) name += fmt::format("_{}{}{}", k, v < 0 ? "n" : "", v < 0 ? -v : v);
+  return name;
+}
+
+uint64_t PrefetchTable::bytes() const {
+  uint64_t b = 0;
+  for (const PrefetchRange& r : ranges) b += r.bytes;
+  return b;
+}
+
+namespace {
+
+constexpr uint64_t align256(uint64_t x) { return (x + 255) / 256 * 256; }
+
+WeightShard shard_of(const Model& m, size_t index, int64_t tp, int64_t rank) {
+  const WeightSpec& w = m.weights[index];
+  WeightShard s;
+  s.weight = index;
+  s.name = w.name;
+  s.shape = w.shape;
+  if (w.split.kind == model::Split::Kind::dim) {
+    s.split_dim = w.split.dim;
+    const int64_t n = w.shape[static_cast<size_t>(w.split.dim)];
+    s.begin = n / tp * rank;
+    s.end = s.begin + n / tp;
+    s.shape[static_cast<size_t>(w.split.dim)] = n / tp;
+  } else {
+    s.begin = 0;
+    s.end = w.shape.empty() ? 1 : w.shape[0];
+  }
+  uint64_t numel = 1;
+  for (int64_t x : s.shape) numel *= static_cast<uint64_t>(x);
+  s.bytes = numel * dtype_size(w.dtype);
+  return s;
+}
+
+// Per-layer facts a rank needs repeatedly.
+struct LayerCost {
+  uint64_t dense_weights = 0;  // every non-expert weight of the layer the decode kernels read
+  uint64_t expert_bytes = 0;   // one routed expert's shard (all of its tensors)
+};
+
+std::vector<std::pair<std::string, int64_t>> class_params(const Model& m, const deploy::Deploy& d, LayerClass c,
+                                                          int64_t width) {
+  const int64_t tp = d.tensor_parallel;
+  std::vector<std::pair<std::string, int64_t>> p{{"w", width}, {"q", d.q()}, {"h", m.hidden}, {"tp", tp}};
+  if (c == LayerClass::final_norm) return p;
+  const bool kda = c == LayerClass::kda_dense || c == LayerClass::kda_moe || c == LayerClass::kda_latent_moe;
+  if (kda) {
+    p.insert(p.end(), {{"nh", m.kda.num_heads / tp}, {"d", m.kda.head_dim}, {"cv", m.kda.conv_kernel},
+                       {"gr", m.kda.full_rank_gate ? 0 : m.kda.gate_rank}, {"sg", m.kda.gate_lower_bound ? 1 : 0}});
+  } else {
+    p.insert(p.end(), {{"nh", m.mla.num_heads / tp}, {"l", m.mla.kv_lora_rank}, {"pn", m.mla.qk_nope_head_dim},
+                       {"pr", m.mla.qk_rope_head_dim}, {"v", m.mla.v_head_dim}, {"ql", m.mla.q_lora_rank},
+                       {"og", m.mla.output_gate ? 1 : 0}, {"bs", d.kv_cache.block_size},
+                       {"kvb", dtype_size(deploy::element_dtype(d.kv_cache.dtype))}, {"dcp", d.dcp.size}});
+  }
+  if (c == LayerClass::kda_dense || c == LayerClass::mla_dense) {
+    p.push_back({"i", m.dense_intermediate / tp});
+  } else {
+    const bool latent = c == LayerClass::kda_latent_moe || c == LayerClass::mla_latent_moe;
+    p.insert(p.end(), {{"e", m.moe.num_experts}, {"k", m.moe.top_k}, {"i", m.moe.intermediate / tp},
+                       {"s", m.moe.intermediate * m.moe.num_shared / tp}, {"lat", latent ? m.moe.latent_dim : 0},
+                       {"fp4", m.moe.expert_format == model::ExpertFormat::mxfp4 ? 1 : 0}});
+  }
+  p.push_back({"act", m.activation == model::Activation::situ ? 1 : 0});
+  p.push_back({"ar", m.attn_res_block});
+  return p;
+}
+
+// Scratch for one layer program of class `c` at `rows` query rows (fp32 intermediates).
+uint64_t class_workspace(const Model& m, const deploy::Deploy& d, LayerClass c, int64_t rows) {
+  const uint64_t R = static_cast<uint64_t>(rows), tp = static_cast<uint64_t>(d.tensor_parallel);
+  const uint64_t H = static_cast<uint64_t>(m.hidden);
+  uint64_t b = align256(R * H * 4) * 2;  // normed input and mixer output
+  switch (c) {
+    case LayerClass::kda_dense:
+    case LayerClass::kda_moe:
+    case LayerClass::kda_latent_moe: {
+      const uint64_t P = static_cast<uint64_t>(m.kda.projection_size()) / tp, nh = m.kda.num_heads / tp;
+      b += align256(R * 5 * P * 4) + align256(R * nh * 4) + align256(R * 2 * m.kda.gate_rank * 4) + align256(R * P * 2);
+      break;
+    }
+    default: {
+      const uint64_t N = static_cast<uint64_t>(m.mla.num_heads) / tp, L = m.mla.kv_lora_rank;
+      const uint64_t splits = 16;  // split-KV partials: (o_lat, max, sum) per split
+      b += align256(R * N * m.mla.qk_head_dim() * 4) + align256(R * m.mla.q_lora_rank * 4) +
+           align256(R * N * (L + m.mla.qk_rope_head_dim) * 4) + align256(splits * R * N * (L + 2) * 4) +
+           align256(R * N * m.mla.v_head_dim * 4);
+      break;
+    }
+  }
+  switch (c) {
+    case LayerClass::kda_dense:
+    case LayerClass::mla_dense: b += align256(R * 2 * m.dense_intermediate / tp * 4); break;
+    case LayerClass::final_norm: break;
+    default: {
+      const uint64_t E = m.moe.num_experts, k = m.moe.top_k, I = m.moe.intermediate / tp;
+      const uint64_t D = m.moe.latent_dim > 0 ? m.moe.latent_dim : H;
+      b += align256(R * E * 4) + align256(R * k * 8) + align256(R * k * I * 4) + align256(R * k * D * 4) +
+           align256(R * I * m.moe.num_shared * 2 * 4) + (m.moe.latent_dim > 0 ? align256(R * D * 4) : 0);
+    }
+  }
+  return b;
+}
+
+// The next layer's attention weights in the order its kernels read them.
+std::vector<size_t> attention_weights(const Model& m, const model::LayerSpec& l) {
+  static const std::vector<std::string> kda = {
+      "self_attn.q_proj.weight",  "self_attn.k_proj.weight",   "self_attn.v_proj.weight",
+      "self_attn.g_proj.weight",  "self_attn.g_a_proj.weight", "self_attn.f_a_proj.weight",
+      "self_attn.b_proj.weight",  "self_attn.f_b_proj.weight", "self_attn.g_b_proj.weight",
+      "self_attn.o_proj.weight"};
+  static const std::vector<std::string> mla = {
+      "self_attn.q_proj.weight",    "self_attn.q_a_proj.weight",  "self_attn.kv_a_proj_with_mqa.weight",
+      "self_attn.q_b_proj.weight",  "self_attn.g_proj.weight",    "self_attn.kv_b_proj.weight",
+      "self_attn.o_proj.weight"};
+  std::vector<size_t> out;
+  for (const std::string& key : l.mixer == Mixer::kda ? kda : mla)
+    for (size_t i : l.weights)
+      if (m.weights[i].key == key) out.push_back(i);
+  return out;
+}
+
+size_t weight_by_key(const Model& m, const model::LayerSpec& l, std::string_view key) {
+  for (size_t i : l.weights)
+    if (m.weights[i].key == key) return i;
+  return SIZE_MAX;
+}
+
+}  // namespace
+
+Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deploy_where, const PlanOptions& opt) {
+  deploy::check_against_model(d, m, deploy_where);
+  if (opt.context < 1) fail(Errc::usage, "--context {}: expected at least 1 token", opt.context);
+  Plan plan;
+  plan.options = opt;
+  const int64_t tp = d.tensor_parallel, q = d.q();
+
+  // Kernel instances: identical on every rank (equal shards), so planned once.
+  std::set<LayerClass> classes;
+  for (const model::LayerSpec& l : m.layers) classes.insert(layer_class(l));
+  classes.insert(LayerClass::final_norm);
+  for (const std::string& target : d.targets) {
+    for (LayerClass c : classes)
+      for (int64_t w : d.widths) {
+        KernelInstance k{to_string(c), class_params(m, d, c, w), target, "", w};
+        k.name = kernel_name(k.op, k.params);
+        plan.kernels.push_back(std::move(k));
+      }
+    KernelInstance pf{"prefetch", {{"t", 32}}, target, "", 0};
+    pf.name = kernel_name(pf.op, pf.params);
+    plan.kernels.push_back(std::move(pf));
+  }
+  std::sort(plan.kernels.begin(), plan.kernels.end(), [](const KernelInstance& a, const KernelInstance& b) {
+    return std::tie(a.target, a.name) < std::tie(b.target, b.name);
+  });
+
+  for (int64_t rank : d.ranks) {
+    RankPlan rp;
+    rp.rank = rank;
+    std::vector<WeightShard> all(m.weights.size());
+    for (size_t i = 0; i < m.weights.size(); ++i) {
+      all[i] = shard_of(m, i, tp, rank);
+      rp.weight_bytes += all[i].bytes;
+    }
+    // Listed shards: per-expert tensors folded into one entry per (layer, tensor key).
+    for (size_t i = 0; i < m.weights.size(); ++i) {
+      const WeightSpec& w = m.weights[i];
+      if (w.expert > 0) continue;
+      WeightShard s = all[i];
+      if (w.expert == 0) {
+        s.experts = m.moe.num_experts;
+        const std::string tag = "experts.0.";
+        s.name.replace(s.name.find(tag), tag.size(), "experts.{e}.");
+      }
+      rp.shards.push_back(std::move(s));
+    }
+
+    std::vector<LayerCost> costs(m.layers.size());
+    for (const model::LayerSpec& l : m.layers) {
+      rp.layers.push_back({l.index, l.mixer, l.ffn, layer_class(l)});
+      for (size_t i : l.weights) {
+        if (!m.weights[i].decode) continue;
+        if (m.weights[i].expert < 0) costs[l.index].dense_weights += all[i].bytes;
+        else if (m.weights[i].expert == 0) costs[l.index].expert_bytes += all[i].bytes;
+      }
+    }
+    uint64_t model_level = 0;
+    for (size_t i = 0; i < m.weights.size(); ++i)
+      if (m.weights[i].layer < 0 && m.weights[i].decode) model_level += all[i].bytes;
+
+    // Bytes of one decode step per width.
+    const uint64_t state_elem = dtype_size(deploy::element_dtype(d.kda_state.dtype));
+    const uint64_t conv_elem = dtype_size(deploy::element_dtype(d.conv_state.dtype));
+    const uint64_t kv_elem = dtype_size(deploy::element_dtype(d.kv_cache.dtype));
+    const uint64_t nh = static_cast<uint64_t>(m.kda.num_heads / tp), hd = static_cast<uint64_t>(m.kda.head_dim);
+    const uint64_t rec = nh * hd * hd * state_elem;
+    const uint64_t conv = 3 * static_cast<uint64_t>(m.kda.projection_size() / tp) *
+                          static_cast<uint64_t>(m.kda.conv_kernel - 1) * conv_elem;
+    const uint64_t kv_row = static_cast<uint64_t>(m.mla.cache_row()) * kv_elem;
+    for (int64_t w : d.widths) {
+      StepBytes sb;
+      sb.width = w;
+      const uint64_t W = static_cast<uint64_t>(w), rows = W * static_cast<uint64_t>(q);
+      for (const model::LayerSpec& l : m.layers) {
+        sb.weights += costs[l.index].dense_weights;
+        if (l.ffn != Ffn::dense)
+          sb.weights += std::min<uint64_t>(m.moe.num_experts, rows * m.moe.top_k) * costs[l.index].expert_bytes;
+        if (l.mixer == Mixer::kda) {
+          sb.state_read += W * (rec + conv);
+          sb.state_write += W * static_cast<uint64_t>(q) * (rec + conv);  // one state slot per draft position
+        } else {
+          const uint64_t local = (static_cast<uint64_t>(opt.context) + d.dcp.size - 1) / d.dcp.size;
+          sb.kv_read += W * local * kv_row;
+          sb.kv_write += rows * kv_row / static_cast<uint64_t>(d.dcp.size);
+        }
+        sb.activations += rows * static_cast<uint64_t>(m.hidden) * 2 * 2;
+      }
+      sb.weights += model_level;
+      rp.step_bytes.push_back(sb);
+
+      Workspace ws{w, 0};
+      for (LayerClass c : classes) ws.bytes = std::max(ws.bytes, class_workspace(m, d, c, w * q));
+      if (m.attn_res_block > 0)  // completed block outputs kept for the whole step (fp32)
+        ws.bytes += align256(static_cast<uint64_t>(m.num_layers / m.attn_res_block + 2) * rows *
+                             static_cast<uint64_t>(m.hidden) * 4);
+      rp.workspace.push_back(ws);
+    }
+
+    // L2 prefetch tables (reference: the specialized decode's prefetch controller).
+    if (d.prefetch.enabled) {
+      auto widths_in = [&](int64_t lo, int64_t hi) {
+        std::vector<int64_t> v;
+        for (int64_t w : d.widths)
+          if (w >= lo && w <= hi) v.push_back(w);
+        return v;
+      };
+      auto range = [&](size_t i, uint64_t bytes) { return PrefetchRange{i, m.weights[i].name, bytes}; };
+      for (size_t pos = 0; pos < m.layers.size(); ++pos) {
+        const model::LayerSpec& l = m.layers[pos];
+        if (l.ffn == Ffn::dense) continue;
+        std::vector<size_t> front{weight_by_key(m, l, "block_sparse_moe.gate.weight")};
+        if (l.ffn == Ffn::latent_moe) front.push_back(weight_by_key(m, l, "block_sparse_moe.routed_expert_down_proj.weight"));
+        if (auto ws = widths_in(3, 8); !ws.empty()) {
+          PrefetchTable t{"oproj_down", l.index, ws, true, 8, {}};
+          for (size_t i : front) t.ranges.push_back(range(i, all[i].bytes / 16 * 16));
+          rp.prefetch.push_back(std::move(t));
+        }
+        if (tp == 8) {
+          auto ws = l.mixer == Mixer::kda ? widths_in(5, 8) : widths_in(8, 8);
+          if (!ws.empty()) {
+            PrefetchTable t{"attention_moe", l.index, ws, true, 32, {}};
+            for (size_t i : front) t.ranges.push_back(range(i, all[i].bytes / 16 * 16));
+            for (const char* k : {"block_sparse_moe.shared_experts.gate_proj.weight",
+                                  "block_sparse_moe.shared_experts.up_proj.weight",
+                                  "block_sparse_moe.shared_experts.down_proj.weight"})
+              if (size_t i = weight_by_key(m, l, k); i != SIZE_MAX) t.ranges.push_back(range(i, all[i].bytes / 16 * 16));
+            rp.prefetch.push_back(std::move(t));
+          }
+        }
+        if (pos + 1 < m.layers.size()) {
+          // Widths that share a cap share a table.
+          std::map<int64_t, std::vector<int64_t>> by_cap;
+          for (int64_t w : d.widths)
+            if (int64_t cap = d.prefetch_cap(w); cap > 0) by_cap[cap].push_back(w);
+          for (const auto& [cap, ws] : by_cap) {
+            PrefetchTable t{"next_attention", l.index, ws, false, 32, {}};
+            uint64_t left = static_cast<uint64_t>(cap);
+            for (size_t i : attention_weights(m, m.layers[pos + 1])) {
+              uint64_t b = std::min<uint64_t>(all[i].bytes, left) / 16 * 16;
+              if (b) t.ranges.push_back(range(i, b));
+              left -= b;
+              if (left < 16) break;
+            }
+            rp.prefetch.push_back(std::move(t));
+          }
+        }
+      }
+    }
+    plan.ranks.push_back(std::move(rp));
+  }
+  return plan;
+}
+
+Json to_json(const Plan& p, const Model& m, const deploy::Deploy& d) {
+  Json j;
+  j["model"] = {{"model_type", m.model_type},
+                {"config_digest", "sha256:" + m.config_digest},
+                {"hidden_size", m.hidden},
+                {"num_layers", m.num_layers},
+                {"kda_layers", m.count(Mixer::kda)},
+                {"mla_layers", m.count(Mixer::mla)},
+                {"experts", m.moe.num_experts},
+                {"top_k", m.moe.top_k},
+                {"expert_format", model::to_string(m.moe.expert_format)},
+                {"weights", m.weights.size()},
+                {"weight_bytes", m.total_weight_bytes()}};
+  j["deploy"] = deploy::to_json(d);
+  j["options"] = {{"context", p.options.context}};
+  Json kernels = Json::array();
+  for (const KernelInstance& k : p.kernels) {
+    Json params = Json::object();
+    for (const auto& [key, v] : k.params) params[key] = v;
+    kernels.push_back({{"name", k.name}, {"op", k.op}, {"target", k.target}, {"width", k.width}, {"params", params}});
+  }
+  j["kernels"] = std::move(kernels);
+  Json ranks = Json::array();
+  for (const RankPlan& r : p.ranks) {
+    Json jr;
+    jr["rank"] = r.rank;
+    jr["weight_bytes"] = r.weight_bytes;
+    Json layers = Json::array();
+    for (const LayerPlan& l : r.layers)
+      layers.push_back({{"index", l.index}, {"mixer", model::to_string(l.mixer)}, {"ffn", model::to_string(l.ffn)},
+                        {"class", to_string(l.cls)}});
+    jr["layers"] = std::move(layers);
+    Json shards = Json::array();
+    for (const WeightShard& s : r.shards) {
+      Json js{{"name", s.name}, {"shape", s.shape}, {"bytes", s.bytes},
+              {"split", s.split_dim < 0 ? Json("replicated") : Json(s.split_dim)}};
+      if (s.split_dim >= 0) js["range"] = {s.begin, s.end};
+      if (s.experts) js["experts"] = s.experts;
+      shards.push_back(std::move(js));
+    }
+    jr["shards"] = std::move(shards);
+    Json steps = Json::array();
+    for (const StepBytes& s : r.step_bytes)
+      steps.push_back({{"width", s.width}, {"weights", s.weights}, {"state_read", s.state_read},
+                       {"state_write", s.state_write}, {"kv_read", s.kv_read}, {"kv_write", s.kv_write},
+                       {"activations", s.activations}, {"total_read", s.total_read()}});
+    jr["step_bytes"] = std::move(steps);
+    Json pf = Json::array();
+    for (const PrefetchTable& t : r.prefetch) {
+      Json ranges = Json::array();
+      for (const PrefetchRange& x : t.ranges) ranges.push_back({{"weight", x.name}, {"bytes", x.bytes}});
+      pf.push_back({{"point", t.point}, {"layer", t.layer}, {"widths", t.widths}, {"critical", t.critical},
+                    {"grid", t.grid}, {"bytes", t.bytes()}, {"ranges", std::move(ranges)}});
+    }
+    jr["prefetch"] = std::move(pf);
+    Json ws = Json::array();
+    for (const Workspace& w : r.workspace) ws.push_back({{"width", w.width}, {"bytes", w.bytes}});
+    jr["workspace"] = std::move(ws);
+    ranks.push_back(std::move(jr));
+  }
+  j["ranks"] = std::move(ranks);
+  return j;
+}
+
+namespace {
+template <typename... A>
+void line_to(std::string& out, fmt::format_string<A...> f, A&&... a) {
+  out += fmt::format(f, std::forward<A>(a)...);
+  out += '\n';
+}
+
+std::string human_bytes(uint64_t b) {
+  if (b >= (1ull << 30)) return fmt::format("{:.2f} GiB", b / double(1ull << 30));
+  if (b >= (1ull << 20)) return fmt::format("{:.1f} MiB", b / double(1ull << 20));
+  if (b >= (1ull << 10)) return fmt::format("{:.1f} KiB", b / double(1ull << 10));
+  return fmt::format("{} B", b);
+}
+}  // namespace
+
+std::string to_text(const Plan& p, const Model& m, const deploy::Deploy& d) {
+  std::string out;
+  line_to(out, "model     {} ({} layers: {} KDA, {} MLA; hidden {}; {} experts top-{} {}; {} weights, {})", m.model_type,
+       m.num_layers, m.count(Mixer::kda), m.count(Mixer::mla), m.hidden, m.moe.num_experts, m.moe.top_k,
+       model::to_string(m.moe.expert_format), m.weights.size(), human_bytes(m.total_weight_bytes()));
+  line_to(out, "deploy    targets {}; tensor_parallel {} (ranks {}); widths {}; q {}; kv {} block {}",
+       fmt::join(d.targets, ","), d.tensor_parallel, fmt::join(d.ranks, ","), fmt::join(d.widths, ","), d.q(),
+       deploy::to_string(d.kv_cache.dtype), d.kv_cache.block_size);
+  line_to(out, "kernels   {} instances", p.kernels.size());
+  std::map<std::string, std::vector<std::string>> by_target;
+  for (const KernelInstance& k : p.kernels) by_target[k.target].push_back(k.name);
+  for (const auto& [t, names] : by_target) {
+    line_to(out, "  {} ({}):", t, names.size());
+    for (const std::string& n : names) line_to(out, "    {}", n);
+  }
+  for (const RankPlan& r : p.ranks) {
+    out += "\n";
+    line_to(out, "rank {}: holds {} of weights", r.rank, human_bytes(r.weight_bytes));
+    std::string classes;
+    for (const LayerPlan& l : r.layers) classes += fmt::format("{}{}:{}", classes.empty() ? "" : " ", l.index, to_string(l.cls));
+    line_to(out, "  layers    {}", classes);
+    line_to(out, "  {:>5}  {:>12}  {:>12}  {:>12}  {:>12}  {:>12}", "width", "weights", "state r/w", "kv read",
+         "total read", "workspace");
+    for (size_t i = 0; i < r.step_bytes.size(); ++i) {
+      const StepBytes& s = r.step_bytes[i];
+      line_to(out, "  {:>5}  {:>12}  {:>12}  {:>12}  {:>12}  {:>12}", s.width, human_bytes(s.weights),
+           human_bytes(s.state_read + s.state_write), human_bytes(s.kv_read), human_bytes(s.total_read()),
+           human_bytes(r.workspace[i].bytes));
+    }
+    line_to(out, "  (kv read at {} tokens of context per request; routed experts counted as min(E, rows*top_k) per layer)",
+         p.options.context);
+    std::map<std::string, std::pair<size_t, uint64_t>> pf;
+    for (const PrefetchTable& t : r.prefetch) pf[t.point].first++, pf[t.point].second += t.bytes();
+    for (const auto& [point, v] : pf)
+      line_to(out, "  prefetch  {:<15} {} tables, {} in all", point, v.first, human_bytes(v.second));
+  }
+  return out;
+}
+
+}  // namespace dp::plan

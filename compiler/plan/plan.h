@@ -1,0 +1,114 @@
+// The build plan: everything `decodepack build` will produce for a (model, deploy) pair, computed
+// without a GPU or a compiler. `decodepack plan` prints it; the bundle writer records it.
+//
+// Per rank: the layers and their layer class, each weight's TP shard (dimension, range, bytes), the
+// bytes one decode step reads at each width, the L2 prefetch points, and the workspace sizes. Across
+// ranks: the kernel instances to build (layer class x width x q x target), named deterministically.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/json.h"
+#include "deploy/deploy.h"
+#include "model/ir.h"
+
+namespace dp::plan {
+
+// What one decoder layer's program replaces: its mixer and FFN (final_norm closes the model).
+enum class LayerClass { kda_dense, kda_moe, kda_latent_moe, mla_dense, mla_moe, mla_latent_moe, final_norm };
+const char* to_string(LayerClass c);
+LayerClass layer_class(const model::LayerSpec& l);
+
+// One compiled kernel: a layer program (or the prefetch kernel) for one width, q and target.
+// `params` are every compile-time constant in a fixed order; `name` is a function of op and params
+// and is the symbol, the file stem and the manifest key (with ".<target>" appended for the file).
+struct KernelInstance {
+  std::string op;                                      // layer class name, "prefetch", "rmsnorm"
+  std::vector<std::pair<std::string, int64_t>> params;  // e.g. {"w",4},{"q",1},{"h",2304},...
+  std::string target;                                  // "sm_90a", "gfx942"
+  std::string name;
+  int64_t width = 0;                                   // 0 for width-independent kernels
+  int64_t param(std::string_view key) const;           // -1 when absent
+};
+std::string kernel_name(std::string_view op, const std::vector<std::pair<std::string, int64_t>>& params);
+
+struct WeightShard {
+  size_t weight = 0;        // index into Model::weights
+  std::string name;         // checkpoint name; expert tensors are grouped as "...experts.{e}.w1.weight"
+  int64_t experts = 0;      // > 0: this entry stands for that many per-expert tensors of equal shape
+  int split_dim = -1;       // -1: replicated
+  int64_t begin = 0, end = 0;  // range along split_dim held by the rank (whole dim when replicated)
+  std::vector<int64_t> shape;  // the shard's shape
+  uint64_t bytes = 0;       // per tensor (per expert when experts > 0)
+};
+
+struct StepBytes {
+  int64_t width = 0;
+  uint64_t weights = 0;      // weights read: routed experts counted as min(E, rows*top_k) distinct per layer
+  uint64_t state_read = 0;   // KDA recurrent + conv states read
+  uint64_t state_write = 0;  // and written back
+  uint64_t kv_read = 0;      // MLA latent cache read at the planned context length
+  uint64_t kv_write = 0;     // new cache rows
+  uint64_t activations = 0;  // layer inputs and outputs
+  uint64_t total_read() const { return weights + state_read + kv_read + activations; }
+};
+
+struct PrefetchRange {
+  size_t weight = 0;  // index into Model::weights
+  std::string name;
+  uint64_t bytes = 0; // bytes of the shard pulled (after the cap)
+};
+
+// One prefetch table: at `point` of `layer`, for these widths, pull these ranges into L2.
+struct PrefetchTable {
+  std::string point;             // "oproj_down" | "attention_moe" | "next_attention"
+  int layer = 0;
+  std::vector<int64_t> widths;
+  bool critical = false;         // highest stream priority, largest shared-memory carveout
+  int grid = 32;                 // blocks of the prefetch kernel (32 threads each)
+  std::vector<PrefetchRange> ranges;
+  uint64_t bytes() const;
+};
+
+struct Workspace {
+  int64_t width = 0;
+  uint64_t bytes = 0;            // device scratch one step at this width needs, 256-byte aligned parts
+};
+
+struct LayerPlan {
+  int index = 0;
+  model::Mixer mixer;
+  model::Ffn ffn;
+  LayerClass cls;
+};
+
+struct RankPlan {
+  int64_t rank = 0;
+  std::vector<LayerPlan> layers;
+  std::vector<WeightShard> shards;
+  uint64_t weight_bytes = 0;     // everything the rank holds (all experts)
+  std::vector<StepBytes> step_bytes;
+  std::vector<PrefetchTable> prefetch;
+  std::vector<Workspace> workspace;
+};
+
+struct PlanOptions {
+  int64_t context = 4096;        // tokens per request assumed for the KV bytes of step_bytes
+};
+
+struct Plan {
+  PlanOptions options;
+  std::vector<RankPlan> ranks;
+  std::vector<KernelInstance> kernels;  // sorted by (target, name); the same for every rank
+};
+
+// Checks the deploy against the model first (deploy::check_against_model), then plans.
+Plan make_plan(const model::Model& m, const deploy::Deploy& d, const std::string& deploy_where,
+               const PlanOptions& opt = {});
+
+Json to_json(const Plan& p, const model::Model& m, const deploy::Deploy& d);
+std::string to_text(const Plan& p, const model::Model& m, const deploy::Deploy& d);
+
+}  // namespace dp::plan

@@ -1,0 +1,291 @@
+// vendor.h: one CUDA-style device source, compiled for NVIDIA (NVRTC or nvcc, sm_90a) and for AMD
+// (clang -x hip, gfx942/gfx90a) without forking the op headers.
+//
+// Device code only. Nothing here includes a system, CUDA or ROCm header: NVRTC has no system include
+// path by default, and the HIP build runs with -nogpuinc -nogpulib (no ROCm install, no device
+// libraries), so everything below is a compiler builtin, inline PTX/GCN, or plain C++.
+//
+// What the op headers may use (and nothing vendor-specific besides):
+//   types        dp_u8 .. dp_u64, dp_i32, dp_i64, dp_bf16 (16-bit storage), dp_u32x4 (16-byte vector)
+//   qualifiers   __global__ __device__ __shared__ __forceinline__ __restrict__, DP_LAUNCH_BOUNDS(n)
+//   indexing     threadIdx/blockIdx/blockDim/gridDim .x .y .z (CUDA names on both vendors)
+//   sync         __syncthreads()
+//   warp         DP_WARP_SIZE (32 NVIDIA, 64 AMD gfx9), dp_lane_id(), dp_shfl_xor(), dp_shfl_down()
+//   numbers      dp_bf16_to_f32(), dp_f32_to_bf16() (round to nearest even), dp_expf/logf/rsqrtf
+//   memory       dp_load16() (one 16-byte load), dp_store16(), dp_prefetch_l2()
+#pragma once
+
+#if defined(__HIP__)
+#define DP_VENDOR_AMD 1
+#elif defined(__CUDACC__)
+#define DP_VENDOR_NVIDIA 1
+#else
+#error "vendor.h: compile as CUDA (NVRTC/nvcc) or as HIP (clang -x hip)"
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// Fixed-width types. <stdint.h> is not reachable from NVRTC or from -nogpuinc, so spell them out; the
+// sizes hold on every target we compile for (LP64 host ABI mirrored by both device ABIs).
+typedef unsigned char dp_u8;
+typedef unsigned short dp_u16;
+typedef unsigned int dp_u32;
+typedef unsigned long long dp_u64;
+typedef int dp_i32;
+typedef long long dp_i64;
+static_assert(sizeof(dp_u16) == 2 && sizeof(dp_u32) == 4 && sizeof(dp_u64) == 8, "vendor.h: type sizes");
+static_assert(sizeof(void*) == 8, "vendor.h: device pointers are 64-bit");
+
+#if DP_VENDOR_AMD
+// ===================================================================================================
+// AMD (clang HIP mode, no HIP headers). clang knows the CUDA attributes but -nogpuinc leaves out the
+// wrapper header that spells them as keywords, so define those spellings here.
+#define __global__ __attribute__((global))
+#define __device__ __attribute__((device))
+#define __host__ __attribute__((host))
+#define __shared__ __attribute__((shared))
+#define __constant__ __attribute__((constant))
+#define __forceinline__ inline __attribute__((always_inline))
+#define __restrict__ __restrict
+// HIP's equivalent of __launch_bounds__: the flat work-group size range lets the register allocator
+// use the whole budget for blocks of at most n threads.
+#define DP_LAUNCH_BOUNDS(n) __attribute__((amdgpu_flat_work_group_size(1, n)))
+
+// Wavefront size: gfx9 (gfx90a, gfx942, gfx950) runs wave64. clang tells us through this macro; the
+// fallback keeps older/newer clangs that drop it compiling for the gfx9 targets we support.
+#if defined(__AMDGCN_WAVEFRONT_SIZE__)
+#define DP_WARP_SIZE __AMDGCN_WAVEFRONT_SIZE__
+#else
+#define DP_WARP_SIZE 64
+#endif
+
+struct dp_dim3 {
+  dp_u32 x, y, z;
+};
+// threadIdx.x etc. as the CUDA spelling: each use builds a small value whose unused components are
+// dead code (the builtins are pure), so `threadIdx.x` costs exactly one register read.
+#define threadIdx                                                                                   \
+  (dp_dim3{__builtin_amdgcn_workitem_id_x(), __builtin_amdgcn_workitem_id_y(),                     \
+           __builtin_amdgcn_workitem_id_z()})
+#define blockIdx                                                                                    \
+  (dp_dim3{__builtin_amdgcn_workgroup_id_x(), __builtin_amdgcn_workgroup_id_y(),                   \
+           __builtin_amdgcn_workgroup_id_z()})
+#define blockDim                                                                                    \
+  (dp_dim3{(dp_u32)__builtin_amdgcn_workgroup_size_x(), (dp_u32)__builtin_amdgcn_workgroup_size_y(), \
+           (dp_u32)__builtin_amdgcn_workgroup_size_z()})
+// The dispatch gives the grid in work-items; CUDA's gridDim counts blocks. Kernels are launched with
+// uniform work-group sizes (grid a multiple of the block), so the division is exact.
+#define gridDim                                                                                     \
+  (dp_dim3{__builtin_amdgcn_grid_size_x() / (dp_u32)__builtin_amdgcn_workgroup_size_x(),          \
+           __builtin_amdgcn_grid_size_y() / (dp_u32)__builtin_amdgcn_workgroup_size_y(),          \
+           __builtin_amdgcn_grid_size_z() / (dp_u32)__builtin_amdgcn_workgroup_size_z()})
+
+// Block barrier with the same memory semantics as CUDA's __syncthreads(): LDS and global writes made
+// before it by any thread of the block are visible to every thread of the block after it.
+__device__ __forceinline__ void __syncthreads() {
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+  __builtin_amdgcn_s_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup");
+}
+
+__device__ __forceinline__ float dp_bits_to_f32(dp_u32 u) { return __builtin_bit_cast(float, u); }
+__device__ __forceinline__ dp_u32 dp_f32_to_bits(float f) { return __builtin_bit_cast(dp_u32, f); }
+
+// Lane index within the wavefront: mbcnt counts the set bits of the all-ones mask below this lane.
+__device__ __forceinline__ dp_u32 dp_lane_id() {
+  return __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u));
+}
+
+// Cross-lane moves through ds_bpermute (LDS crossbar, no LDS allocation): every lane reads the value
+// of lane `src`; the address operand is in bytes (lane * 4).
+__device__ __forceinline__ dp_u32 dp_lane_read(dp_u32 v, dp_u32 src) {
+  return (dp_u32)__builtin_amdgcn_ds_bpermute((int)(src << 2), (int)v);
+}
+
+// 16-byte vector: clang's ext_vector_type gives .x .y .z .w and lowers a 16-byte aligned access to
+// one global_load_dwordx4 / global_store_dwordx4.
+typedef dp_u32 dp_u32x4 __attribute__((ext_vector_type(4)));
+
+__device__ __forceinline__ dp_u32x4 dp_load16(const void* p) { return *(const dp_u32x4*)p; }
+__device__ __forceinline__ void dp_store16(void* p, dp_u32x4 v) { *(dp_u32x4*)p = v; }
+
+// Math without device libraries (-nogpulib): these builtins lower to hardware instructions plus
+// inline range scaling in the AMDGPU backend (v_exp_f32 / v_log_f32 / v_rsq_f32), never to a
+// libcall; a libcall would fail to link, so a compile of these templates is the check.
+__device__ __forceinline__ float dp_expf(float x) { return __builtin_expf(x); }
+__device__ __forceinline__ float dp_logf(float x) { return __builtin_logf(x); }
+__device__ __forceinline__ float dp_rsqrtf(float x) { return __builtin_amdgcn_rsqf(x); }
+
+// L2 prefetch on gfx942/gfx90a.
+//
+// CDNA has no prefetch instruction for the vector memory path (s_prefetch_data arrives with gfx12,
+// and scalar loads go through the scalar cache). The closest real equivalent is an ordinary load
+// whose result is discarded: a miss allocates the 128-byte line in the L2 of the XCD running the
+// prefetch block and, on MI300 (gfx942), in the Infinity Cache (MALL) that all XCDs share, which is
+// what a consumer kernel on another XCD then hits. Choices and why:
+//   * one 4-byte load per 128-byte line: the line, not the bytes, is the unit that gets allocated;
+//   * cache-policy bits left at their defaults (sc0=0, sc1=0, nt=0): `nt` would mark the line
+//     streaming (evict first), the opposite of what a prefetch wants, and sc1 (device scope) asks
+//     for a coherent read that the L2 may serve without keeping the line. The default policy also
+//     allocates in the CU's L1, which only the prefetch kernel's own CUs ever see;
+//   * the loop has a constant trip count and is unrolled, and the loaded words are folded together
+//     and handed to an empty asm statement: the compiler can neither drop the loads nor wait on each
+//     one, so a thread's loads for one chunk are all in flight together and it waits once per chunk.
+// The range is 16-byte aligned and a line never crosses a page, so touching the line that holds the
+// last byte never faults.
+#define DP_PREFETCH_LINE_BYTES 128
+// Bytes one dp_prefetch_l2 call covers at most (16 lines, i.e. 16 loads in flight per thread).
+#define DP_PREFETCH_CHUNK_BYTES 2048
+__device__ __forceinline__ void dp_prefetch_l2(const void* p, dp_u32 bytes /* <= DP_PREFETCH_CHUNK_BYTES */) {
+  typedef const __attribute__((address_space(1))) dp_u32 global_u32;  // global, not flat: no LDS check
+  const dp_u64 first = (dp_u64)p & ~(dp_u64)(DP_PREFETCH_LINE_BYTES - 1);
+  const dp_u64 last = ((dp_u64)p + (bytes ? bytes - 1 : 0)) & ~(dp_u64)(DP_PREFETCH_LINE_BYTES - 1);
+  dp_u32 sink = 0;
+  // One more line than a chunk holds (an unaligned chunk straddles one more boundary). Lines past
+  // the end re-touch the last line instead of branching: branch-free loads issue back to back.
+#pragma unroll
+  for (int i = 0; i <= DP_PREFETCH_CHUNK_BYTES / DP_PREFETCH_LINE_BYTES; ++i) {
+    dp_u64 a = first + (dp_u64)i * DP_PREFETCH_LINE_BYTES;
+    a = a < last ? a : last;
+    sink ^= *(global_u32*)a;
+  }
+  __asm__ volatile("" ::"v"(sink));
+}
+
+#else  // DP_VENDOR_NVIDIA
+// ===================================================================================================
+// NVIDIA (NVRTC or nvcc). The CUDA keywords, threadIdx & co., __syncthreads, uint4 and the __expf
+// family are built into the compiler; only the portable names are added here.
+#define DP_WARP_SIZE 32
+#define DP_LAUNCH_BOUNDS(n) __launch_bounds__(n)
+
+__device__ __forceinline__ float dp_bits_to_f32(dp_u32 u) { return __uint_as_float(u); }
+__device__ __forceinline__ dp_u32 dp_f32_to_bits(float f) { return __float_as_uint(f); }
+
+__device__ __forceinline__ dp_u32 dp_lane_id() { return threadIdx.x & (DP_WARP_SIZE - 1); }
+
+typedef uint4 dp_u32x4;
+
+// Loads through the read-only (non-coherent) path. Safe because no op reads an address after any
+// thread of the same launch has written it (in-place ops read each element before writing it, in
+// the same thread).
+__device__ __forceinline__ dp_u32x4 dp_load16(const void* p) { return __ldg((const uint4*)p); }
+__device__ __forceinline__ void dp_store16(void* p, dp_u32x4 v) { *(uint4*)p = v; }
+
+// Fast-math intrinsics (MUFU.EX2 / MUFU.LG2 / MUFU.RSQ with a scale): about 2 ulp, which the ops'
+// fp32 accumulation and bf16 outputs absorb.
+__device__ __forceinline__ float dp_expf(float x) { return __expf(x); }
+__device__ __forceinline__ float dp_logf(float x) { return __logf(x); }
+__device__ __forceinline__ float dp_rsqrtf(float x) { return rsqrtf(x); }
+
+// L2 prefetch. sm_90 has a bulk prefetch (one instruction for a whole chunk, executed by the TMA
+// unit, so a thread issues it and moves on without waiting); older parts get one prefetch.global.L2
+// per 128-byte line. Both are hints: they never fault and never return data. The bulk form needs a
+// 16-byte aligned global address and a size that is a multiple of 16: the range table guarantees
+// the alignment, and the size is rounded up (the rounded tail stays inside the last 16-byte block).
+#define DP_PREFETCH_LINE_BYTES 128
+// Bytes one dp_prefetch_l2 call covers at most: enough chunks per range to spread a weight matrix
+// over all the prefetch threads, few enough instructions that issuing them is never the limit.
+#define DP_PREFETCH_CHUNK_BYTES 4096
+__device__ __forceinline__ void dp_prefetch_l2(const void* p, dp_u32 bytes /* <= DP_PREFETCH_CHUNK_BYTES */) {
+#if __CUDA_ARCH__ >= 900
+  const dp_u64 global = (dp_u64)__cvta_generic_to_global(p);
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(global), "r"((bytes + 15u) & ~15u)
+               : "memory");
+#else
+  const char* c = (const char*)p;
+  for (dp_u32 off = 0; off < bytes; off += DP_PREFETCH_LINE_BYTES)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
+#endif
+}
+#endif  // vendor
+
+// ===================================================================================================
+// Common to both vendors.
+
+// Warp shuffles with CUDA's semantics for a full warp: dp_shfl_xor reads lane (lane ^ mask);
+// dp_shfl_down reads lane (lane + delta) and keeps the caller's own value past the last lane.
+// Every lane of the warp/wavefront must call them (no divergent use).
+__device__ __forceinline__ float dp_shfl_xor(float v, int mask) {
+#if DP_VENDOR_AMD
+  return dp_bits_to_f32(dp_lane_read(dp_f32_to_bits(v), dp_lane_id() ^ (dp_u32)mask));
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+#endif
+}
+__device__ __forceinline__ float dp_shfl_down(float v, int delta) {
+#if DP_VENDOR_AMD
+  const dp_u32 lane = dp_lane_id();
+  const dp_u32 src = lane + (dp_u32)delta < DP_WARP_SIZE ? lane + (dp_u32)delta : lane;
+  return dp_bits_to_f32(dp_lane_read(dp_f32_to_bits(v), src));
+#else
+  return __shfl_down_sync(0xffffffffu, v, delta);
+#endif
+}
+
+// Sum over the warp/wavefront; every lane gets the total (butterfly, log2(DP_WARP_SIZE) steps).
+__device__ __forceinline__ float dp_warp_sum(float v) {
+#pragma unroll
+  for (int m = DP_WARP_SIZE / 2; m > 0; m >>= 1) v += dp_shfl_xor(v, m);
+  return v;
+}
+
+// bf16 as a 16-bit storage type with our own conversions, identical on both vendors (no cuda_bf16.h,
+// no hip_bf16.h): widening is exact; narrowing rounds to nearest, ties to even, like the hardware
+// cvt.rn.bf16.f32 and like torch. NaN stays NaN (quieted) instead of rounding into infinity.
+struct dp_bf16 {
+  dp_u16 bits;
+};
+static_assert(sizeof(dp_bf16) == 2, "vendor.h: dp_bf16 is 2 bytes");
+
+__device__ __forceinline__ float dp_bf16_to_f32(dp_bf16 h) { return dp_bits_to_f32((dp_u32)h.bits << 16); }
+
+__device__ __forceinline__ dp_bf16 dp_f32_to_bf16(float f) {
+  dp_u32 u = dp_f32_to_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return dp_bf16{(dp_u16)((u >> 16) | 0x0040u)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return dp_bf16{(dp_u16)(u >> 16)};
+}
+
+// Eight bf16 packed in a 16-byte vector, little-endian: element 2k is the low half of word k.
+__device__ __forceinline__ void dp_unpack8_bf16(dp_u32x4 v, float out[8]) {
+  const dp_u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    out[2 * k] = dp_bits_to_f32(w[k] << 16);
+    out[2 * k + 1] = dp_bits_to_f32(w[k] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ dp_u32x4 dp_pack8_bf16(const float in[8]) {
+  dp_u32 w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    w[k] = (dp_u32)dp_f32_to_bf16(in[2 * k]).bits | ((dp_u32)dp_f32_to_bf16(in[2 * k + 1]).bits << 16);
+  dp_u32x4 v;
+  v.x = w[0];
+  v.y = w[1];
+  v.z = w[2];
+  v.w = w[3];
+  return v;
+}
+
+// Sum over a block of kThreads threads (a multiple of the warp size), returned to every thread.
+// Two levels: warp butterflies, then every warp adds the per-warp partials from shared memory.
+// Works unchanged for 32-lane warps and 64-lane wavefronts because both levels use DP_WARP_SIZE.
+// The partials live in one static shared array per kThreads, so two calls in one kernel need a
+// __syncthreads() between them (the second call's writes would race the first call's reads).
+template <int kThreads>
+__device__ __forceinline__ float dp_block_sum(float v) {
+  static_assert(kThreads % DP_WARP_SIZE == 0, "dp_block_sum: block must be whole warps");
+  constexpr int kWarps = kThreads / DP_WARP_SIZE;
+  static_assert(kWarps <= DP_WARP_SIZE, "dp_block_sum: at most DP_WARP_SIZE warps per block");
+  __shared__ float partial[kWarps];  // [kWarps] fp32, one per warp
+  v = dp_warp_sum(v);
+  if (kWarps == 1) return v;
+  const int warp = (int)threadIdx.x / DP_WARP_SIZE;
+  const int lane = (int)dp_lane_id();
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  float t = lane < kWarps ? partial[lane] : 0.0f;
+  t = dp_warp_sum(t);  // every warp reduces the partials itself: no second barrier, no broadcast
+  return t;
+}
