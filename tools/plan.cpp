@@ -39,14 +39,9 @@ void add_plan(CLI::App& app, Action& action) {
       // A directory with weights is checked against the IR before anything is planned from it.
       std::error_code ec;
       namespace fs = std::filesystem;
-      if (!o->no_weights && fs::is_directory(o->model, ec)) {
-        bool has_weights = false;
-        for (const auto& e : fs::directory_iterator(o->model, ec))
-          has_weights |= e.path().extension() == ".safetensors";
-        if (has_weights) {
-          st::Checkpoint ck = st::Checkpoint::open(o->model);
-          model::require_inventory(model::check_inventory(m, ck), o->model);
-        }
+      if (!o->no_weights && fs::is_directory(o->model, ec) && st::Checkpoint::present(o->model)) {
+        st::Checkpoint ck = st::Checkpoint::open(o->model);
+        model::require_inventory(model::check_inventory(m, ck), o->model);
       }
       plan::PlanOptions po;
       po.context = o->context;

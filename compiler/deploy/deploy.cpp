@@ -378,9 +378,9 @@ std::optional<std::string> tp_problem(int64_t tp, const model::Model& m) {
     return msg("mla num_heads", m.mla.num_heads);
   if (moe && !divides(m.moe.num_experts)) return msg("moe num_experts", m.moe.num_experts);
   if (dense && !divides(m.dense_intermediate)) return msg("dense intermediate_size", m.dense_intermediate);
+  // The shared expert's width is num_shared * moe_intermediate_size, so this also covers it; the split
+  // weights below check the actual tensors (including MXFP4 scale groups) in any case.
   if (moe && !divides(m.moe.intermediate)) return msg("moe_intermediate_size", m.moe.intermediate);
-  if (moe && m.moe.num_shared > 0 && !divides(m.moe.intermediate * m.moe.num_shared))
-    return msg("shared expert width", m.moe.intermediate * m.moe.num_shared);
 
   for (const model::WeightSpec& w : m.weights) {
     if (w.split.kind != model::Split::Kind::dim) continue;

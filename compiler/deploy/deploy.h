@@ -78,18 +78,21 @@ struct KvCache {
   // block and vLLM's choice for MLA on Hopper; it must be a multiple of 16 (the MMA tile of every
   // split-KV attention kernel).
   int64_t block_size = 64;
+  bool operator==(const KvCache&) const = default;
 };
 
 // KDA recurrent state, [heads/tp, d, d] per request and KDA layer.
 struct KdaState {
   KdaStateDtype dtype = KdaStateDtype::float32;
   KdaStateLayout layout = KdaStateLayout::kv;
+  bool operator==(const KdaState&) const = default;
 };
 
 // KDA short-convolution state: the last K-1 inputs of q, k and v per request and KDA layer.
 struct ConvState {
   ConvStateDtype dtype = ConvStateDtype::bf16;   // vLLM mamba_cache_dtype "auto" = model dtype
   ConvStateLayout layout = ConvStateLayout::sd;  // vLLM VLLM_SSM_CONV_STATE_LAYOUT default "SD"
+  bool operator==(const ConvState&) const = default;
 };
 
 // Decode context parallelism (vLLM decode_context_parallel_size / cp_kv_cache_interleave_size):
@@ -97,6 +100,7 @@ struct ConvState {
 struct Dcp {
   int64_t size = 1;
   int64_t interleave = 1;
+  bool operator==(const Dcp&) const = default;
 };
 
 // L2 weight prefetch on a side stream (runtime/ prefetch controller). Caps bound the bytes one
@@ -112,6 +116,7 @@ struct Prefetch {
   int64_t max_rows = 8;
   // Per-width caps that replace the rule above; 0 turns prefetch off at that width.
   std::map<int64_t, int64_t> width_cap_bytes;
+  bool operator==(const Prefetch&) const = default;
 };
 
 // Limits of the sparse-attention indexer's prefill path (DeepSeek-V3.2-style DSA models; the Kimi
@@ -122,6 +127,7 @@ struct Indexer {
   int64_t max_keys_per_chunk = 40 * 163840;
   // Requests in one prefill chunk: vLLM's max_num_seqs default on H100/H200-class GPUs.
   int64_t max_requests = 1024;
+  bool operator==(const Indexer&) const = default;
 };
 
 struct Deploy {
