@@ -551,7 +551,8 @@ Json to_json(const Deploy& d) {
 std::vector<std::string> known_keys() {
   std::vector<std::string> out;
   for (const Section& s : sections())
-    for (std::string_view k : s.keys) out.push_back(s.name.empty() ? std::string(k) : std::string(s.name) + "." + std::string(k));
+    for (std::string_view k : s.keys)
+      out.push_back(s.name.empty() ? std::string(k) : fmt::format("{}.{}", s.name, k));
   std::sort(out.begin(), out.end());
   return out;
 }
