@@ -21,6 +21,9 @@ int main(int argc, char** argv) {
   dp::tools::Action action;
   dp::tools::add_synth(app, action);
   dp::tools::add_plan(app, action);
+  dp::tools::add_build(app, action);
+  dp::tools::add_inspect(app, action);
+  dp::tools::add_verify(app, action);
 
   try {
     app.parse(argc, argv);

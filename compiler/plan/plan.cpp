@@ -190,12 +190,33 @@ Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deplo
   for (const std::string& target : d.targets) {
     for (LayerClass c : classes)
       for (int64_t w : d.widths) {
-        KernelInstance k{to_string(c), class_params(m, d, c, w), target, "", w};
-        k.name = kernel_name(k.op, k.params);
+        KernelInstance k;
+        k.target = target;
+        k.width = w;
+        if (c == LayerClass::final_norm) {
+          // The model's last norm is the fused residual add + RMSNorm over the step's rows.
+          k.op = "rmsnorm";
+          k.role = "final_norm";
+          k.params = {{"w", w * q}, {"h", m.hidden}};
+          k.codegen = {k.op, {{"W", w * q}, {"H", m.hidden}}, target};
+          k.available = true;
+          k.name = codegen::kernel_name(k.codegen);
+        } else {
+          k.op = to_string(c);
+          k.role = std::string("layer:") + to_string(c);
+          k.params = class_params(m, d, c, w);
+          k.name = kernel_name(k.op, k.params);
+        }
         plan.kernels.push_back(std::move(k));
       }
-    KernelInstance pf{"prefetch", {{"t", 32}}, target, "", 0};
-    pf.name = kernel_name(pf.op, pf.params);
+    KernelInstance pf;
+    pf.op = "prefetch";
+    pf.role = "prefetch";
+    pf.target = target;
+    pf.params = {{"b", 32}};
+    pf.codegen = {"prefetch", {{"B", 32}}, target};
+    pf.available = true;
+    pf.name = codegen::kernel_name(pf.codegen);
     plan.kernels.push_back(std::move(pf));
   }
   std::sort(plan.kernels.begin(), plan.kernels.end(), [](const KernelInstance& a, const KernelInstance& b) {
@@ -348,7 +369,8 @@ Json to_json(const Plan& p, const Model& m, const deploy::Deploy& d) {
   for (const KernelInstance& k : p.kernels) {
     Json params = Json::object();
     for (const auto& [key, v] : k.params) params[key] = v;
-    kernels.push_back({{"name", k.name}, {"op", k.op}, {"target", k.target}, {"width", k.width}, {"params", params}});
+    kernels.push_back({{"name", k.name}, {"op", k.op}, {"role", k.role}, {"target", k.target}, {"width", k.width},
+                       {"params", params}, {"available", k.available}});
   }
   j["kernels"] = std::move(kernels);
   Json ranks = Json::array();
@@ -416,9 +438,12 @@ std::string to_text(const Plan& p, const Model& m, const deploy::Deploy& d) {
   line_to(out, "deploy    targets {}; tensor_parallel {} (ranks {}); widths {}; q {}; kv {} block {}",
        fmt::join(d.targets, ","), d.tensor_parallel, fmt::join(d.ranks, ","), fmt::join(d.widths, ","), d.q(),
        deploy::to_string(d.kv_cache.dtype), d.kv_cache.block_size);
-  line_to(out, "kernels   {} instances", p.kernels.size());
+  size_t available = 0;
+  for (const KernelInstance& k : p.kernels) available += k.available;
+  line_to(out, "kernels   {} instances ({} with device templates in this version; `-` marks planned layer "
+          "programs the build does not compile yet)", p.kernels.size(), available);
   std::map<std::string, std::vector<std::string>> by_target;
-  for (const KernelInstance& k : p.kernels) by_target[k.target].push_back(k.name);
+  for (const KernelInstance& k : p.kernels) by_target[k.target].push_back((k.available ? "+ " : "- ") + k.name);
   for (const auto& [t, names] : by_target) {
     line_to(out, "  {} ({}):", t, names.size());
     for (const std::string& n : names) line_to(out, "    {}", n);

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "codegen/kernel.h"
 #include "common/json.h"
 #include "deploy/deploy.h"
 #include "model/ir.h"
@@ -21,15 +22,20 @@ enum class LayerClass { kda_dense, kda_moe, kda_latent_moe, mla_dense, mla_moe, 
 const char* to_string(LayerClass c);
 LayerClass layer_class(const model::LayerSpec& l);
 
-// One compiled kernel: a layer program (or the prefetch kernel) for one width, q and target.
-// `params` are every compile-time constant in a fixed order; `name` is a function of op and params
-// and is the symbol, the file stem and the manifest key (with ".<target>" appended for the file).
+// One kernel to build: a layer program (or the final norm, or the prefetch kernel) for one width, q
+// and target. `params` are every compile-time constant in a fixed order; `name` is a function of op
+// and params and is the symbol, the file stem and the manifest key (with ".<target>" appended).
 struct KernelInstance {
   std::string op;                                      // layer class name, "prefetch", "rmsnorm"
   std::vector<std::pair<std::string, int64_t>> params;  // e.g. {"w",4},{"q",1},{"h",2304},...
   std::string target;                                  // "sm_90a", "gfx942"
   std::string name;
+  std::string role;                                    // "layer:kda_moe", "final_norm", "prefetch"
   int64_t width = 0;                                   // 0 for width-independent kernels
+  // The op has device templates in this version (codegen knows it): the build compiles it. Layer
+  // programs without templates are planned but not built; the runtime falls back for those layers.
+  bool available = false;
+  codegen::KernelInstance codegen;                     // set when available
   int64_t param(std::string_view key) const;           // -1 when absent
 };
 std::string kernel_name(std::string_view op, const std::vector<std::pair<std::string, int64_t>>& params);

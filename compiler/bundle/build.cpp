@@ -1,0 +1,242 @@
+#include "bundle/build.h"
+
+#include <chrono>
+#include <thread>
+
+#include "backend/compile.h"
+#include "bundle/archive.h"
+#include "bundle/fingerprint.h"
+#include "common/error.h"
+#include "common/fs.h"
+#include "common/hash.h"
+#include "deploy/deploy.h"
+#include "format/manifest.h"
+#include "model/inventory.h"
+#include "model/ir.h"
+#include "model/safetensors.h"
+#include "plan/plan.h"
+
+namespace fs = std::filesystem;
+
+namespace dp::bundle {
+namespace {
+
+Json model_details(const model::Model& m) {
+  Json kda = {{"num_heads", m.kda.num_heads},     {"head_dim", m.kda.head_dim},
+              {"conv_kernel", m.kda.conv_kernel}, {"gate_rank", m.kda.gate_rank},
+              {"full_rank_gate", m.kda.full_rank_gate}};
+  if (m.kda.gate_lower_bound) kda["gate_lower_bound"] = *m.kda.gate_lower_bound;
+  return {{"prefix", m.prefix},
+          {"activation", model::to_string(m.activation)},
+          {"attn_res_block", m.attn_res_block},
+          {"dense_intermediate", m.dense_intermediate},
+          {"kda", kda},
+          {"mla",
+           {{"num_heads", m.mla.num_heads},
+            {"q_lora_rank", m.mla.q_lora_rank},
+            {"kv_lora_rank", m.mla.kv_lora_rank},
+            {"qk_nope_head_dim", m.mla.qk_nope_head_dim},
+            {"qk_rope_head_dim", m.mla.qk_rope_head_dim},
+            {"v_head_dim", m.mla.v_head_dim},
+            {"output_gate", m.mla.output_gate}}},
+          {"moe",
+           {{"num_experts", m.moe.num_experts},
+            {"top_k", m.moe.top_k},
+            {"intermediate", m.moe.intermediate},
+            {"num_shared", m.moe.num_shared},
+            {"routed_scaling", m.moe.routed_scaling},
+            {"renormalize", m.moe.renormalize},
+            {"latent_dim", m.moe.latent_dim},
+            {"expert_format", model::to_string(m.moe.expert_format)}}}};
+}
+
+std::string file_ext(const std::string& target) {
+  const deploy::TargetInfo* t = deploy::find_target(target);
+  return t && t->vendor == deploy::Vendor::hip ? ".hsaco" : ".cubin";
+}
+
+}  // namespace
+
+BuildResult build_bundle(const BuildOptions& o) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto log = [&](const std::string& s) {
+    if (o.log) o.log(s);
+  };
+  const unsigned jobs = o.jobs ? o.jobs : std::max(1u, std::thread::hardware_concurrency());
+  if (o.out.empty()) fail(Errc::usage, "build: -o/--output is required");
+
+  model::Model m = model::load_model(o.model);
+  deploy::Deploy d = deploy::load_deploy(o.deploy);
+  plan::PlanOptions po;
+  po.context = o.context;
+  plan::Plan p = plan::make_plan(m, d, o.deploy, po);
+
+  // Weights: inventory, then one fingerprint per shard (per expert for expert groups) per rank.
+  std::error_code ec;
+  const bool have_ckpt = o.weights && fs::is_directory(o.model, ec) && st::Checkpoint::present(o.model);
+  std::optional<st::Checkpoint> ckpt;
+  model::Inventory inv;
+  if (have_ckpt) {
+    ckpt.emplace(st::Checkpoint::open(o.model));
+    inv = model::check_inventory(m, *ckpt);
+    model::require_inventory(inv, o.model);
+  }
+
+  format::Manifest man;
+  man.tool_version = DP_VERSION_STRING;
+  man.model.model_type = m.model_type;
+  man.model.architecture = m.architecture;
+  man.model.config_digest = "sha256:" + m.config_digest;
+  man.model.hidden_size = m.hidden;
+  man.model.num_layers = m.num_layers;
+  man.model.vocab_size = m.vocab;
+  man.model.rms_norm_eps = m.rms_norm_eps;
+  man.model.details = model_details(m);
+  man.deploy = deploy::to_json(d);
+  man.weights_fingerprinted = have_ckpt;
+  for (const plan::LayerPlan& l : p.ranks.front().layers)
+    man.layers.push_back({l.index, model::to_string(l.mixer), model::to_string(l.ffn), plan::to_string(l.cls)});
+
+  // Rank weight tables (decode weights only: embeddings and the LM head stay with the host).
+  std::vector<ShardRef> refs;
+  std::vector<std::pair<size_t, size_t>> ref_slots;  // (rank index, weight entry index) per ref
+  for (size_t ri = 0; ri < p.ranks.size(); ++ri) {
+    const plan::RankPlan& rp = p.ranks[ri];
+    format::RankEntry re;
+    re.rank = rp.rank;
+    for (const plan::WeightShard& s : rp.shards) {
+      const model::WeightSpec& w = m.weights[s.weight];
+      if (!w.decode) continue;
+      format::WeightEntry we;
+      we.name = s.name;
+      we.dtype = std::string(dtype_name(w.dtype));
+      we.shape = s.shape;
+      we.split_dim = s.split_dim;
+      we.begin = s.split_dim >= 0 ? s.begin : 0;
+      we.end = s.split_dim >= 0 ? s.end : 0;
+      we.experts = s.experts;
+      we.layer = w.layer;
+      if (have_ckpt) {
+        const size_t n = s.experts > 0 ? static_cast<size_t>(s.experts) : 1;
+        for (size_t e = 0; e < n; ++e) {
+          // Expert e's tensor is the e-th per-expert copy of the IR entry (IR order: experts consecutive
+          // per key, so locate by name).
+          size_t wi = s.weight;
+          if (s.experts > 0) {
+            std::string name = s.name;
+            name.replace(name.find("{e}"), 3, std::to_string(e));
+            const model::WeightSpec* ws = m.find(name);
+            wi = static_cast<size_t>(ws - m.weights.data());
+          }
+          refs.push_back({inv.resolved[wi], s.split_dim, s.begin, s.end, w.dtype});
+          ref_slots.push_back({ri, re.weights.size()});
+        }
+      }
+      re.weights.push_back(std::move(we));
+    }
+    man.ranks.push_back(std::move(re));
+  }
+  if (have_ckpt) {
+    log(fmt::format("fingerprinting {} weight shards on {} threads", refs.size(), jobs));
+    std::vector<std::string> digests = fingerprint_all(*ckpt, refs, jobs);
+    for (size_t i = 0; i < refs.size(); ++i)
+      man.ranks[ref_slots[i].first].weights[ref_slots[i].second].sha256.push_back(digests[i]);
+  }
+
+  for (const plan::PrefetchTable& t : p.ranks.front().prefetch) {
+    format::PrefetchEntry pe{t.point, t.layer, t.widths, t.critical, t.grid, {}};
+    for (const plan::PrefetchRange& r : t.ranges) pe.ranges.push_back({r.name, r.bytes});
+    man.prefetch.push_back(std::move(pe));
+  }
+  for (const plan::Workspace& w : p.ranks.front().workspace) man.workspace.push_back({w.width, w.bytes});
+
+  // Kernels.
+  std::vector<codegen::KernelInstance> instances;
+  std::vector<const plan::KernelInstance*> planned;
+  BuildResult res;
+  for (const plan::KernelInstance& k : p.kernels) {
+    if (!k.available) {
+      ++res.planned_only;
+      continue;
+    }
+    instances.push_back(k.codegen);
+    planned.push_back(&k);
+  }
+  backend::CompileOptions co;
+  co.jobs = jobs;
+  co.cache_dir = o.cache_dir;
+  co.use_cache = o.use_cache;
+  co.toolchains = o.toolchains;
+  if (o.log) co.progress = backend::progress_printer(stderr, o.progress_tty);
+  log(fmt::format("compiling {} kernels ({} planned layer programs are not built by this version)",
+                  instances.size(), res.planned_only));
+  backend::CompileReport report = backend::compile_all(instances, co);
+  man.toolchains = Json::object();
+  for (const auto& [vendor, version] : report.toolchains) man.toolchains[vendor] = version;
+  man.templates_digest = report.templates_digest;
+
+  StagingDir stage(o.out.extension() == ".dpk" ? fs::path(o.out.string() + ".d") : o.out);
+  for (size_t i = 0; i < report.kernels.size(); ++i) {
+    const backend::CompiledKernel& ck = report.kernels[i];
+    const plan::KernelInstance& pk = *planned[i];
+    for (const std::string& w : ck.warnings) log(fmt::format("warning: {}: {}", ck.key, w));
+    format::KernelEntry e;
+    e.key = ck.key;
+    e.name = ck.name;
+    e.op = pk.op;
+    e.role = pk.role;
+    e.target = pk.target;
+    e.width = pk.width;
+    e.q = pk.width ? d.q() : 0;
+    e.file = "kernels/" + pk.target + "/" + ck.key + file_ext(pk.target);
+    e.sha256 = ck.sha256;
+    e.param_bytes = ck.signature.bytes;
+    for (const codegen::KernelParam& kp : ck.signature.params)
+      e.params.push_back({kp.name,
+                          kp.kind == codegen::KernelParam::Kind::pointer ? "pointer"
+                          : kp.kind == codegen::KernelParam::Kind::u32   ? "u32"
+                                                                         : "f32",
+                          kp.offset, kp.size, kp.shape, kp.nullable});
+    for (int a = 0; a < 3; ++a) e.grid[a] = ck.launch.grid[a], e.block[a] = ck.launch.block[a];
+    e.shared_bytes = ck.usage.shared_bytes;
+    e.registers = ck.usage.registers;
+    e.stack_bytes = ck.usage.stack_bytes;
+    e.spill_bytes = ck.usage.spill_bytes;
+    fs::create_directories(stage.path() / fs::path(e.file).parent_path());
+    write_file_atomic(stage.path() / e.file,
+                      std::string_view(reinterpret_cast<const char*>(ck.code_object.data()), ck.code_object.size()));
+    man.files.push_back({e.file, ck.code_object.size(), ck.sha256});
+    man.kernels.push_back(std::move(e));
+    if (!o.emit_source.empty()) {
+      fs::create_directories(o.emit_source);
+      write_file_atomic(o.emit_source / (ck.key + ".cu"), ck.source);
+    }
+  }
+  std::sort(man.kernels.begin(), man.kernels.end(),
+            [](const format::KernelEntry& a, const format::KernelEntry& b) { return a.key < b.key; });
+  std::sort(man.files.begin(), man.files.end(),
+            [](const format::FileEntry& a, const format::FileEntry& b) { return a.path < b.path; });
+  try {
+    format::validate(man, "manifest");
+  } catch (const format::FormatError& e) {
+    fail(Errc::internal, "build produced an invalid manifest: {}", e.what());
+  }
+  const std::string bytes = format::canonical_bytes(man);
+  write_file_atomic(stage.path() / format::kManifestFile, bytes);
+
+  if (o.out.extension() == ".dpk") {
+    write_archive(stage.path(), o.out);  // staged under a temporary name and renamed by write_archive
+  } else {
+    stage.commit();
+  }
+  res.out = o.out;
+  res.digest = "sha256:" + sha256_hex(bytes);
+  res.kernels = man.kernels.size();
+  res.fingerprinted = have_ckpt;
+  res.fingerprints = refs.size();
+  res.cache = report.cache;
+  res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return res;
+}
+
+}  // namespace dp::bundle

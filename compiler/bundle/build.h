@@ -1,0 +1,45 @@
+// `decodepack build`: plan, fingerprint the weights, generate and compile the kernels, write the
+// manifest, and publish the bundle (a directory or a .dpk archive) with one atomic rename.
+//
+// The output is a function of the inputs only: the same model, deploy config, tool version and
+// toolchains give the same bytes whatever the thread count, the clock, the locale or the output path.
+#pragma once
+
+#include <filesystem>
+#include <functional>
+#include <string>
+
+#include "backend/cache.h"
+#include "backend/toolchain.h"
+
+namespace dp::bundle {
+
+struct BuildOptions {
+  std::string model;                 // checkpoint dir, config file or preset
+  std::string deploy = "default";    // deploy file or "default"
+  std::filesystem::path out;         // "x.dpk": archive; anything else: directory
+  unsigned jobs = 0;                 // 0: hardware concurrency
+  std::filesystem::path cache_dir;   // empty: the default compile cache
+  bool use_cache = true;
+  std::filesystem::path emit_source; // when set: write every generated translation unit there
+  backend::ToolchainOptions toolchains;
+  bool weights = true;               // fingerprint the checkpoint's weights when it has any
+  int64_t context = 4096;            // plan's KV estimate (recorded in the plan, not the manifest)
+  std::function<void(const std::string&)> log;         // progress lines (stderr)
+  bool progress_tty = false;
+};
+
+struct BuildResult {
+  std::filesystem::path out;
+  std::string digest;                // "sha256:..." of manifest.json
+  size_t kernels = 0;                // compiled code objects
+  size_t planned_only = 0;           // planned layer programs not built by this version
+  bool fingerprinted = false;
+  size_t fingerprints = 0;
+  backend::CacheStats cache;
+  double seconds = 0;
+};
+
+BuildResult build_bundle(const BuildOptions& o);
+
+}  // namespace dp::bundle

@@ -1,0 +1,348 @@
+#include "format/manifest.h"
+
+#include <algorithm>
+#include <set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+namespace dp::format {
+namespace {
+
+[[noreturn]] void schema_error(const std::string& where, const std::string& msg) {
+  throw FormatError(FormatError::Kind::schema, where + ": " + msg);
+}
+
+// Strict field reader over one JSON object, with the field path for messages.
+class Obj {
+ public:
+  Obj(const Json& j, std::string where, std::string path) : j_(j), where_(std::move(where)), path_(std::move(path)) {
+    if (!j_.is_object()) schema_error(where_, fmt::format("{} is {}, expected an object", label(), j_.type_name()));
+  }
+  std::string field(std::string_view k) const { return path_.empty() ? std::string(k) : path_ + "." + std::string(k); }
+  const Json& get(std::string_view k) const {
+    auto it = j_.find(k);
+    if (it == j_.end()) schema_error(where_, fmt::format("missing field {}", field(k)));
+    return *it;
+  }
+  bool has(std::string_view k) const { return j_.contains(k); }
+  std::string str(std::string_view k) const {
+    const Json& v = get(k);
+    if (!v.is_string()) schema_error(where_, fmt::format("field {} is {}, expected a string", field(k), v.type_name()));
+    return v.get<std::string>();
+  }
+  template <typename T>
+  T num(std::string_view k, T lo = std::numeric_limits<T>::lowest(), T hi = std::numeric_limits<T>::max()) const {
+    const Json& v = get(k);
+    if (!v.is_number() || (std::is_integral_v<T> && !v.is_number_integer()))
+      schema_error(where_, fmt::format("field {} is {} ({}), expected {}", field(k), v.type_name(), v.dump(),
+                                       std::is_integral_v<T> ? "an integer" : "a number"));
+    if constexpr (std::is_integral_v<T>) {
+      if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(hi)
+                                 : (v.get<int64_t>() < static_cast<int64_t>(lo) || v.get<int64_t>() > static_cast<int64_t>(hi)))
+        schema_error(where_, fmt::format("field {} is {}, expected {}..{}", field(k), v.dump(), lo, hi));
+    }
+    return v.get<T>();
+  }
+  bool boolean(std::string_view k) const {
+    const Json& v = get(k);
+    if (!v.is_boolean()) schema_error(where_, fmt::format("field {} is {}, expected true or false", field(k), v.type_name()));
+    return v.get<bool>();
+  }
+  const Json& array(std::string_view k) const {
+    const Json& v = get(k);
+    if (!v.is_array()) schema_error(where_, fmt::format("field {} is {}, expected an array", field(k), v.type_name()));
+    return v;
+  }
+  Obj obj(std::string_view k) const { return Obj(get(k), where_, field(k)); }
+  Obj at(std::string_view k, size_t i) const { return Obj(array(k)[i], where_, fmt::format("{}[{}]", field(k), i)); }
+  std::vector<int64_t> ints(std::string_view k) const {
+    std::vector<int64_t> out;
+    const Json& a = array(k);
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (!a[i].is_number_integer())
+        schema_error(where_, fmt::format("field {}[{}] is {}, expected an integer", field(k), i, a[i].type_name()));
+      out.push_back(a[i].get<int64_t>());
+    }
+    return out;
+  }
+  std::vector<std::string> strs(std::string_view k) const {
+    std::vector<std::string> out;
+    const Json& a = array(k);
+    for (size_t i = 0; i < a.size(); ++i) {
+      if (!a[i].is_string())
+        schema_error(where_, fmt::format("field {}[{}] is {}, expected a string", field(k), i, a[i].type_name()));
+      out.push_back(a[i].get<std::string>());
+    }
+    return out;
+  }
+  void dim3(std::string_view k, uint32_t out[3]) const {
+    std::vector<int64_t> v = ints(k);
+    if (v.size() != 3) schema_error(where_, fmt::format("field {} has {} entries, expected 3", field(k), v.size()));
+    for (int i = 0; i < 3; ++i) {
+      if (v[i] < 1 || v[i] > 0x7fffffff) schema_error(where_, fmt::format("field {}[{}] is {}, expected >= 1", field(k), i, v[i]));
+      out[i] = static_cast<uint32_t>(v[i]);
+    }
+  }
+  const std::string& where() const { return where_; }
+  std::string label() const { return path_.empty() ? "top level" : path_; }
+
+ private:
+  const Json& j_;
+  std::string where_, path_;
+};
+
+bool is_hex64(const std::string& s) {
+  return s.size() == 64 && std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
+}
+
+bool safe_path(const std::string& p) {
+  if (p.empty() || p.front() == '/' || p.back() == '/' || p.find('\\') != std::string::npos) return false;
+  size_t start = 0;
+  while (start <= p.size()) {
+    size_t end = p.find('/', start);
+    if (end == std::string::npos) end = p.size();
+    std::string part = p.substr(start, end - start);
+    if (part.empty() || part == "." || part == "..") return false;
+    start = end + 1;
+  }
+  return true;
+}
+
+}  // namespace
+
+void check_version(const Version& v, const std::string& where) {
+  if (v.major != kFormatMajor || v.minor > kFormatMinor)
+    throw FormatError(FormatError::Kind::version,
+                      fmt::format("{}: bundle format version {}.{} is not supported by this reader (format {}.{}; "
+                                  "supported: {}.0 to {}.{}){}",
+                                  where, v.major, v.minor, kFormatMajor, kFormatMinor, kFormatMajor, kFormatMajor,
+                                  kFormatMinor,
+                                  v.major > kFormatMajor || (v.major == kFormatMajor && v.minor > kFormatMinor)
+                                      ? ": upgrade decodepack, or rebuild the bundle with this version"
+                                      : ": rebuild the bundle with this version of decodepack"));
+}
+
+Manifest from_json(const Json& j, const std::string& where) {
+  Obj top(j, where, "");
+  Manifest m;
+  m.format = top.str("format");
+  if (m.format != kFormatName)
+    schema_error(where, fmt::format("field format is \"{}\", expected \"{}\"", m.format, kFormatName));
+  Obj fv = top.obj("format_version");
+  m.format_version = {fv.num<int>("major", 0, 1 << 20), fv.num<int>("minor", 0, 1 << 20)};
+  check_version(m.format_version, where);
+
+  m.tool_version = top.str("tool_version");
+  m.toolchains = top.get("toolchains");
+  if (!m.toolchains.is_object()) schema_error(where, "field toolchains is not an object");
+  m.templates_digest = top.str("templates_digest");
+
+  Obj mo = top.obj("model");
+  m.model.model_type = mo.str("model_type");
+  m.model.architecture = mo.str("architecture");
+  m.model.config_digest = mo.str("config_digest");
+  m.model.hidden_size = mo.num<int64_t>("hidden_size", 1);
+  m.model.num_layers = mo.num<int64_t>("num_layers", 1);
+  m.model.vocab_size = mo.num<int64_t>("vocab_size", 1);
+  m.model.rms_norm_eps = mo.num<double>("rms_norm_eps");
+  m.model.details = mo.get("details");
+  m.deploy = top.get("deploy");
+  if (!m.deploy.is_object()) schema_error(where, "field deploy is not an object");
+  m.weights_fingerprinted = top.boolean("weights_fingerprinted");
+
+  for (size_t i = 0; i < top.array("layers").size(); ++i) {
+    Obj l = top.at("layers", i);
+    m.layers.push_back({l.num<int>("index", 0), l.str("mixer"), l.str("ffn"), l.str("class")});
+  }
+  for (size_t i = 0; i < top.array("kernels").size(); ++i) {
+    Obj k = top.at("kernels", i);
+    KernelEntry e;
+    e.key = k.str("key");
+    e.name = k.str("name");
+    e.op = k.str("op");
+    e.role = k.str("role");
+    e.target = k.str("target");
+    e.width = k.num<int64_t>("width", 0, 1 << 16);
+    e.q = k.num<int64_t>("q", 0, 64);
+    e.file = k.str("file");
+    e.sha256 = k.str("sha256");
+    e.param_bytes = k.num<uint32_t>("param_bytes");
+    for (size_t p = 0; p < k.array("params").size(); ++p) {
+      Obj po = k.at("params", p);
+      e.params.push_back({po.str("name"), po.str("kind"), po.num<uint32_t>("offset"), po.num<uint32_t>("size"),
+                          po.str("shape"), po.boolean("nullable")});
+    }
+    k.dim3("grid", e.grid);
+    k.dim3("block", e.block);
+    e.shared_bytes = k.num<uint32_t>("shared_bytes");
+    e.registers = k.num<uint32_t>("registers");
+    e.stack_bytes = k.num<uint32_t>("stack_bytes");
+    e.spill_bytes = k.num<uint32_t>("spill_bytes");
+    m.kernels.push_back(std::move(e));
+  }
+  for (size_t i = 0; i < top.array("ranks").size(); ++i) {
+    Obj r = top.at("ranks", i);
+    RankEntry re;
+    re.rank = r.num<int64_t>("rank", 0, 1023);
+    for (size_t w = 0; w < r.array("weights").size(); ++w) {
+      Obj wo = r.at("weights", w);
+      WeightEntry we;
+      we.name = wo.str("name");
+      we.dtype = wo.str("dtype");
+      we.shape = wo.ints("shape");
+      we.split_dim = wo.num<int>("split_dim", -1, 8);
+      we.begin = wo.num<int64_t>("begin", 0);
+      we.end = wo.num<int64_t>("end", 0);
+      we.experts = wo.num<int64_t>("experts", 0);
+      we.layer = wo.num<int>("layer", -1);
+      we.sha256 = wo.strs("sha256");
+      re.weights.push_back(std::move(we));
+    }
+    m.ranks.push_back(std::move(re));
+  }
+  for (size_t i = 0; i < top.array("prefetch").size(); ++i) {
+    Obj p = top.at("prefetch", i);
+    PrefetchEntry pe;
+    pe.point = p.str("point");
+    pe.layer = p.num<int>("layer", 0);
+    pe.widths = p.ints("widths");
+    pe.critical = p.boolean("critical");
+    pe.grid = p.num<int>("grid", 1, 65535);
+    for (size_t r = 0; r < p.array("ranges").size(); ++r) {
+      Obj ro = p.at("ranges", r);
+      pe.ranges.push_back({ro.str("weight"), ro.num<uint64_t>("bytes")});
+    }
+    m.prefetch.push_back(std::move(pe));
+  }
+  for (size_t i = 0; i < top.array("workspace").size(); ++i) {
+    Obj w = top.at("workspace", i);
+    m.workspace.push_back({w.num<int64_t>("width", 1), w.num<uint64_t>("bytes")});
+  }
+  for (size_t i = 0; i < top.array("files").size(); ++i) {
+    Obj f = top.at("files", i);
+    m.files.push_back({f.str("path"), f.num<uint64_t>("size"), f.str("sha256")});
+  }
+  validate(m, where);
+  return m;
+}
+
+Json to_json(const Manifest& m) {
+  Json j;
+  j["format"] = m.format;
+  j["format_version"] = {{"major", m.format_version.major}, {"minor", m.format_version.minor}};
+  j["tool_version"] = m.tool_version;
+  j["toolchains"] = m.toolchains;
+  j["templates_digest"] = m.templates_digest;
+  j["model"] = {{"model_type", m.model.model_type},   {"architecture", m.model.architecture},
+                {"config_digest", m.model.config_digest}, {"hidden_size", m.model.hidden_size},
+                {"num_layers", m.model.num_layers},   {"vocab_size", m.model.vocab_size},
+                {"rms_norm_eps", m.model.rms_norm_eps}, {"details", m.model.details}};
+  j["deploy"] = m.deploy;
+  j["weights_fingerprinted"] = m.weights_fingerprinted;
+  j["layers"] = Json::array();
+  for (const LayerEntry& l : m.layers)
+    j["layers"].push_back({{"index", l.index}, {"mixer", l.mixer}, {"ffn", l.ffn}, {"class", l.cls}});
+  j["kernels"] = Json::array();
+  for (const KernelEntry& k : m.kernels) {
+    Json params = Json::array();
+    for (const KernelParamEntry& p : k.params)
+      params.push_back({{"name", p.name}, {"kind", p.kind}, {"offset", p.offset}, {"size", p.size},
+                        {"shape", p.shape}, {"nullable", p.nullable}});
+    j["kernels"].push_back({{"key", k.key}, {"name", k.name}, {"op", k.op}, {"role", k.role}, {"target", k.target},
+                            {"width", k.width}, {"q", k.q}, {"file", k.file}, {"sha256", k.sha256},
+                            {"param_bytes", k.param_bytes}, {"params", std::move(params)},
+                            {"grid", {k.grid[0], k.grid[1], k.grid[2]}}, {"block", {k.block[0], k.block[1], k.block[2]}},
+                            {"shared_bytes", k.shared_bytes}, {"registers", k.registers},
+                            {"stack_bytes", k.stack_bytes}, {"spill_bytes", k.spill_bytes}});
+  }
+  j["ranks"] = Json::array();
+  for (const RankEntry& r : m.ranks) {
+    Json ws = Json::array();
+    for (const WeightEntry& w : r.weights)
+      ws.push_back({{"name", w.name}, {"dtype", w.dtype}, {"shape", w.shape}, {"split_dim", w.split_dim},
+                    {"begin", w.begin}, {"end", w.end}, {"experts", w.experts}, {"layer", w.layer},
+                    {"sha256", w.sha256}});
+    j["ranks"].push_back({{"rank", r.rank}, {"weights", std::move(ws)}});
+  }
+  j["prefetch"] = Json::array();
+  for (const PrefetchEntry& p : m.prefetch) {
+    Json ranges = Json::array();
+    for (const PrefetchRangeEntry& r : p.ranges) ranges.push_back({{"weight", r.weight}, {"bytes", r.bytes}});
+    j["prefetch"].push_back({{"point", p.point}, {"layer", p.layer}, {"widths", p.widths}, {"critical", p.critical},
+                             {"grid", p.grid}, {"ranges", std::move(ranges)}});
+  }
+  j["workspace"] = Json::array();
+  for (const WorkspaceEntry& w : m.workspace) j["workspace"].push_back({{"width", w.width}, {"bytes", w.bytes}});
+  j["files"] = Json::array();
+  for (const FileEntry& f : m.files) j["files"].push_back({{"path", f.path}, {"size", f.size}, {"sha256", f.sha256}});
+  return j;
+}
+
+std::string canonical_bytes(const Manifest& m) { return to_json(m).dump() + "\n"; }
+
+void validate(const Manifest& m, const std::string& where) {
+  auto bad = [&](const std::string& msg) { schema_error(where, msg); };
+  if (m.format != kFormatName) bad(fmt::format("format is \"{}\", expected \"{}\"", m.format, kFormatName));
+  check_version(m.format_version, where);
+  if (m.model.config_digest.rfind("sha256:", 0) != 0 || !is_hex64(m.model.config_digest.substr(7)))
+    bad(fmt::format("model.config_digest \"{}\" is not \"sha256:<64 hex digits>\"", m.model.config_digest));
+  if (!m.templates_digest.empty() && !is_hex64(m.templates_digest))
+    bad(fmt::format("templates_digest \"{}\" is not 64 hex digits", m.templates_digest));
+
+  std::set<std::string> files;
+  for (size_t i = 0; i < m.files.size(); ++i) {
+    const FileEntry& f = m.files[i];
+    if (!safe_path(f.path)) bad(fmt::format("files[{}].path \"{}\" is not a safe relative path", i, f.path));
+    if (f.path == kManifestFile) bad(fmt::format("files[{}] lists {} itself", i, kManifestFile));
+    if (!is_hex64(f.sha256)) bad(fmt::format("files[{}] ({}): sha256 \"{}\" is not 64 hex digits", i, f.path, f.sha256));
+    if (i > 0 && !(m.files[i - 1].path < f.path))
+      bad(fmt::format("files[{}] ({}) is not after files[{}] ({}): paths must be sorted and unique", i, f.path, i - 1,
+                      m.files[i - 1].path));
+    files.insert(f.path);
+  }
+  std::set<int64_t> widths;
+  if (m.deploy.contains("widths") && m.deploy["widths"].is_array())
+    for (const Json& w : m.deploy["widths"])
+      if (w.is_number_integer()) widths.insert(w.get<int64_t>());
+  for (size_t i = 0; i < m.kernels.size(); ++i) {
+    const KernelEntry& k = m.kernels[i];
+    if (k.key != k.name + "." + k.target)
+      bad(fmt::format("kernels[{}]: key \"{}\", expected \"{}.{}\" (name.target)", i, k.key, k.name, k.target));
+    if (i > 0 && !(m.kernels[i - 1].key < k.key))
+      bad(fmt::format("kernels[{}] ({}) is not after kernels[{}] ({}): keys must be sorted and unique", i, k.key,
+                      i - 1, m.kernels[i - 1].key));
+    if (!files.count(k.file)) bad(fmt::format("kernels[{}] ({}): file {} is not listed in files", i, k.key, k.file));
+    if (!is_hex64(k.sha256)) bad(fmt::format("kernels[{}] ({}): sha256 \"{}\" is not 64 hex digits", i, k.key, k.sha256));
+    if (k.width != 0 && !widths.empty() && !widths.count(k.width))
+      bad(fmt::format("kernels[{}] ({}): width {} is not one of the deploy's widths", i, k.key, k.width));
+    uint32_t end = 0;
+    for (const KernelParamEntry& p : k.params) end = std::max(end, p.offset + p.size);
+    if (!k.params.empty() && end != k.param_bytes)
+      bad(fmt::format("kernels[{}] ({}): params end at byte {}, param_bytes is {}", i, k.key, end, k.param_bytes));
+  }
+  for (size_t i = 0; i < m.ranks.size(); ++i) {
+    const RankEntry& r = m.ranks[i];
+    if (i > 0 && m.ranks[i - 1].rank >= r.rank) bad(fmt::format("ranks[{}]: rank {} out of order", i, r.rank));
+    for (const WeightEntry& w : r.weights) {
+      size_t want = m.weights_fingerprinted ? (w.experts > 0 ? static_cast<size_t>(w.experts) : 1) : 0;
+      if (w.sha256.size() != want)
+        bad(fmt::format("ranks[{}] weight {}: {} fingerprints, expected {}", i, w.name, w.sha256.size(), want));
+      for (const std::string& h : w.sha256)
+        if (!is_hex64(h)) bad(fmt::format("ranks[{}] weight {}: fingerprint \"{}\" is not 64 hex digits", i, w.name, h));
+      if (w.split_dim >= static_cast<int>(w.shape.size()))
+        bad(fmt::format("ranks[{}] weight {}: split_dim {} beyond its {} dims", i, w.name, w.split_dim, w.shape.size()));
+    }
+  }
+  if (!m.ranks.empty()) {
+    std::set<std::string> names;
+    for (const WeightEntry& w : m.ranks[0].weights) names.insert(w.name);
+    for (size_t i = 0; i < m.prefetch.size(); ++i)
+      for (const PrefetchRangeEntry& r : m.prefetch[i].ranges) {
+        if (!names.count(r.weight)) bad(fmt::format("prefetch[{}]: weight {} is not a weight of the bundle", i, r.weight));
+        if (r.bytes % 16) bad(fmt::format("prefetch[{}]: {} bytes of {} is not a multiple of 16", i, r.bytes, r.weight));
+      }
+  }
+}
+
+}  // namespace dp::format

@@ -1,0 +1,160 @@
+// The bundle manifest (manifest.json): one C++ type that the compiler writes and the runtime reads.
+//
+// The normative description is manifests/bundle-format.md; the JSON Schema is
+// manifests/bundle-manifest.schema.json. Both sides go through from_json()/to_json() below, and
+// validate() holds every rule the schema cannot express (cross references, sorted tables, digests'
+// shape), so a manifest the writer accepts is exactly one the reader accepts.
+//
+// Versioning: format_version {major, minor}. A reader accepts its own major and any minor <= its own;
+// anything else is refused before any other field is read, with both versions and the supported range.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dp::format {
+
+using Json = nlohmann::json;
+
+inline constexpr const char* kFormatName = "decodepack-bundle";
+inline constexpr int kFormatMajor = 1;
+inline constexpr int kFormatMinor = 0;
+inline constexpr const char* kManifestFile = "manifest.json";
+
+// Thrown by the reader and validator; `what()` names the file, field, actual and expected value.
+struct FormatError : std::runtime_error {
+  enum class Kind { version, schema, integrity };
+  FormatError(Kind k, std::string msg) : std::runtime_error(std::move(msg)), kind(k) {}
+  Kind kind;
+};
+
+struct Version {
+  int major = kFormatMajor;
+  int minor = kFormatMinor;
+};
+
+struct FileEntry {
+  std::string path;    // relative, '/'-separated, no "..", sorted bytewise in the manifest
+  uint64_t size = 0;
+  std::string sha256;  // 64 lowercase hex digits
+};
+
+struct ModelInfo {
+  std::string model_type;     // "kimi_linear" | "kimi_k3"
+  std::string architecture;
+  std::string config_digest;  // "sha256:<hex>" of the canonical config.json
+  int64_t hidden_size = 0;
+  int64_t num_layers = 0;
+  int64_t vocab_size = 0;
+  double rms_norm_eps = 0;
+  Json details;               // the IR's hyper-parameters (kda, mla, moe blocks), for tools and the runtime
+};
+
+struct LayerEntry {
+  int index = 0;
+  std::string mixer;  // "kda" | "mla"
+  std::string ffn;    // "dense" | "moe" | "latent_moe"
+  std::string cls;    // layer class, e.g. "kda_moe"
+};
+
+struct KernelParamEntry {
+  std::string name;
+  std::string kind;   // "pointer" | "u32" | "f32"
+  uint32_t offset = 0;
+  uint32_t size = 0;
+  std::string shape;  // pointers: "[4, 2304] bf16"
+  bool nullable = false;
+};
+
+struct KernelEntry {
+  std::string key;        // "<name>.<target>": the table's sort key, unique
+  std::string name;       // entry-point symbol
+  std::string op;         // "rmsnorm", "prefetch", layer class, ...
+  std::string role;       // what it is used for: "final_norm", "prefetch", "layer:kda_moe", ...
+  std::string target;     // "sm_90a", "gfx942"
+  int64_t width = 0;      // 0: width-independent
+  int64_t q = 0;          // query rows per request (0: independent)
+  std::string file;       // "kernels/<target>/<key>.cubin|hsaco"
+  std::string sha256;     // of the code object (also in files[])
+  uint32_t param_bytes = 0;
+  std::vector<KernelParamEntry> params;
+  uint32_t grid[3] = {1, 1, 1};
+  uint32_t block[3] = {1, 1, 1};
+  uint32_t shared_bytes = 0;
+  uint32_t registers = 0;
+  uint32_t stack_bytes = 0;
+  uint32_t spill_bytes = 0;
+};
+
+struct WeightEntry {
+  std::string name;            // checkpoint name; "...experts.{e}..." stands for `experts` tensors
+  std::string dtype;           // as bound on the device: "BF16", "F32", "U8", ...
+  std::vector<int64_t> shape;  // the rank's shard
+  int split_dim = -1;          // -1: replicated
+  int64_t begin = 0, end = 0;  // range along split_dim in the full tensor
+  int64_t experts = 0;         // > 0 for per-expert groups
+  int layer = -1;
+  std::vector<std::string> sha256;  // fingerprints: one, or one per expert; empty without weights
+};
+
+struct RankEntry {
+  int64_t rank = 0;
+  std::vector<WeightEntry> weights;
+};
+
+struct PrefetchRangeEntry {
+  std::string weight;  // checkpoint name (a rank's shard of it)
+  uint64_t bytes = 0;  // from the start of the shard, 16-byte multiple
+};
+
+struct PrefetchEntry {
+  std::string point;   // "oproj_down" | "attention_moe" | "next_attention"
+  int layer = 0;
+  std::vector<int64_t> widths;
+  bool critical = false;
+  int grid = 32;
+  std::vector<PrefetchRangeEntry> ranges;
+};
+
+struct WorkspaceEntry {
+  int64_t width = 0;
+  uint64_t bytes = 0;
+};
+
+struct Manifest {
+  std::string format = kFormatName;
+  Version format_version;
+  std::string tool_version;         // decodepack version that wrote it
+  Json toolchains = Json::object(); // vendor -> compiler version string
+  std::string templates_digest;     // sha256 of the device templates used
+  ModelInfo model;
+  Json deploy;                      // the canonical deploy config
+  bool weights_fingerprinted = false;
+  std::vector<LayerEntry> layers;
+  std::vector<KernelEntry> kernels;     // sorted by key
+  std::vector<RankEntry> ranks;         // sorted by rank
+  std::vector<PrefetchEntry> prefetch;  // prefetch tables, identical for every rank
+  std::vector<WorkspaceEntry> workspace;
+  std::vector<FileEntry> files;         // every file of the bundle but manifest.json, sorted by path
+};
+
+// Checks format name and version first (FormatError::Kind::version), then parses every field.
+Manifest from_json(const Json& j, const std::string& where);
+Json to_json(const Manifest& m);
+
+// The canonical bytes of a manifest (sorted keys, no whitespace, trailing newline). The bundle digest
+// is sha256 of exactly these bytes; manifest.json holds them.
+std::string canonical_bytes(const Manifest& m);
+
+// Cross-field rules: sorted unique keys and paths, kernel files listed in files[], digests well formed,
+// prefetch ranges naming weights of rank 0, widths in the deploy's widths. Throws FormatError(schema).
+void validate(const Manifest& m, const std::string& where);
+
+// Reader's version gate, callable on a bare {major, minor}.
+void check_version(const Version& v, const std::string& where);
+
+}  // namespace dp::format

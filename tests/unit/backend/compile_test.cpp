@@ -1,0 +1,331 @@
+// Compiling the templates for real: NVRTC/nvcc for sm_90a, clang for gfx942 and gfx90a; inspecting
+// the code objects; the compile cache; determinism. CPU only: nothing here needs a GPU.
+#include "backend/compile.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <fstream>
+
+#include "backend/inspect.h"
+#include "backend_test_util.h"
+#include "common/fs.h"
+#include "common/hash.h"
+
+namespace dp::backend {
+namespace {
+
+namespace fs = std::filesystem;
+using test::compiled_set;
+using test::prefetch;
+using test::rmsnorm;
+
+// Every kernel of the set is in its code object with the parameter size of its signature.
+void expect_complete(const test::CompiledSet& set) {
+  ASSERT_EQ(set.report.kernels.size(), set.instances.size());
+  for (size_t i = 0; i < set.instances.size(); ++i) {
+    const CompiledKernel& k = set.report.kernels[i];
+    SCOPED_TRACE(k.key);
+    EXPECT_EQ(k.instance, set.instances[i]);
+    EXPECT_EQ(k.key, codegen::instance_key(set.instances[i]));
+    EXPECT_FALSE(k.code_object.empty());
+    EXPECT_EQ(k.sha256, sha256_hex(std::span<const uint8_t>(k.code_object)));
+    EXPECT_FALSE(k.cache_hit);
+    auto kernels = inspect_code_object(k.code_object, k.instance.target, k.file_name);
+    ASSERT_EQ(kernels.size(), 1u);
+    EXPECT_EQ(kernels[0].symbol, k.name);
+    EXPECT_EQ(kernels[0].param_bytes, k.signature.bytes);
+    EXPECT_EQ(k.usage.param_bytes, k.signature.bytes);
+    EXPECT_GT(k.usage.registers, 0u);
+    EXPECT_EQ(k.usage.spill_bytes, 0u) << k.log;
+    EXPECT_TRUE(k.warnings.empty()) << k.warnings.front();
+  }
+}
+
+// No path of the build machine may reach a code object (the bundle must not depend on where it was
+// built): neither the cache, nor the templates directory, nor a temporary directory.
+void expect_no_host_paths(const CompiledKernel& k, const std::vector<std::string>& paths) {
+  const std::string bytes(k.code_object.begin(), k.code_object.end());
+  for (const std::string& p : paths) EXPECT_EQ(bytes.find(p), std::string::npos) << k.key << " contains " << p;
+}
+
+TEST(CompileCuda, Sm90aPrefetchAndRmsnormInspectWithExpectedSignatures) {
+  DP_SKIP_WITHOUT(Vendor::nvidia);
+  const auto& set = compiled_set("sm_90a");
+  expect_complete(set);
+  for (const CompiledKernel& k : set.report.kernels) {
+    SCOPED_TRACE(k.key);
+    EXPECT_EQ(k.file_name, k.key + ".cubin");
+    // The cubin's numbers agree with what ptxas printed.
+    auto log = parse_ptxas_log(k.log);
+    ASSERT_TRUE(log.count(k.name)) << k.log;
+    EXPECT_EQ(k.usage.registers, log[k.name].registers);
+    EXPECT_EQ(k.usage.shared_bytes, log[k.name].shared_bytes);
+    EXPECT_EQ(k.usage.stack_bytes, log[k.name].stack_bytes);
+    EXPECT_EQ(k.log.find("Compile time"), std::string::npos) << "timing lines make logs nondeterministic";
+    expect_no_host_paths(k, {set.cache.path().string(), "/tmp/", "/work/", "/home/"});
+  }
+  // rmsnorm's block reduction: one fp32 partial per 32-lane warp (192 threads -> 6 warps).
+  EXPECT_EQ(set.report.kernels[3].usage.shared_bytes, 6u * 4u);
+  EXPECT_EQ(set.report.kernels[0].usage.shared_bytes, 0u);
+  EXPECT_EQ(set.report.toolchains.count("nvidia"), 1u);
+}
+
+TEST(CompileHip, Gfx942PrefetchAndRmsnormInspectWithExpectedSignatures) {
+  DP_SKIP_WITHOUT(Vendor::amd);
+  const auto& set = compiled_set("gfx942");
+  expect_complete(set);
+  for (const CompiledKernel& k : set.report.kernels) {
+    SCOPED_TRACE(k.key);
+    EXPECT_EQ(k.file_name, k.key + ".hsaco");
+    EXPECT_GE(k.usage.kernarg_bytes, k.usage.param_bytes);
+    EXPECT_GT(k.usage.scalar_registers, 0u);
+    expect_no_host_paths(k, {set.cache.path().string(), "/tmp/", "/work/", "/home/"});
+  }
+  // rmsnorm's block reduction: one fp32 partial per 64-lane wavefront (192 threads -> 3 waves).
+  EXPECT_EQ(set.report.kernels[3].usage.shared_bytes, 3u * 4u);
+  EXPECT_EQ(set.report.toolchains.count("amd"), 1u);
+}
+
+TEST(CompileHip, Gfx90aToo) {
+  DP_SKIP_WITHOUT(Vendor::amd);
+  test::TempDir cache;
+  CompileOptions o;
+  o.cache_dir = cache.path();
+  o.jobs = 2;
+  CompileReport r = compile_all({prefetch(32, "gfx90a"), rmsnorm(4, 2304, "gfx90a")}, o);
+  ASSERT_EQ(r.kernels.size(), 2u);
+  for (const CompiledKernel& k : r.kernels)
+    require_kernel(inspect_code_object(k.code_object, "gfx90a", k.file_name), k.name, k.file_name, k.signature.bytes);
+}
+
+TEST(CompileHip, Gfx950IsRefusedBeforeAnyWorkNamingTheLlvmItNeeds) {
+  DP_SKIP_WITHOUT(Vendor::amd);
+  auto tc = make_hip_toolchain({});
+  if (tc->version().find("version 19.") == std::string::npos && tc->version().find("version 18.") == std::string::npos &&
+      tc->version().find("version 17.") == std::string::npos)
+    GTEST_SKIP() << "the found clang (" << tc->version() << ") may know gfx950";
+  test::TempDir cache;
+  CompileOptions o;
+  o.cache_dir = cache.path();
+  // Listed after targets that would compile: still nothing is compiled.
+  test::expect_error([&] { compile_all({rmsnorm(4, 2304, "gfx942"), rmsnorm(4, 2304, "gfx950")}, o); },
+                     Errc::toolchain,
+                     {"target gfx950 needs LLVM >= 20", "install clang-20 or newer", "--hip-clang PATH",
+                      "DECODEPACK_HIP_CLANG"});
+  EXPECT_TRUE(fs::is_empty(cache.path())) << "work started before the refusal";
+}
+
+TEST(CompileHip, AnOldClangIsRefusedForGfx942ByTheVersionTable) {
+  // A stand-in for "the clang on PATH is LLVM 16": only --version is ever run before the refusal.
+  test::TempDir dir;
+  const fs::path fake = dir / "clang++";
+  {
+    std::ofstream f(fake);
+    f << "#!/bin/sh\necho 'clang version 16.0.6 (fake)'\n";
+  }
+  fs::permissions(fake, fs::perms::owner_all);
+  ToolchainOptions t;
+  t.hip_clang = fake;
+  auto tc = make_hip_toolchain(t);
+  EXPECT_EQ(tc->version(), "clang version 16.0.6 (fake)");
+  test::expect_error([&] { tc->check_target(target_info("gfx942")); }, Errc::toolchain,
+                     {"target gfx942 needs LLVM >= 17", "LLVM 16", fake.string(), "--hip-clang"});
+  EXPECT_NO_THROW(tc->check_target(target_info("gfx90a")));  // 16 >= 13 per the table; probe is a no-op script
+}
+
+TEST(CompileHip, AMissingExplicitClangIsAnErrorNamingIt) {
+  ToolchainOptions t;
+  t.hip_clang = "/nonexistent/clang++";
+  test::expect_error([&] { make_hip_toolchain(t); }, Errc::toolchain,
+                     {"/nonexistent/clang++", "--hip-clang", "DECODEPACK_HIP_CLANG"});
+}
+
+TEST(CompileCache, SecondBuildIsAllHitsWithTheSameBytes) {
+  DP_SKIP_WITHOUT(Vendor::nvidia);
+  DP_SKIP_WITHOUT(Vendor::amd);
+  const auto& nv = compiled_set("sm_90a");
+  const auto& amd = compiled_set("gfx942");
+  test::TempDir dir;
+  const fs::path cache = dir / "cache";
+  test::copy_tree(nv.cache.path(), cache);
+  std::filesystem::copy(amd.cache.path(), cache,
+                        fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+  std::vector<codegen::KernelInstance> all = nv.instances;
+  all.insert(all.end(), amd.instances.begin(), amd.instances.end());
+  CompileOptions o;
+  o.cache_dir = cache;
+  o.jobs = 3;
+  std::vector<std::string> lines;
+  o.progress = [&](const CompileProgress& p) {
+    lines.push_back(fmt::format("[{}/{}] {} {}", p.done, p.total, p.key, p.cache_hit));
+  };
+  CompileReport r = compile_all(all, o);
+  EXPECT_EQ(r.cache.hits, all.size());
+  EXPECT_EQ(r.cache.misses, 0u);
+  EXPECT_EQ(r.cache.corrupt, 0u);
+  ASSERT_EQ(lines.size(), all.size());
+  EXPECT_EQ(lines.back().substr(0, 7), fmt::format("[{}/{}]", all.size(), all.size()));
+  for (size_t i = 0; i < all.size(); ++i) {
+    const CompiledKernel& cold = i < nv.instances.size() ? nv.report.kernels[i] : amd.report.kernels[i - nv.instances.size()];
+    EXPECT_TRUE(r.kernels[i].cache_hit);
+    EXPECT_EQ(r.kernels[i].key, cold.key);
+    EXPECT_EQ(r.kernels[i].code_object, cold.code_object) << cold.key;
+    EXPECT_EQ(r.kernels[i].usage.registers, cold.usage.registers);
+    EXPECT_EQ(r.kernels[i].usage.spill_bytes, cold.usage.spill_bytes);
+  }
+}
+
+TEST(CompileCache, ACorruptEntryIsDetectedRecompiledAndOverwritten) {
+  DP_SKIP_WITHOUT(Vendor::nvidia);
+  const auto& nv = compiled_set("sm_90a");
+  test::TempDir dir;
+  const fs::path cache = dir / "cache";
+  test::copy_tree(nv.cache.path(), cache);
+  std::vector<fs::path> entries;
+  for (const auto& e : fs::recursive_directory_iterator(cache))
+    if (e.is_regular_file()) entries.push_back(e.path());
+  std::sort(entries.begin(), entries.end());
+  ASSERT_EQ(entries.size(), nv.instances.size());
+  // Flip one byte in the middle of one entry's payload, truncate another: both are corrupt.
+  {
+    std::string bytes = read_text_file(entries[0]);
+    bytes[bytes.size() / 2] ^= 0x5a;
+    write_file_atomic(entries[0], bytes);
+    std::string cut = read_text_file(entries[1]);
+    write_file_atomic(entries[1], cut.substr(0, cut.size() - 100));
+  }
+  CompileOptions o;
+  o.cache_dir = cache;
+  o.jobs = 2;
+  CompileReport r = compile_all(nv.instances, o);
+  EXPECT_EQ(r.cache.corrupt, 2u);
+  EXPECT_EQ(r.cache.misses, 2u);
+  EXPECT_EQ(r.cache.hits, nv.instances.size() - 2);
+  for (size_t i = 0; i < r.kernels.size(); ++i)
+    EXPECT_EQ(r.kernels[i].code_object, nv.report.kernels[i].code_object) << r.kernels[i].key;
+  // The rebuilt entries replaced the corrupt ones.
+  CompileReport again = compile_all(nv.instances, o);
+  EXPECT_EQ(again.cache.hits, nv.instances.size());
+  EXPECT_EQ(again.cache.corrupt, 0u);
+}
+
+TEST(CompileCache, EntryFormatIsVerifiedOnRead) {
+  test::TempDir dir;
+  CompileCache cache(dir.path());
+  const std::string key(64, 'a');
+  EXPECT_FALSE(cache.get(key));
+  cache.put(key, {{1, 2, 3, 4}, "log", "ptx"});
+  auto e = cache.get(key);
+  ASSERT_TRUE(e);
+  EXPECT_EQ(e->code_object, (std::vector<uint8_t>{1, 2, 3, 4}));
+  EXPECT_EQ(e->log, "log");
+  EXPECT_EQ(e->ptx, "ptx");
+  // The same bytes under another key (a copied or renamed file) are not that key's entry.
+  const std::string other(64, 'b');
+  fs::create_directories(cache.entry_path(other).parent_path());
+  fs::copy_file(cache.entry_path(key), cache.entry_path(other));
+  EXPECT_FALSE(cache.get(other));
+  CacheStats s = cache.stats();
+  EXPECT_EQ(s.hits, 1u);
+  EXPECT_EQ(s.corrupt, 1u);
+  EXPECT_EQ(s.misses, 2u);
+  EXPECT_EQ(cache.entry_path(key), dir.path() / "v1" / "aa" / key);
+}
+
+TEST(CompileDeterminism, SameInputsGiveTheSameBytesWhateverTheJobCount) {
+  DP_SKIP_WITHOUT(Vendor::nvidia);
+  DP_SKIP_WITHOUT(Vendor::amd);
+  // Uncached, in a different order from the shared set, with duplicates, at -j1 and -j3.
+  std::vector<codegen::KernelInstance> in = {rmsnorm(4, 2304, "gfx942"), prefetch(32, "sm_90a"),
+                                             rmsnorm(4, 2304, "sm_90a"), rmsnorm(4, 2304, "gfx942"),
+                                             prefetch(32, "gfx942")};
+  CompileOptions o;
+  o.use_cache = false;
+  o.jobs = 1;
+  CompileReport a = compile_all(in, o);
+  o.jobs = 3;
+  CompileReport b = compile_all(in, o);
+  ASSERT_EQ(a.kernels.size(), in.size());
+  ASSERT_EQ(b.kernels.size(), in.size());
+  for (size_t i = 0; i < in.size(); ++i) {
+    EXPECT_EQ(a.kernels[i].instance, in[i]);
+    EXPECT_EQ(b.kernels[i].key, a.kernels[i].key);
+    EXPECT_EQ(a.kernels[i].code_object, b.kernels[i].code_object) << a.kernels[i].key;
+  }
+  EXPECT_EQ(a.kernels[0].code_object, a.kernels[3].code_object);  // duplicate compiled once
+  // And the same bytes as the cold compile in the shared set (another cache, another temp dir).
+  EXPECT_EQ(a.kernels[2].code_object, compiled_set("sm_90a").report.kernels[3].code_object);
+  EXPECT_EQ(a.kernels[0].code_object, compiled_set("gfx942").report.kernels[3].code_object);
+}
+
+TEST(CompileCuda, NvccFallbackBuildsTheSameKernel) {
+  DP_SKIP_WITHOUT(Vendor::nvidia);
+  ToolchainOptions t;
+  t.allow_nvrtc = false;
+  std::unique_ptr<DeviceToolchain> nvcc;
+  try {
+    nvcc = make_cuda_toolchain(t);
+  } catch (const Error& e) {
+    GTEST_SKIP() << "no nvcc: " << e.what();
+  }
+  EXPECT_EQ(nvcc->version().rfind("nvcc ", 0), 0u) << nvcc->version();
+  CompileOptions o;
+  o.use_cache = false;
+  o.toolchains = t;
+  CompileReport r = compile_all({rmsnorm(4, 2304, "sm_90a")}, o);
+  ASSERT_EQ(r.kernels.size(), 1u);
+  EXPECT_EQ(r.toolchains["nvidia"], nvcc->version());
+  const CompiledKernel& k = r.kernels[0];
+  EXPECT_EQ(k.usage.param_bytes, 44u);
+  EXPECT_EQ(k.usage.shared_bytes, 24u);
+  expect_no_host_paths(k, {"/tmp/", "/work/"});
+}
+
+TEST(CompileCuda, PortablePtxOnRequest) {
+  DP_SKIP_WITHOUT(Vendor::nvidia);
+  DP_SKIP_WITHOUT(Vendor::amd);
+  CompileOptions o;
+  o.use_cache = false;
+  o.emit_ptx = true;
+  CompileReport r = compile_all({rmsnorm(4, 2304, "sm_90a"), rmsnorm(4, 2304, "gfx942")}, o);
+  EXPECT_NE(r.kernels[0].ptx.find(".entry rmsnorm_w4_h2304"), std::string::npos);
+  EXPECT_NE(r.kernels[0].ptx.find(".target sm_90\n"), std::string::npos) << "compute_90, not the 'a' variant";
+  EXPECT_TRUE(r.kernels[1].ptx.empty());
+}
+
+TEST(CompileAll, RefusesBadInstancesBeforeLocatingAnyToolchain) {
+  CompileOptions o;
+  o.use_cache = false;
+  o.toolchains.hip_clang = "/nonexistent/clang++";  // would fail if it got that far
+  test::expect_error([&] { compile_all({rmsnorm(4, 2304, "gfx942"), rmsnorm(4, 2305, "gfx942")}, o); },
+                     Errc::input, {"kernel instance #1", "H = 2305"});
+  test::expect_error([&] { compile_all({rmsnorm(4, 2304, "gfx1234")}, o); }, Errc::input,
+                     {"unknown target \"gfx1234\"", "sm_90a", "gfx942"});
+}
+
+TEST(ProgressPrinter, PlainLinesOffATerminalAndOneRedrawnLineOnIt) {
+  for (bool tty : {false, true}) {
+    char* buf = nullptr;
+    size_t size = 0;
+    std::FILE* f = open_memstream(&buf, &size);
+    auto print = progress_printer(f, tty);
+    print({1, 2, "prefetch_b32.sm_90a", false, 0.5});
+    print({2, 2, "rmsnorm_w4_h2304.sm_90a", true, 0.001});
+    std::fclose(f);
+    const std::string out(buf, size);
+    std::free(buf);
+    if (!tty) {
+      EXPECT_EQ(out,
+                "[1/2] compiled prefetch_b32.sm_90a (0.50 s)\n"
+                "[2/2] compiled rmsnorm_w4_h2304.sm_90a (cache hit)\n");
+    } else {
+      EXPECT_EQ(out,
+                "\r\033[2K[1/2] compiled prefetch_b32.sm_90a (0.50 s)"
+                "\r\033[2K[2/2] compiled rmsnorm_w4_h2304.sm_90a (cache hit)\n");
+    }
+  }
+}
+
+}  // namespace
+}  // namespace dp::backend

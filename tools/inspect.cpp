@@ -1,0 +1,133 @@
+// decodepack inspect: what a bundle holds, without a GPU.
+#include <cstdio>
+#include <map>
+#include <set>
+
+#include "bundle/bundle.h"
+#include "commands.h"
+#include "common/error.h"
+#include "common/json.h"
+
+namespace dp::tools {
+namespace {
+
+std::string human(uint64_t b) {
+  if (b >= (1ull << 30)) return fmt::format("{:.2f} GiB", b / double(1ull << 30));
+  if (b >= (1ull << 20)) return fmt::format("{:.1f} MiB", b / double(1ull << 20));
+  if (b >= (1ull << 10)) return fmt::format("{:.1f} KiB", b / double(1ull << 10));
+  return fmt::format("{} B", b);
+}
+
+std::string text(const bundle::Bundle& b) {
+  const format::Manifest& m = b.manifest();
+  std::string out;
+  auto line = [&](const std::string& s) { out += s + "\n"; };
+  line(fmt::format("bundle    {} ({})", b.path().string(), b.is_archive() ? "archive" : "directory"));
+  line(fmt::format("digest    {}", b.digest()));
+  line(fmt::format("format    {} {}.{}, written by decodepack {}", m.format, m.format_version.major,
+                   m.format_version.minor, m.tool_version));
+  std::string tc;
+  for (const auto& [k, v] : m.toolchains.items()) tc += fmt::format("{}{}: {}", tc.empty() ? "" : "; ", k, v.get<std::string>());
+  line(fmt::format("toolchain {}", tc.empty() ? "-" : tc));
+  line("");
+  line(fmt::format("model     {} ({}), {} layers, hidden {}, config {}", m.model.model_type, m.model.architecture,
+                   m.model.num_layers, m.model.hidden_size, m.model.config_digest));
+  std::map<std::string, int> classes;
+  for (const format::LayerEntry& l : m.layers) classes[l.cls]++;
+  std::string cls;
+  for (const auto& [c, n] : classes) cls += fmt::format("{}{} x{}", cls.empty() ? "" : ", ", c, n);
+  line(fmt::format("layers    {}", cls));
+  const Json& d = m.deploy;
+  line(fmt::format("deploy    targets {}; tensor_parallel {}; ranks {}; widths {}; q {}; kv {} block {}",
+                   d["targets"].dump(), d["tensor_parallel"].dump(), d["ranks"].dump(), d["widths"].dump(),
+                   1 + d["num_speculative_tokens"].get<int64_t>(), d["kv_cache"]["dtype"].get<std::string>(),
+                   d["kv_cache"]["block_size"].dump()));
+  line("");
+  line(fmt::format("{:<6} {:>8} {:>12}  {}", "rank", "weights", "bytes", "fingerprints"));
+  for (const format::RankEntry& r : m.ranks) {
+    uint64_t bytes = 0, tensors = 0;
+    for (const format::WeightEntry& w : r.weights) {
+      uint64_t n = 1;
+      for (int64_t x : w.shape) n *= static_cast<uint64_t>(x);
+      uint64_t per = n * (w.dtype == "F32" ? 4 : w.dtype == "BF16" || w.dtype == "F16" ? 2 : 1);
+      uint64_t count = w.experts > 0 ? static_cast<uint64_t>(w.experts) : 1;
+      bytes += per * count;
+      tensors += count;
+    }
+    line(fmt::format("{:<6} {:>8} {:>12}  {}", r.rank, tensors, human(bytes), m.weights_fingerprinted ? "yes" : "no (built without weights)"));
+  }
+  line("");
+  std::set<std::string> targets;
+  std::map<int64_t, std::map<std::string, std::vector<std::string>>> by_width;
+  for (const format::KernelEntry& k : m.kernels) {
+    targets.insert(k.target);
+    by_width[k.width][k.target].push_back(k.role);
+  }
+  std::string head = fmt::format("{:<8}", "width");
+  for (const std::string& t : targets) head += fmt::format(" {:<28}", t);
+  line(fmt::format("kernels   {} code objects", m.kernels.size()));
+  line(head);
+  for (const auto& [w, per] : by_width) {
+    std::string row = fmt::format("{:<8}", w == 0 ? std::string("any") : std::to_string(w));
+    for (const std::string& t : targets) {
+      auto it = per.find(t);
+      std::string roles;
+      if (it != per.end())
+        for (const std::string& r : it->second) roles += (roles.empty() ? "" : ",") + r;
+      row += fmt::format(" {:<28}", roles.empty() ? "-" : roles);
+    }
+    line(row);
+  }
+  uint32_t max_regs = 0, spills = 0;
+  for (const format::KernelEntry& k : m.kernels) max_regs = std::max(max_regs, k.registers), spills += k.spill_bytes > 0;
+  line(fmt::format("          max registers {}; kernels with spills {}", max_regs, spills));
+  line("");
+  std::map<std::string, std::pair<int, uint64_t>> pf;
+  for (const format::PrefetchEntry& p : m.prefetch) {
+    uint64_t bytes = 0;
+    for (const auto& r : p.ranges) bytes += r.bytes;
+    pf[p.point].first++, pf[p.point].second += bytes;
+  }
+  line(fmt::format("prefetch  {} tables", m.prefetch.size()));
+  for (const auto& [point, v] : pf) line(fmt::format("          {:<16} {:>4} tables {:>12}", point, v.first, human(v.second)));
+  std::string ws;
+  for (const format::WorkspaceEntry& w : m.workspace) ws += fmt::format("{}w{}: {}", ws.empty() ? "" : ", ", w.width, human(w.bytes));
+  line(fmt::format("workspace {}", ws));
+  uint64_t total = b.manifest_bytes().size();
+  std::map<std::string, uint64_t> per_dir;
+  for (const format::FileEntry& f : m.files) {
+    total += f.size;
+    per_dir[f.path.substr(0, f.path.rfind('/'))] += f.size;
+  }
+  line(fmt::format("size      {} in {} files (manifest {})", human(total), m.files.size() + 1, human(b.manifest_bytes().size())));
+  for (const auto& [dir, bytes] : per_dir) line(fmt::format("          {:<24} {:>12}", dir + "/", human(bytes)));
+  return out;
+}
+
+}  // namespace
+
+void add_inspect(CLI::App& app, Action& action) {
+  auto* cmd = app.add_subcommand("inspect", "Show what a bundle holds (no GPU needed)");
+  struct Opts {
+    std::string bundle;
+    bool json = false;
+  };
+  auto o = std::make_shared<Opts>();
+  cmd->add_option("bundle", o->bundle, "Bundle directory or .dpk file")->required();
+  cmd->add_flag("--json", o->json, "Print {path, digest, manifest} as JSON");
+  cmd->callback([o, &action] {
+    action = [o] {
+      bundle::Bundle b = bundle::Bundle::open(o->bundle);
+      if (o->json) {
+        Json j{{"path", o->bundle}, {"digest", b.digest()}, {"archive", b.is_archive()},
+               {"manifest", format::to_json(b.manifest())}};
+        std::printf("%s\n", j.dump(2).c_str());
+      } else {
+        std::fputs(text(b).c_str(), stdout);
+      }
+      return 0;
+    };
+  });
+}
+
+}  // namespace dp::tools
