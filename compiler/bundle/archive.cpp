@@ -216,7 +216,10 @@ class Reader {
     if (::fstat(fd_.get(), &st) != 0) fail(Errc::io, "{}: cannot stat: {}", name_, std::strerror(errno));
     if (!S_ISREG(st.st_mode)) fail(Errc::io, "{}: not a regular file", name_);
     file_size_ = static_cast<uint64_t>(st.st_size);
-    if (file_size_ == 0) fail(Errc::verify, "{}: truncated archive: the file is empty", name_);
+    // libarchive cannot even recognise a cut-off first block; say what it is.
+    if (file_size_ < kBlock)
+      fail(Errc::verify, "{}: truncated archive: the first header needs {} bytes, {} present", name_, kBlock,
+           file_size_);
 
     a_.reset(archive_read_new());
     if (!a_) fail(Errc::internal, "{}: libarchive: out of memory", name_);
@@ -230,7 +233,9 @@ class Reader {
   bool next(Header& h) {
     struct archive_entry* e = nullptr;
     int r = archive_read_next_header(a_.get(), &e);
-    uint64_t header_pos = static_cast<uint64_t>(archive_read_header_position(a_.get()));
+    // Without extended headers every header sits right after the previous member's padded data, so its
+    // position is known even when libarchive fails (it reports no position then).
+    uint64_t header_pos = next_header_;
     if (r == ARCHIVE_EOF) {
       check_end(header_pos);
       return false;
@@ -238,8 +243,8 @@ class Reader {
     if (r != ARCHIVE_OK) {
       // libarchive reports a cut-off header as a generic error; say what is missing instead.
       if (header_pos + kBlock > file_size_)
-        fail(Errc::verify, "{}: truncated archive: header {} needs {} bytes at byte {}, {} present", name_,
-             entry_after(), kBlock, header_pos, file_size_ - header_pos);
+        fail(Errc::verify, "{}: truncated archive: the header (or end-of-archive marker) {} needs {} bytes at "
+                           "byte {}, {} present", name_, entry_after(), kBlock, header_pos, file_size_ - header_pos);
       if (count_ == 0) fail(Errc::verify, "{}: not a ustar archive: {}", name_, error_text());
       fail(Errc::verify, "{}: corrupt archive: header {} at byte {}: {}", name_, entry_after(), header_pos,
            error_text());
@@ -281,6 +286,11 @@ class Reader {
       fail(Errc::verify, "{}: truncated archive: entry {} needs {} bytes ({} of data, padded to {}-byte blocks) "
                          "at byte {}, {} present", name_, h.path, need, h.size, kBlock, h.offset,
            file_size_ - h.offset);
+    // A mismatch would mean libarchive consumed headers that ustar does not have.
+    if (static_cast<uint64_t>(archive_read_header_position(a_.get())) != header_pos)
+      fail(Errc::verify, "{}: entry {}: header found at byte {}, expected {}", name_, h.path,
+           archive_read_header_position(a_.get()), header_pos);
+    next_header_ = h.offset + need;
     ++count_;
     last_ = h.path;
     return true;
@@ -363,6 +373,7 @@ class Reader {
   Fd fd_;
   ArchivePtr a_;
   uint64_t file_size_ = 0;
+  uint64_t next_header_ = 0;
   size_t count_ = 0;
   std::string last_;
   std::map<std::string, int> seen_;

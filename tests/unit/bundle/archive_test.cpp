@@ -307,7 +307,7 @@ TEST(Archive, HostileArchivesAreRefused) {
          std::string s = member("f", "x") + end_marker();
          s[0] = 'g';  // the checksum no longer matches
          return s;
-       }(), {"not a ustar archive"}},
+       }(), {"not a tar archive"}},
       {"not-tar", random_bytes(4096, 3), {"not a"}},
   };
   for (const Case& c : cases) {
