@@ -21,29 +21,68 @@ static_assert(sizeof(dp_prefetch_range) == 16, "prefetch.h: range table entries 
 // Numbering across ranges (rather than restarting at thread 0 for every range) keeps a table of many
 // small ranges, such as per-expert scales, from landing on the first few threads.
 //
+// Every thread needs every range's chunk offset, so every thread walks the whole table. It does so
+// 32 entries at a time with its group of 32 lanes: each lane loads one entry (one coalesced load per
+// group instead of one dependent load per entry), the group computes the entries' offsets with a
+// prefix sum over shuffles, and then each lane takes the 32 entries from its neighbours' registers.
+// The next 32 entries are loaded before the current ones are issued, hiding the load latency.
+//
 // kThreads is the block size the kernel is compiled for (the launch must use it); the grid size is
 // free (default 32 blocks), so the runtime can trade prefetch bandwidth against SMs taken from the
 // main stream without a rebuild.
 template <int kThreads>
 __device__ __forceinline__ void dp_prefetch_ranges(const dp_prefetch_range* __restrict__ table,  // [count]
                                                    dp_u32 count) {
+  static_assert(kThreads % 32 == 0, "dp_prefetch_ranges: block must be whole groups of 32 lanes");
   constexpr dp_u32 kChunk = DP_PREFETCH_CHUNK_BYTES;
+  constexpr dp_u32 kGroup = 32;
   // 32-bit chunk arithmetic: 64-bit division is a long software sequence on both vendors. A range
-  // has fewer than 2^31 chunks (the runtime caps ranges far below the 8 TiB that would take).
+  // has fewer than 2^31 chunks (the runtime caps ranges far below the 8 TiB that would take), and
+  // the grid has fewer than 2^26 threads, so the sums below cannot wrap.
   const dp_u32 nthreads = gridDim.x * (dp_u32)kThreads;
   const dp_u32 me = blockIdx.x * (dp_u32)kThreads + threadIdx.x;
-  dp_u32 phase = 0;  // (chunks in the ranges before this one) mod nthreads
-  for (dp_u32 r = 0; r < count; ++r) {
-    const dp_u64 addr = table[r].addr;
-    const dp_u64 bytes = table[r].bytes;
-    const dp_u32 chunks = (dp_u32)((bytes + kChunk - 1) / kChunk);
-    // This thread's first chunk in range r: the smallest c with (phase + c) mod nthreads == me.
-    for (dp_u32 c = me >= phase ? me - phase : me + nthreads - phase; c < chunks; c += nthreads) {
-      const dp_u64 off = (dp_u64)c * kChunk;
-      const dp_u64 left = bytes - off;
-      dp_prefetch_l2((const void*)(addr + off), left < kChunk ? (dp_u32)left : kChunk);
+  const dp_u32 lane = threadIdx.x % kGroup;
+  dp_u32 phase = 0;  // (chunks in all ranges before the current group of 32) mod nthreads
+
+  dp_u64 next_addr = 0, next_bytes = 0;  // [kGroup] entries spread over the lanes, one each
+  if (lane < count) {
+    next_addr = table[lane].addr;
+    next_bytes = table[lane].bytes;
+  }
+  for (dp_u32 base = 0; base < count; base += kGroup) {
+    const dp_u64 addr = next_addr;
+    const dp_u64 bytes = next_bytes;
+    if (base + kGroup + lane < count) {
+      next_addr = table[base + kGroup + lane].addr;
+      next_bytes = table[base + kGroup + lane].bytes;
     }
-    phase += chunks % nthreads;
+    const dp_u32 chunks = (dp_u32)((bytes + kChunk - 1) / kChunk);
+    // Inclusive prefix sum over the group of (chunks mod nthreads): each term < nthreads.
+    const dp_u32 own = chunks % nthreads;
+    dp_u32 incl = own;
+#pragma unroll
+    for (dp_u32 d = 1; d < kGroup; d <<= 1) {
+      const dp_u32 t = dp_shfl_group32(incl, lane >= d ? lane - d : lane);
+      if (lane >= d) incl += t;
+    }
+    const dp_u32 excl = (incl - own) % nthreads;  // this entry's offset after `phase`
+    const dp_u32 group_total = dp_shfl_group32(incl, kGroup - 1) % nthreads;
+
+    const dp_u32 n = count - base < kGroup ? count - base : kGroup;
+    for (dp_u32 j = 0; j < n; ++j) {  // uniform trip count: every lane takes part in the shuffles
+      const dp_u64 a = dp_shfl_group32(addr, j);
+      const dp_u64 b = dp_shfl_group32(bytes, j);
+      const dp_u32 ch = dp_shfl_group32(chunks, j);
+      dp_u32 start = phase + dp_shfl_group32(excl, j);
+      if (start >= nthreads) start -= nthreads;
+      // This thread's first chunk of range j: the smallest c with (start + c) mod nthreads == me.
+      for (dp_u32 c = me >= start ? me - start : me + nthreads - start; c < ch; c += nthreads) {
+        const dp_u64 off = (dp_u64)c * kChunk;
+        const dp_u64 left = b - off;
+        dp_prefetch_l2((const void*)(a + off), left < kChunk ? (dp_u32)left : kChunk);
+      }
+    }
+    phase += group_total;
     if (phase >= nthreads) phase -= nthreads;
   }
 }

@@ -10,7 +10,9 @@
 //   qualifiers   __global__ __device__ __shared__ __forceinline__ __restrict__, DP_LAUNCH_BOUNDS(n)
 //   indexing     threadIdx/blockIdx/blockDim/gridDim .x .y .z (CUDA names on both vendors)
 //   sync         __syncthreads()
-//   warp         DP_WARP_SIZE (32 NVIDIA, 64 AMD gfx9), dp_lane_id(), dp_shfl_xor(), dp_shfl_down()
+//   warp         DP_WARP_SIZE (32 NVIDIA, 64 AMD gfx9), dp_lane_id(), dp_shfl_xor(), dp_shfl_down(),
+//                dp_shfl_group32() (read a lane of the caller's 32-lane group), dp_warp_sum(),
+//                dp_block_sum<kThreads>()
 //   numbers      dp_bf16_to_f32(), dp_f32_to_bf16() (round to nearest even), dp_expf/logf/rsqrtf
 //   memory       dp_load16() (one 16-byte load), dp_store16(), dp_prefetch_l2()
 #pragma once
@@ -220,6 +222,20 @@ __device__ __forceinline__ float dp_shfl_down(float v, int delta) {
 #else
   return __shfl_down_sync(0xffffffffu, v, delta);
 #endif
+}
+
+// Lane j of the caller's aligned group of 32 lanes (lanes 32k..32k+31 of a warp or wavefront).
+// Groups of 32 exist on both vendors, so code built on them needs no DP_WARP_SIZE cases, and on
+// wave64 a half-populated wavefront (a 32-thread block) only ever reads lanes that exist.
+__device__ __forceinline__ dp_u32 dp_shfl_group32(dp_u32 v, dp_u32 j) {
+#if DP_VENDOR_AMD
+  return dp_lane_read(v, (dp_lane_id() & ~31u) | (j & 31u));
+#else
+  return __shfl_sync(0xffffffffu, v, (int)j, 32);
+#endif
+}
+__device__ __forceinline__ dp_u64 dp_shfl_group32(dp_u64 v, dp_u32 j) {
+  return (dp_u64)dp_shfl_group32((dp_u32)v, j) | ((dp_u64)dp_shfl_group32((dp_u32)(v >> 32), j) << 32);
 }
 
 // Sum over the warp/wavefront; every lane gets the total (butterfly, log2(DP_WARP_SIZE) steps).
