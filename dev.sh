@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # decodepack developer entry point (see README.md):
 #   ./dev.sh demo   install what is missing, build, run the main job on the embedded default
+#                   (synth a tiny model, plan, build, inspect and verify its bundle)
 #   ./dev.sh test   install what is missing, build, run every CPU test (ctest, label gpu excluded)
 # Both are idempotent; the packages come from Debian 12's archive. The CUDA toolkit is not a Debian
 # package: it is used from /usr/local/cuda (or $DP_CUDA_ROOT) when present; without it, CUDA compile
@@ -53,6 +54,13 @@ echo "== synth: a tiny Kimi-Linear checkpoint with the real tensor names"
 echo "== plan: the default deploy (sm_90a + gfx942, TP 1, widths 1-8)"
 "$dp" plan --model "$out/tiny" --deploy default
 "$dp" plan --model "$out/tiny" --deploy default --json > "$out/plan.json"
-echo "== plan of the real 48B shape (config only)"
+echo "== build: compile and package the bundle"
+"$dp" build --model "$out/tiny" --deploy default -o "$out/tiny.dpk"
+echo "== inspect"
+"$dp" inspect "$out/tiny.dpk"
+echo "== verify (digests, code objects, weight fingerprints)"
+"$dp" verify "$out/tiny.dpk" --model "$out/tiny"
+echo "== plan and build of the real 48B shape (config only, no weights)"
 "$dp" plan --model kimi-linear-48b-a3b --deploy default | head -n 3
+"$dp" build --model kimi-linear-48b-a3b --deploy default -o "$out/kimi-linear-48b-a3b.dpk"
 echo "== done: outputs under $out/"

@@ -7,7 +7,8 @@
 //
 // What the op headers may use (and nothing vendor-specific besides):
 //   types        dp_u8 .. dp_u64, dp_i32, dp_i64, dp_bf16 (16-bit storage), dp_u32x4 (16-byte vector)
-//   qualifiers   __global__ __device__ __shared__ __forceinline__ __restrict__, DP_LAUNCH_BOUNDS(n)
+//   qualifiers   __global__ __device__ __shared__ __forceinline__, DP_LAUNCH_BOUNDS(n) (__restrict__ is a
+//                GNU keyword both compilers know)
 //   indexing     threadIdx/blockIdx/blockDim/gridDim .x .y .z (CUDA names on both vendors)
 //   sync         __syncthreads()
 //   warp         DP_WARP_SIZE (32 NVIDIA, 64 AMD gfx9), dp_lane_id(), dp_shfl_xor(), dp_shfl_down(),
@@ -47,7 +48,6 @@ static_assert(sizeof(void*) == 8, "vendor.h: device pointers are 64-bit");
 #define __shared__ __attribute__((shared))
 #define __constant__ __attribute__((constant))
 #define __forceinline__ inline __attribute__((always_inline))
-#define __restrict__ __restrict
 // HIP's equivalent of __launch_bounds__: the flat work-group size range lets the register allocator
 // use the whole budget for blocks of at most n threads.
 #define DP_LAUNCH_BOUNDS(n) __attribute__((amdgpu_flat_work_group_size(1, n)))

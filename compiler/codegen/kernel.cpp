@@ -108,7 +108,7 @@ const std::vector<OpSpec>& ops() {
                 {"hidden", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"W", "H"}, "bf16"),
                  "this layer's mixer/FFN output"},
                 {"residual", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"W", "H"}, "bf16"),
-                 "residual stream in; null for layer 0", true},
+                 "residual stream in (layer 0 has none)", true},
                 {"weight", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"H"}, "bf16"), "norm weight"},
                 {"out", KernelParam::Kind::pointer, "dp_bf16*", dims(p, {"W", "H"}, "bf16"),
                  "normalised rows (may alias hidden)"},

@@ -43,7 +43,8 @@ std::string printable(std::string_view s, size_t max = 160) {
 
 // A JSON value as it appears in a message: its type and (a bounded excerpt of) its text.
 std::string describe(const Json& v) {
-  return fmt::format("{} ({})", json_type_name(v), printable(v.dump(-1, ' ', false, Json::error_handler_t::replace), 60));
+  return fmt::format("{} ({})", json_type_name(v),
+                     printable(v.dump(-1, ' ', false, Json::error_handler_t::replace), 60));
 }
 
 std::string dtype_list() {
@@ -60,8 +61,8 @@ std::string dtype_list() {
 // its parser callback sees every key before the DOM merges them, so duplicates are detected there.
 // `what` names the document in messages ("header", "index").
 // `top_noun`, when given, names what a top-level key is ("tensor") for a clearer duplicate message.
-Json parse_unique_keys(std::string_view text, const std::string& where, std::string_view what,
-                       size_t byte_base = 0, std::string_view top_noun = {}) {
+Json parse_unique_keys(std::string_view text, const std::string& where, std::string_view what, size_t byte_base = 0,
+                       std::string_view top_noun = {}) {
   struct Level {
     bool object;
     std::set<std::string> keys;
@@ -72,8 +73,12 @@ Json parse_unique_keys(std::string_view text, const std::string& where, std::str
   bool duplicate_top = false;
   auto cb = [&](int /*depth*/, Json::parse_event_t ev, Json& parsed) {
     switch (ev) {
-      case Json::parse_event_t::object_start: stack.push_back({true, {}, {}}); break;
-      case Json::parse_event_t::array_start: stack.push_back({false, {}, {}}); break;
+      case Json::parse_event_t::object_start:
+        stack.push_back({true, {}, {}});
+        break;
+      case Json::parse_event_t::array_start:
+        stack.push_back({false, {}, {}});
+        break;
       case Json::parse_event_t::object_end:
       case Json::parse_event_t::array_end:
         if (!stack.empty()) stack.pop_back();
@@ -91,7 +96,8 @@ Json parse_unique_keys(std::string_view text, const std::string& where, std::str
         }
         break;
       }
-      case Json::parse_event_t::value: break;
+      case Json::parse_event_t::value:
+        break;
     }
     return true;
   };
@@ -131,7 +137,8 @@ TensorInfo parse_entry(const std::string& name, const Json& v, const std::string
 
   // dtype
   auto it = v.find("dtype");
-  if (it == v.end()) fail(Errc::input, "{}: tensor {}: missing field dtype (expected one of {})", where, tn, dtype_list());
+  if (it == v.end())
+    fail(Errc::input, "{}: tensor {}: missing field dtype (expected one of {})", where, tn, dtype_list());
   if (!it->is_string())
     fail(Errc::input, "{}: tensor {}: field dtype is {}, expected a string (one of {})", where, tn, describe(*it),
          dtype_list());
@@ -178,8 +185,7 @@ TensorInfo parse_entry(const std::string& name, const Json& v, const std::string
 
   // data_offsets: [begin, end) relative to the data section.
   it = v.find("data_offsets");
-  if (it == v.end())
-    fail(Errc::input, "{}: tensor {}: missing field data_offsets (expected [begin, end])", where, tn);
+  if (it == v.end()) fail(Errc::input, "{}: tensor {}: missing field data_offsets (expected [begin, end])", where, tn);
   if (!it->is_array() || it->size() != 2 || !(*it)[0].is_number_unsigned() || !(*it)[1].is_number_unsigned())
     fail(Errc::input, "{}: tensor {}: field data_offsets is {}, expected [begin, end] with two non-negative integers",
          where, tn, describe(*it));
@@ -193,8 +199,8 @@ TensorInfo parse_entry(const std::string& name, const Json& v, const std::string
          "data starts at byte {})",
          where, tn, begin, end, end, data_size, data_start + data_size, data_start);
   if (end - begin != bytes)
-    fail(Errc::input, "{}: tensor {}: data_offsets [{}, {}) hold {} bytes, expected {} (shape {} x {} {} bytes)",
-         where, tn, begin, end, end - begin, bytes, shp, dtype_name(t.dtype), dtype_size(t.dtype));
+    fail(Errc::input, "{}: tensor {}: data_offsets [{}, {}) hold {} bytes, expected {} (shape {} x {} {} bytes)", where,
+         tn, begin, end, end - begin, bytes, shp, dtype_name(t.dtype), dtype_size(t.dtype));
   t.offset = data_start + begin;
   t.size = bytes;
   return t;
@@ -223,8 +229,8 @@ Header parse_header(std::span<const uint8_t> file, const std::string& where) {
   if (n > kMaxHeaderSize)
     fail(Errc::input, "{}: header length {} (bytes 0-7) exceeds the limit of {} bytes", where, n, kMaxHeaderSize);
   if (n > file.size() - 8)
-    fail(Errc::input, "{}: header length {} (bytes 0-7) runs past the end of the file: 8 + {} > file size {}", where,
-         n, n, file.size());
+    fail(Errc::input, "{}: header length {} (bytes 0-7) runs past the end of the file: 8 + {} > file size {}", where, n,
+         n, file.size());
 
   Header h;
   h.data_start = 8 + n;
@@ -261,8 +267,9 @@ Header parse_header(std::span<const uint8_t> file, const std::string& where) {
   for (const TensorInfo& t : h.tensors) {
     auto [b, e] = rel(t);
     if (b < next)
-      fail(Errc::input, "{}: tensor {}: data_offsets [{}, {}) overlap tensor {} data_offsets [{}, {}), expected begin {}",
-           where, printable(t.name), b, e, printable(prev->name), rel(*prev).first, rel(*prev).second, next);
+      fail(Errc::input,
+           "{}: tensor {}: data_offsets [{}, {}) overlap tensor {} data_offsets [{}, {}), expected begin {}", where,
+           printable(t.name), b, e, printable(prev->name), rel(*prev).first, rel(*prev).second, next);
     if (b > next) {
       if (prev)
         fail(Errc::input,
@@ -317,7 +324,8 @@ void Checkpoint::add_shard(const fs::path& path) {
 
 Checkpoint Checkpoint::open(const fs::path& dir) {
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) fail(Errc::io, "{}: not a directory (expected a model checkpoint directory)", dir.string());
+  if (!fs::is_directory(dir, ec))
+    fail(Errc::io, "{}: not a directory (expected a model checkpoint directory)", dir.string());
   Checkpoint cp;
   cp.dir_ = dir;
 
@@ -328,7 +336,8 @@ Checkpoint Checkpoint::open(const fs::path& dir) {
     Json j = parse_unique_keys(read_text_file(index), where, "index");
     if (!j.is_object()) fail(Errc::input, "{}: top level is {}, expected a JSON object", where, describe(j));
     auto wm = j.find("weight_map");
-    if (wm == j.end()) fail(Errc::input, "{}: missing field weight_map (expected an object {{tensor: shard file}})", where);
+    if (wm == j.end())
+      fail(Errc::input, "{}: missing field weight_map (expected an object {{tensor: shard file}})", where);
     if (!wm->is_object())
       fail(Errc::input, "{}: field weight_map is {}, expected an object {{tensor: shard file}}", where, describe(*wm));
     std::map<std::string, std::string> map;
@@ -415,13 +424,15 @@ std::string serialize(const std::vector<TensorData>& tensors, const std::map<std
     uint64_t numel = 1;
     for (int64_t d : t.shape) {
       if (d < 0 || mul_overflows(numel, static_cast<uint64_t>(d), &numel))
-        fail(Errc::internal, "safetensors writer: tensor {}: invalid shape {}", printable(t.name), shape_string(t.shape));
+        fail(Errc::internal, "safetensors writer: tensor {}: invalid shape {}", printable(t.name),
+             shape_string(t.shape));
     }
     uint64_t bytes = 0;
     if (mul_overflows(numel, dtype_size(t.dtype), &bytes) || bytes != t.bytes.size())
       fail(Errc::internal, "safetensors writer: tensor {}: {} bytes given, expected {} (shape {} x {} {} bytes)",
            printable(t.name), t.bytes.size(), bytes, shape_string(t.shape), dtype_name(t.dtype), dtype_size(t.dtype));
-    header[t.name] = {{"dtype", std::string(dtype_name(t.dtype))}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    header[t.name] = {
+        {"dtype", std::string(dtype_name(t.dtype))}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text;

@@ -3,7 +3,9 @@
 
 Seeds are small valid inputs that give libFuzzer the structure to mutate from; broken inputs come from
 tests/corpus/ and the presets in manifests/presets, which CMakeLists.txt passes as extra seed dirs.
-Deterministic: rerunning it leaves git clean.
+Deterministic: rerunning it leaves git clean. Other files in corpus/<name>/ are committed by hand:
+inputs that once made a fuzzer fail (e.g. json_config/number_overflow.json), kept so every run replays
+them.
 """
 
 import json

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <iostream>
 
 #include "backend/inspect.h"
 #include "backend_test_util.h"
@@ -292,6 +293,44 @@ TEST(CompileCuda, PortablePtxOnRequest) {
   EXPECT_NE(r.kernels[0].ptx.find(".entry rmsnorm_w4_h2304"), std::string::npos);
   EXPECT_NE(r.kernels[0].ptx.find(".target sm_90\n"), std::string::npos) << "compute_90, not the 'a' variant";
   EXPECT_TRUE(r.kernels[1].ptx.empty());
+}
+
+// Every primitive of vendor.h, used once, compiles and links on every target: on AMD (no device
+// libraries) this proves the math builtins lower to instructions rather than libcalls.
+TEST(VendorHeader, EveryPrimitiveBuildsForEveryTarget) {
+  const std::string src = R"(#include "vendor.h"
+extern "C" __global__ DP_LAUNCH_BOUNDS(128) void probe(float* f, dp_bf16* h, dp_u32* u) {
+  const dp_u32 t = threadIdx.x + blockIdx.x * blockDim.x + gridDim.x + threadIdx.y + blockIdx.z;
+  float x = f[t];
+  x = dp_expf(x) + dp_logf(x + 2.0f) + dp_rsqrtf(x + 3.0f);
+  x = dp_shfl_xor(x, 1) + dp_shfl_down(x, 3) + dp_warp_sum(x);
+  x += dp_block_sum<128>(x);
+  u[t] = dp_shfl_group32(u[t], 7u) + (dp_u32)dp_shfl_group32((dp_u64)u[t + 1] << 33, 3u) + dp_lane_id() + DP_WARP_SIZE;
+  h[t] = dp_f32_to_bf16(x + dp_bf16_to_f32(h[t]));
+  float e[8];
+  dp_unpack8_bf16(dp_load16(h + 8 * t), e);
+  dp_store16(h + 8 * t + 4096, dp_pack8_bf16(e));
+  __syncthreads();
+  dp_prefetch_l2(f + 1024, 512);
+})";
+  const codegen::TemplateSet templates = codegen::TemplateSet::load(codegen::TemplateSet::default_dir());
+  for (const char* target : {"sm_90a", "gfx942", "gfx90a"}) {
+    const TargetInfo& t = target_info(target);
+    if (auto why = test::toolchain_absent(t.vendor)) {
+      std::cout << "skipping " << target << ": " << *why << "\n";
+      continue;
+    }
+    auto tc = t.vendor == Vendor::nvidia ? make_cuda_toolchain({}) : make_hip_toolchain({});
+    CompileJob job;
+    job.stem = std::string("probe.") + target;
+    job.source = src;
+    job.headers = templates.files();
+    job.target = &t;
+    CompileOutput out = tc->compile(job);
+    auto ks = inspect_code_object(out.code_object, target, job.stem);
+    const CodeObjectKernel& k = require_kernel(ks, "probe", job.stem, 24);
+    EXPECT_EQ(k.spill_bytes, 0u) << target;
+  }
 }
 
 TEST(CompileAll, RefusesBadInstancesBeforeLocatingAnyToolchain) {

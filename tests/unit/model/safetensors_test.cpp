@@ -22,9 +22,8 @@ class TempDir {
  public:
   TempDir() {
     static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            fmt::format("dp-safetensors-test-{}-{}-{}", ::getpid(), counter++,
-                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    path_ = fs::temp_directory_path() / fmt::format("dp-safetensors-test-{}-{}-{}", ::getpid(), counter++,
+                                                    ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(path_);
     fs::create_directories(path_);
   }
@@ -158,8 +157,11 @@ TEST(Safetensors, WriterRefusesInconsistentInput) {
   bad.bytes.pop_back();
   expect_error([&] { serialize({bad}, {}); }, {"tensor w", "7 bytes given, expected 8", "[2, 2] x BF16 2 bytes"},
                Errc::internal);
-  expect_error([&] { serialize({tensor("w", DType::U8, {1}), tensor("w", DType::U8, {1})}, {}); },
-               {"tensor w is given twice"}, Errc::internal);
+  expect_error(
+      [&] {
+        serialize({tensor("w", DType::U8, {1}), tensor("w", DType::U8, {1})}, {});
+      },
+      {"tensor w is given twice"}, Errc::internal);
   expect_error([&] { serialize({tensor("__metadata__", DType::U8, {1})}, {}); }, {"reserved"}, Errc::internal);
   TensorData neg{"n", DType::U8, {-1}, {}};
   expect_error([&] { serialize({neg}, {}); }, {"tensor n", "invalid shape [-1]"}, Errc::internal);
@@ -255,8 +257,8 @@ TEST(Safetensors, DuplicateTensorAcrossShards) {
   TempDir dir;
   write_file(dir.path() / "a.safetensors", {tensor("x", DType::U8, {1}), tensor("y", DType::U8, {1})}, {});
   write_file(dir.path() / "b.safetensors", {tensor("x", DType::U8, {1})}, {});
-  expect_error([&] { Checkpoint::open(dir.path()); },
-               {(dir.path() / "b.safetensors").string(), "tensor x is also in", (dir.path() / "a.safetensors").string()});
+  expect_error([&] { Checkpoint::open(dir.path()); }, {(dir.path() / "b.safetensors").string(), "tensor x is also in",
+                                                       (dir.path() / "a.safetensors").string()});
 }
 
 TEST(Safetensors, AllShardsInSortedOrderWithoutIndex) {
@@ -292,12 +294,11 @@ TEST(Safetensors, BrokenShardNamesTheFile) {
 TEST(SafetensorsHeader, AcceptsEdgeCases) {
   // Empty header, zero-byte tensors at shared boundaries, a 0 dim next to dims whose product overflows,
   // scalars, and unknown extra fields in an entry (the reference implementation ignores them too).
-  std::vector<uint8_t> f = raw_file(
-      R"({"z":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},)"
-      R"("a":{"dtype":"F32","shape":[],"data_offsets":[0,4],"extra":1},)"
-      R"("big0":{"dtype":"F64","shape":[4294967296,4294967296,0],"data_offsets":[4,4]},)"
-      R"("b":{"dtype":"U16","shape":[1,1],"data_offsets":[4,6]}}  )",
-      6);
+  std::vector<uint8_t> f = raw_file(R"({"z":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},)"
+                                    R"("a":{"dtype":"F32","shape":[],"data_offsets":[0,4],"extra":1},)"
+                                    R"("big0":{"dtype":"F64","shape":[4294967296,4294967296,0],"data_offsets":[4,4]},)"
+                                    R"("b":{"dtype":"U16","shape":[1,1],"data_offsets":[4,6]}}  )",
+                                    6);
   Header h = parse_header(f, "ok");
   ASSERT_EQ(h.tensors.size(), 4u);
   EXPECT_EQ(h.tensors.front().name, "z");
@@ -309,8 +310,7 @@ TEST(SafetensorsHeader, AcceptsEdgeCases) {
 
 TEST(SafetensorsHeader, Truncated) {
   std::vector<uint8_t> f = {1, 2, 3};
-  expect_error([&] { parse_header(f, "t.safetensors"); },
-               {"t.safetensors: file is 3 bytes, expected at least 8"});
+  expect_error([&] { parse_header(f, "t.safetensors"); }, {"t.safetensors: file is 3 bytes, expected at least 8"});
 }
 
 TEST(SafetensorsHeader, HeaderLengthPastTheEnd) {
@@ -347,8 +347,7 @@ TEST(SafetensorsHeader, EntryNotAnObject) {
 }
 
 TEST(SafetensorsHeader, MissingFields) {
-  expect_parse_error(R"({"w": {"shape": [1], "data_offsets": [0, 1]}})", 1,
-                     {"tensor w: missing field dtype", "BF16"});
+  expect_parse_error(R"({"w": {"shape": [1], "data_offsets": [0, 1]}})", 1, {"tensor w: missing field dtype", "BF16"});
   expect_parse_error(R"({"w": {"dtype": "U8", "data_offsets": [0, 1]}})", 1, {"tensor w: missing field shape"});
   expect_parse_error(R"({"w": {"dtype": "U8", "shape": [1]}})", 1,
                      {"tensor w: missing field data_offsets", "[begin, end]"});
@@ -393,8 +392,9 @@ TEST(SafetensorsHeader, BadDataOffsets) {
 }
 
 TEST(SafetensorsHeader, EndBeyondFile) {
-  expect_parse_error(R"({"w": {"dtype": "U8", "shape": [200], "data_offsets": [0, 200]}})", 100,
-                     {"t.safetensors: tensor w: data_offsets [0, 200) end beyond the file", "end 200 > data section size 100"});
+  expect_parse_error(
+      R"({"w": {"dtype": "U8", "shape": [200], "data_offsets": [0, 200]}})", 100,
+      {"t.safetensors: tensor w: data_offsets [0, 200) end beyond the file", "end 200 > data section size 100"});
 }
 
 TEST(SafetensorsHeader, WrongSizeForDtype) {
@@ -418,7 +418,8 @@ TEST(SafetensorsHeader, Overlap) {
 TEST(SafetensorsHeader, Gaps) {
   expect_parse_error(R"({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},)"
                      R"( "b": {"dtype": "U8", "shape": [2], "data_offsets": [6, 8]}})",
-                     8, {"data bytes [4, 6) between tensor a (ends at 4) and tensor b (begins at 6) belong to no tensor"});
+                     8,
+                     {"data bytes [4, 6) between tensor a (ends at 4) and tensor b (begins at 6) belong to no tensor"});
   expect_parse_error(R"({"b": {"dtype": "U8", "shape": [2], "data_offsets": [3, 5]}})", 5,
                      {"data bytes [0, 3) before tensor b (begins at 3) belong to no tensor"});
   expect_parse_error(R"({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}})", 9,
@@ -432,7 +433,8 @@ TEST(SafetensorsHeader, DuplicateNames) {
                      2, {"t.safetensors: tensor w appears more than once in the header"});
   expect_parse_error(R"({"w": {"dtype": "U8", "dtype": "F32", "shape": [1], "data_offsets": [0, 1]}})", 1,
                      {"header key w.dtype appears more than once"});
-  expect_parse_error(R"({"__metadata__": {"k": "a", "k": "b"}})", 0, {"header key __metadata__.k appears more than once"});
+  expect_parse_error(R"({"__metadata__": {"k": "a", "k": "b"}})", 0,
+                     {"header key __metadata__.k appears more than once"});
 }
 
 TEST(SafetensorsHeader, HostileNamesAreEscaped) {
@@ -447,8 +449,12 @@ TEST(SafetensorsHeader, HostileNamesAreEscaped) {
   // Malformed UTF-8 quoted back by the JSON parser is escaped too; well-formed UTF-8 is kept.
   f = raw_file("{\"\xc3\x28\": 1}", 0);
   expect_error([&] { parse_header(f, "t"); }, {"\\xc3("});
-  f = raw_file("{\"gr\xc3\xbc\xc3\x9f" "e\": 1}", 0);
-  expect_error([&] { parse_header(f, "t"); }, {"tensor gr\xc3\xbc\xc3\x9f" "e is an integer"});
+  f = raw_file(
+      "{\"gr\xc3\xbc\xc3\x9f"
+      "e\": 1}",
+      0);
+  expect_error([&] { parse_header(f, "t"); }, {"tensor gr\xc3\xbc\xc3\x9f"
+                                               "e is an integer"});
 }
 
 // Broken-input corpus (tests/corpus/safetensors, made by make_corpus.py) ----------------------------

@@ -1,0 +1,120 @@
+// Pushing a bundle to, and pulling it from, an OCI registry (the OCI distribution API, over libcurl).
+//
+// A bundle is stored as an OCI image manifest (artifact type application/vnd.decodepack.bundle.v1) with
+//   config  = the bundle's manifest.json bytes  (application/vnd.decodepack.bundle.config.v1+json)
+//   layers  = [the .dpk archive]                 (application/vnd.decodepack.bundle.layer.v1.tar),
+//             annotated with org.opencontainers.image.title = the archive's file name
+// and the caller's annotations (model, targets, TP, widths) on the manifest. Any OCI registry stores
+// it; tools such as oras can list and fetch it.
+//
+// Transport: plain HTTP only to loopback hosts (localhost, 127.0.0.0/8, ::1) unless `insecure` is set;
+// HTTPS with certificate verification otherwise. Credentials, first match wins:
+//   DECODEPACK_REGISTRY_TOKEN                                   bearer token, sent with every request
+//   DECODEPACK_REGISTRY_USER + DECODEPACK_REGISTRY_PASSWORD     basic credentials
+//   $DOCKER_CONFIG/config.json, else ~/.docker/config.json      "auths": {"<host>": {"auth": base64(user:pass)}}
+// Basic credentials are sent only after the registry asks (401 + WWW-Authenticate: Basic), or are used
+// to obtain a token from the realm a Bearer challenge names (the docker token flow).
+//
+// Errors (dp::Error): Errc::usage for a malformed reference, Errc::registry for transport failures and
+// refusals (the message has the HTTP status and the registry's error codes), Errc::verify for content
+// whose digest or size differs from what the manifest promises, Errc::input for an artifact that is not
+// a decodepack bundle, Errc::io for local files.
+//
+// Example:
+//   auto ref = dp::bundle::parse_reference("127.0.0.1:5000/kimi/linear-48b:tp1-w8");
+//   auto r = dp::bundle::push("tiny.dpk", manifest_json, {{"org.decodepack.model", "kimi_linear"}}, ref, {});
+//   dp::bundle::pull(ref, "copy.dpk", {});    // byte-identical to tiny.dpk, digest verified
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace dp::bundle {
+
+inline constexpr std::string_view kOciManifestMediaType = "application/vnd.oci.image.manifest.v1+json";
+inline constexpr std::string_view kBundleArtifactType = "application/vnd.decodepack.bundle.v1";
+inline constexpr std::string_view kBundleConfigMediaType = "application/vnd.decodepack.bundle.config.v1+json";
+inline constexpr std::string_view kBundleLayerMediaType = "application/vnd.decodepack.bundle.layer.v1.tar";
+inline constexpr std::string_view kTitleAnnotation = "org.opencontainers.image.title";
+
+// `host[:port]/repository[:tag][@sha256:<64 hex>]`. The host is mandatory (there is no default registry):
+// the first path component is a host when it contains '.' or ':' or is "localhost", as for docker.
+struct Reference {
+  std::string host;        // "registry.example.com", "127.0.0.1:5000", "[::1]:5000"
+  std::string repository;  // "kimi/linear-48b": lower-case components separated by '/'
+  std::string tag;         // empty when only a digest was given
+  std::string digest;      // "sha256:<64 lowercase hex>" or empty; when set, it is what is fetched
+
+  std::string str() const;        // the reference as text, normalised
+  bool is_loopback() const;       // localhost, 127.0.0.0/8 or ::1
+};
+
+// Throws dp::Error(usage) naming the reference and what is wrong with it.
+Reference parse_reference(std::string_view text);
+
+// "http://host" for loopback hosts or when insecure, else "https://host".
+std::string registry_base_url(const Reference& ref, bool insecure);
+
+struct PushOptions {
+  bool insecure = false;       // allow plain HTTP to a non-loopback host
+  std::string title;           // layer title annotation; empty: the .dpk's file name
+  long connect_timeout_s = 30;
+};
+
+struct PushResult {
+  std::string manifest_digest;  // "sha256:..." of the OCI manifest: pull by ref@digest to pin it
+  int uploaded_blobs = 0;
+  int skipped_blobs = 0;        // already present in the repository
+};
+
+// Uploads the config blob (`manifest_json`, verbatim) and the archive, each only if the repository
+// lacks it, then puts the OCI manifest under ref.tag. The archive is streamed from disk, never held in
+// memory. `ref` must have a tag and no digest. The OCI manifest is serialised canonically (sorted keys),
+// so the same bundle, annotations and title always give the same manifest digest.
+PushResult push(const std::filesystem::path& dpk_file, std::string_view manifest_json,
+                const std::map<std::string, std::string>& annotations, const Reference& ref,
+                const PushOptions& options = {});
+
+struct PullOptions {
+  bool insecure = false;
+  long connect_timeout_s = 30;
+};
+
+struct PullResult {
+  std::string manifest_digest;
+  std::string layer_digest;
+  uint64_t size = 0;                               // of the .dpk
+  std::string config_json;                         // the bundle manifest from the config blob (verified)
+  std::map<std::string, std::string> annotations;  // of the OCI manifest
+};
+
+// Fetches the manifest (by digest when ref has one, and then checks it), checks that it is a decodepack
+// bundle, and streams the layer into a staging file beside `out_dpk` while hashing it; only a blob whose
+// size and sha256 match the manifest is renamed to `out_dpk`. Nothing is left behind on failure.
+PullResult pull(const Reference& ref, const std::filesystem::path& out_dpk, const PullOptions& options = {});
+
+// --- Pieces of the client, exposed for unit tests -------------------------------------------------
+
+struct Credentials {
+  std::string username, password;  // basic
+  std::string token;               // bearer, sent unasked
+  std::string source;              // where they came from, for messages ("DECODEPACK_REGISTRY_USER", a path)
+  bool has_basic() const { return !username.empty(); }
+};
+
+// Looks up credentials for `host` (host[:port]) in the environment, then in the docker config file.
+// An unreadable or malformed config file is an error (Errc::input) naming it; no match is not.
+Credentials find_credentials(std::string_view host);
+
+// One challenge of a WWW-Authenticate header: `Bearer realm="...",service="...",scope="..."`.
+struct AuthChallenge {
+  std::string scheme;                         // lower-case: "basic", "bearer"
+  std::map<std::string, std::string> params;  // lower-case names, unquoted values
+};
+std::optional<AuthChallenge> parse_auth_challenge(std::string_view header);
+
+}  // namespace dp::bundle

@@ -1,0 +1,464 @@
+// The OCI registry client, against a real registry server (docker-registry) on loopback.
+#include "bundle/registry.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <random>
+
+#include "../test_util.h"
+#include "bundle/archive.h"
+#include "common/fs.h"
+#include "common/hash.h"
+#include "common/json.h"
+#include "registry_server.h"
+
+namespace fs = std::filesystem;
+using dp::Errc;
+using dp::bundle::parse_reference;
+using dp::test::expect_error;
+using dp::test::RegistryServer;
+using dp::test::TempDir;
+
+namespace {
+
+constexpr const char* kSkipMessage =
+    "docker-registry is not installed (Debian package docker-registry): the registry tests need a real "
+    "registry server on loopback";
+
+const std::string kHex(64, 'a');
+
+// Sets (or unsets, with nullopt) an environment variable for the lifetime of the object.
+class ScopedEnv {
+ public:
+  ScopedEnv(std::string name, std::optional<std::string> value) : name_(std::move(name)) {
+    if (const char* old = std::getenv(name_.c_str())) old_ = old;
+    if (value) ::setenv(name_.c_str(), value->c_str(), 1);
+    else ::unsetenv(name_.c_str());
+  }
+  ~ScopedEnv() {
+    if (old_) ::setenv(name_.c_str(), old_->c_str(), 1);
+    else ::unsetenv(name_.c_str());
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::string name_;
+  std::optional<std::string> old_;
+};
+
+// No credentials from the developer's environment or ~/.docker leak into a test.
+class IsolatedEnv {
+ public:
+  IsolatedEnv() {
+    vars_.push_back(std::make_unique<ScopedEnv>("DOCKER_CONFIG", docker_config_.path().string()));
+    for (const char* v : {"DECODEPACK_REGISTRY_USER", "DECODEPACK_REGISTRY_PASSWORD", "DECODEPACK_REGISTRY_TOKEN"})
+      vars_.push_back(std::make_unique<ScopedEnv>(v, std::nullopt));
+  }
+  const fs::path& docker_config_dir() const { return docker_config_.path(); }
+  void set(const std::string& name, std::optional<std::string> value) {
+    vars_.push_back(std::make_unique<ScopedEnv>(name, std::move(value)));
+  }
+
+ private:
+  TempDir docker_config_;
+  std::vector<std::unique_ptr<ScopedEnv>> vars_;
+};
+
+void put(const fs::path& p, std::string_view bytes) {
+  fs::create_directories(p.parent_path());
+  std::ofstream(p, std::ios::binary) << bytes;
+}
+
+std::string random_bytes(size_t n, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::string s(n, '\0');
+  for (char& c : s) c = static_cast<char>(gen());
+  return s;
+}
+
+struct TestBundle {
+  fs::path dpk;
+  std::string manifest_json;
+};
+
+// A small but real bundle archive; the data file is larger than curl's buffers so uploads and
+// downloads stream in many pieces.
+TestBundle make_bundle(const fs::path& dir, unsigned seed, size_t data_bytes = 3 * 1024 * 1024 + 123) {
+  TestBundle b;
+  b.manifest_json = fmt::format(R"({{"format":"decodepack-bundle","format_version":{{"major":1,"minor":0}},"seed":{}}})", seed);
+  put(dir / "src/manifest.json", b.manifest_json);
+  put(dir / "src/kernels/sm_90a/k.bin", random_bytes(data_bytes, seed));
+  b.dpk = dir / "bundle.dpk";
+  dp::bundle::write_archive(dir / "src", b.dpk);
+  return b;
+}
+
+std::string slurp(const fs::path& p) { return dp::read_text_file(p); }
+
+bool has_staging_leftovers(const fs::path& dir) {
+  for (const auto& de : fs::directory_iterator(dir))
+    if (de.path().filename().string().find(".tmp-") != std::string::npos) return true;
+  return false;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// References, URLs, challenges, credentials: no server needed.
+
+TEST(RegistryReference, ParsesValidForms) {
+  auto r = parse_reference("127.0.0.1:5000/kimi/linear-48b:tp1-w8");
+  EXPECT_EQ(r.host, "127.0.0.1:5000");
+  EXPECT_EQ(r.repository, "kimi/linear-48b");
+  EXPECT_EQ(r.tag, "tp1-w8");
+  EXPECT_EQ(r.digest, "");
+  EXPECT_EQ(r.str(), "127.0.0.1:5000/kimi/linear-48b:tp1-w8");
+
+  r = parse_reference("localhost/a:B_1.0-rc");
+  EXPECT_EQ(r.host, "localhost");
+  EXPECT_EQ(r.tag, "B_1.0-rc");
+
+  r = parse_reference("registry.example.com/team/deep/path/x__y.z--w:v1");
+  EXPECT_EQ(r.host, "registry.example.com");
+  EXPECT_EQ(r.repository, "team/deep/path/x__y.z--w");
+
+  r = parse_reference("[::1]:5000/x@sha256:" + kHex);
+  EXPECT_EQ(r.host, "[::1]:5000");
+  EXPECT_EQ(r.tag, "");
+  EXPECT_EQ(r.digest, "sha256:" + kHex);
+
+  r = parse_reference("reg.io/x:t@sha256:" + kHex);
+  EXPECT_EQ(r.tag, "t");
+  EXPECT_EQ(r.digest, "sha256:" + kHex);
+  EXPECT_EQ(parse_reference(r.str()).str(), r.str());
+}
+
+TEST(RegistryReference, RefusesMalformedReferences) {
+  struct Case {
+    std::string text;
+    std::string fragment;
+  };
+  std::vector<Case> cases = {
+      {"", "empty"},
+      {"ubuntu:latest", "no registry host"},
+      {"library/ubuntu:latest", "does not start with a registry host"},
+      {"https://reg.io/x:t", "URL scheme"},
+      {"reg.io/x", "no tag or digest"},
+      {"reg.io/x:", "empty tag"},
+      {"reg.io/x:-bad", "tag '-bad' is invalid"},
+      {"reg.io/x:" + std::string(129, 't'), "is invalid"},
+      {"reg.io/Upper:t", "component 'Upper'"},
+      {"reg.io/a//b:t", "component ''"},
+      {"reg.io/a-:t", "component 'a-'"},
+      {"reg.io/:t", "no repository"},
+      {"reg.io/x@sha256:abc", "64 lowercase hex"},
+      {"reg.io/x@sha256:" + std::string(64, 'A'), "64 lowercase hex"},
+      {"reg.io/x@md5:" + std::string(32, 'a'), "not sha256"},
+      {"reg.io:0/x:t", "port 0 is out of range"},
+      {"reg.io:99999/x:t", "port 99999 is out of range"},
+      {"reg.io:http/x:t", "port 'http' is not a number"},
+      {"-reg.io/x:t", "not a valid host name"},
+      {"[::1/x:t", "unclosed '['"},
+      {"reg.io/x y:t", "whitespace"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.text);
+    expect_error([&] { parse_reference(c.text); }, Errc::usage, {"\"" + c.text + "\"", c.fragment, "host[:port]"});
+  }
+}
+
+TEST(RegistryReference, PlainHttpOnlyForLoopback) {
+  EXPECT_EQ(dp::bundle::registry_base_url(parse_reference("127.0.0.1:5000/x:t"), false), "http://127.0.0.1:5000");
+  EXPECT_EQ(dp::bundle::registry_base_url(parse_reference("127.8.9.10/x:t"), false), "http://127.8.9.10");
+  EXPECT_EQ(dp::bundle::registry_base_url(parse_reference("localhost:5000/x:t"), false), "http://localhost:5000");
+  EXPECT_EQ(dp::bundle::registry_base_url(parse_reference("[::1]:5000/x:t"), false), "http://[::1]:5000");
+  EXPECT_EQ(dp::bundle::registry_base_url(parse_reference("reg.example.com/x:t"), false), "https://reg.example.com");
+  EXPECT_EQ(dp::bundle::registry_base_url(parse_reference("127.0.0.1.example.com/x:t"), false),
+            "https://127.0.0.1.example.com");
+  EXPECT_EQ(dp::bundle::registry_base_url(parse_reference("10.0.0.5:5000/x:t"), false), "https://10.0.0.5:5000");
+  EXPECT_EQ(dp::bundle::registry_base_url(parse_reference("10.0.0.5:5000/x:t"), true), "http://10.0.0.5:5000");
+}
+
+TEST(RegistryAuthChallenge, ParsesBearerAndBasic) {
+  auto ch = dp::bundle::parse_auth_challenge(
+      R"(Bearer realm="https://auth.example.com/token",service="registry.example.com",scope="repository:a/b:pull,push")");
+  ASSERT_TRUE(ch);
+  EXPECT_EQ(ch->scheme, "bearer");
+  EXPECT_EQ(ch->params["realm"], "https://auth.example.com/token");
+  EXPECT_EQ(ch->params["service"], "registry.example.com");
+  EXPECT_EQ(ch->params["scope"], "repository:a/b:pull,push");  // the comma inside quotes stays
+
+  ch = dp::bundle::parse_auth_challenge(R"(Basic realm="decodepack \"test\"", charset=UTF-8)");
+  ASSERT_TRUE(ch);
+  EXPECT_EQ(ch->scheme, "basic");
+  EXPECT_EQ(ch->params["realm"], "decodepack \"test\"");
+  EXPECT_EQ(ch->params["charset"], "UTF-8");
+
+  EXPECT_FALSE(dp::bundle::parse_auth_challenge(""));
+  EXPECT_FALSE(dp::bundle::parse_auth_challenge(R"(Bearer realm="unterminated)"));
+}
+
+TEST(RegistryCredentials, EnvironmentThenDockerConfig) {
+  IsolatedEnv env;
+  EXPECT_FALSE(dp::bundle::find_credentials("reg.example.com:5000").has_basic());
+
+  put(env.docker_config_dir() / "config.json",
+      R"({"auths": {"https://reg.example.com:5000/v1/": {"auth": "YWxpY2U6cGE6c3M="},
+                    "other.example.com": {"username": "bob", "password": "pw"}},
+          "credsStore": "desktop"})");
+  auto c = dp::bundle::find_credentials("reg.example.com:5000");
+  EXPECT_EQ(c.username, "alice");
+  EXPECT_EQ(c.password, "pa:ss");  // only the first ':' separates
+  EXPECT_EQ(c.source, (env.docker_config_dir() / "config.json").string());
+  EXPECT_EQ(dp::bundle::find_credentials("other.example.com").username, "bob");
+  EXPECT_FALSE(dp::bundle::find_credentials("reg.example.com").has_basic());  // the port is part of the key
+
+  env.set("DECODEPACK_REGISTRY_USER", "carol");
+  env.set("DECODEPACK_REGISTRY_PASSWORD", "secret");
+  c = dp::bundle::find_credentials("reg.example.com:5000");
+  EXPECT_EQ(c.username, "carol");
+  EXPECT_EQ(c.password, "secret");
+
+  env.set("DECODEPACK_REGISTRY_TOKEN", "tok");
+  EXPECT_EQ(dp::bundle::find_credentials("x.io").token, "tok");
+
+  env.set("DECODEPACK_REGISTRY_PASSWORD", std::nullopt);
+  expect_error([] { dp::bundle::find_credentials("x.io"); }, Errc::usage,
+               {"DECODEPACK_REGISTRY_USER is set but DECODEPACK_REGISTRY_PASSWORD is not"});
+}
+
+TEST(RegistryCredentials, MalformedDockerConfigIsNamed) {
+  IsolatedEnv env;
+  fs::path cfg = env.docker_config_dir() / "config.json";
+  put(cfg, "{not json");
+  expect_error([] { dp::bundle::find_credentials("x.io"); }, Errc::input, {cfg.string(), "invalid JSON"});
+  put(cfg, R"({"auths": {"x.io": {"auth": "Ym9i"}}})");  // base64("bob"): no ':'
+  expect_error([] { dp::bundle::find_credentials("x.io"); }, Errc::input, {cfg.string(), "user:password"});
+}
+
+TEST(RegistryClient, UnreachableRegistryIsARegistryError) {
+  IsolatedEnv env;
+  TempDir tmp;
+  // Port 1 (tcpmux) is privileged and not served here: the connection is refused at once.
+  expect_error([&] { dp::bundle::pull(parse_reference("127.0.0.1:1/a/b:t"), tmp / "x.dpk"); }, Errc::registry,
+               {"127.0.0.1:1/a/b:t", "http://127.0.0.1:1/v2/a/b/manifests/t"});
+  EXPECT_FALSE(fs::exists(tmp / "x.dpk"));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Against docker-registry.
+
+class Registry : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (RegistryServer::find_binary().empty()) return;
+    try {
+      server_ = new RegistryServer();
+    } catch (const std::exception& e) {
+      start_error_ = new std::string(e.what());
+    }
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+    delete start_error_;
+    start_error_ = nullptr;
+  }
+  void SetUp() override {
+    if (start_error_) GTEST_FAIL() << *start_error_;
+    if (!server_) GTEST_SKIP() << kSkipMessage;
+    env_ = std::make_unique<IsolatedEnv>();
+  }
+  dp::bundle::Reference ref(const std::string& repo_and_tag) const {
+    return parse_reference(server_->host() + "/" + repo_and_tag);
+  }
+
+  static inline RegistryServer* server_ = nullptr;
+  static inline std::string* start_error_ = nullptr;
+  std::unique_ptr<IsolatedEnv> env_;
+  TempDir tmp_;
+};
+
+TEST_F(Registry, PushThenPullIsByteIdentical) {
+  TestBundle b = make_bundle(tmp_.path(), 1, 20 * 1024 * 1024 + 7);  // 20 MiB: many read/write callbacks
+  std::map<std::string, std::string> ann = {{"org.decodepack.model", "kimi_linear"},
+                                            {"org.decodepack.targets", "sm_90a,gfx942"},
+                                            {"org.decodepack.tensor_parallel", "1"},
+                                            {"org.decodepack.widths", "1,2,4,8"}};
+  auto r = ref("kimi/roundtrip:v1");
+  dp::bundle::PushResult pushed = dp::bundle::push(b.dpk, b.manifest_json, ann, r);
+  EXPECT_EQ(pushed.uploaded_blobs, 2);
+  EXPECT_EQ(pushed.skipped_blobs, 0);
+  ASSERT_EQ(pushed.manifest_digest.size(), 71u);
+
+  dp::bundle::PullResult pulled = dp::bundle::pull(r, tmp_ / "pulled.dpk");
+  EXPECT_TRUE(slurp(tmp_ / "pulled.dpk") == slurp(b.dpk)) << "pulled archive differs from the pushed one";
+  EXPECT_EQ(pulled.manifest_digest, pushed.manifest_digest);
+  EXPECT_EQ(pulled.layer_digest, "sha256:" + dp::sha256_file(b.dpk));
+  EXPECT_EQ(pulled.size, fs::file_size(b.dpk));
+  EXPECT_EQ(pulled.config_json, b.manifest_json);
+  EXPECT_EQ(pulled.annotations, ann);
+  EXPECT_FALSE(has_staging_leftovers(tmp_.path()));
+  EXPECT_EQ(dp::bundle::read_archive_member(tmp_ / "pulled.dpk", "manifest.json"), b.manifest_json);
+
+  // What the registry holds is a standard OCI artifact that other tools can read.
+  auto raw = server_->http("GET", "/v2/kimi/roundtrip/manifests/v1",
+                           {"Accept: application/vnd.oci.image.manifest.v1+json"});
+  ASSERT_EQ(raw.status, 200) << raw.body;
+  EXPECT_EQ("sha256:" + dp::sha256_hex(raw.body), pushed.manifest_digest);
+  dp::Json m = dp::parse_json(raw.body, "manifest");
+  EXPECT_EQ(m["schemaVersion"], 2);
+  EXPECT_EQ(m["mediaType"], "application/vnd.oci.image.manifest.v1+json");
+  EXPECT_EQ(m["artifactType"], "application/vnd.decodepack.bundle.v1");
+  EXPECT_EQ(m["config"]["mediaType"], "application/vnd.decodepack.bundle.config.v1+json");
+  EXPECT_EQ(m["config"]["digest"], "sha256:" + dp::sha256_hex(b.manifest_json));
+  ASSERT_EQ(m["layers"].size(), 1u);
+  EXPECT_EQ(m["layers"][0]["mediaType"], "application/vnd.decodepack.bundle.layer.v1.tar");
+  EXPECT_EQ(m["layers"][0]["annotations"]["org.opencontainers.image.title"], "bundle.dpk");
+  EXPECT_EQ(m["annotations"]["org.decodepack.widths"], "1,2,4,8");
+
+  // Pinning the digest pulls the same thing; a wrong digest is refused by the registry.
+  auto pinned = ref("kimi/roundtrip@" + pushed.manifest_digest);
+  dp::bundle::pull(pinned, tmp_ / "pinned.dpk");
+  EXPECT_TRUE(slurp(tmp_ / "pinned.dpk") == slurp(b.dpk));
+  expect_error([&] { dp::bundle::pull(ref("kimi/roundtrip@sha256:" + kHex), tmp_ / "wrong.dpk"); }, Errc::registry,
+               {"sha256:" + kHex, "HTTP 404", "MANIFEST_UNKNOWN"});
+}
+
+TEST_F(Registry, SecondPushSkipsExistingBlobs) {
+  TestBundle b = make_bundle(tmp_.path(), 2);
+  auto first = dp::bundle::push(b.dpk, b.manifest_json, {}, ref("kimi/skip:a"));
+  EXPECT_EQ(first.uploaded_blobs, 2);
+
+  auto again = dp::bundle::push(b.dpk, b.manifest_json, {}, ref("kimi/skip:a"));
+  EXPECT_EQ(again.uploaded_blobs, 0);
+  EXPECT_EQ(again.skipped_blobs, 2);
+  EXPECT_EQ(again.manifest_digest, first.manifest_digest);  // same inputs, same manifest
+
+  auto other_tag = dp::bundle::push(b.dpk, b.manifest_json, {}, ref("kimi/skip:b"));
+  EXPECT_EQ(other_tag.skipped_blobs, 2);
+  EXPECT_EQ(other_tag.manifest_digest, first.manifest_digest);
+
+  // A different bundle manifest with the same archive uploads only the new config blob.
+  std::string changed = R"({"format":"decodepack-bundle","changed":true})";
+  auto partial = dp::bundle::push(b.dpk, changed, {}, ref("kimi/skip:c"));
+  EXPECT_EQ(partial.uploaded_blobs, 1);
+  EXPECT_EQ(partial.skipped_blobs, 1);
+  EXPECT_NE(partial.manifest_digest, first.manifest_digest);
+}
+
+TEST_F(Registry, PullOfAMissingTagNamesTagAndStatus) {
+  TestBundle b = make_bundle(tmp_.path(), 3, 1000);
+  dp::bundle::push(b.dpk, b.manifest_json, {}, ref("kimi/missing:present"));
+  expect_error([&] { dp::bundle::pull(ref("kimi/missing:absent"), tmp_ / "out.dpk"); }, Errc::registry,
+               {"kimi/missing:absent", "manifest absent", "HTTP 404", "MANIFEST_UNKNOWN"});
+  expect_error([&] { dp::bundle::pull(ref("no/such/repo:v1"), tmp_ / "out.dpk"); }, Errc::registry,
+               {"no/such/repo:v1", "HTTP 404"});
+  EXPECT_FALSE(fs::exists(tmp_ / "out.dpk"));
+  EXPECT_FALSE(has_staging_leftovers(tmp_.path()));
+}
+
+TEST_F(Registry, CorruptedBlobIsRefused) {
+  TestBundle b = make_bundle(tmp_.path(), 4);
+  auto r = ref("kimi/corrupt:v1");
+  dp::bundle::push(b.dpk, b.manifest_json, {}, r);
+  std::string layer_digest = "sha256:" + dp::sha256_file(b.dpk);
+  fs::path stored = server_->blob_path(layer_digest);
+  ASSERT_TRUE(fs::exists(stored)) << stored;
+
+  // Flip one byte in the middle of the stored blob: same size, different content.
+  {
+    std::fstream f(stored, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(1'000'000);
+    char c = 0;
+    f.get(c);
+    f.seekp(1'000'000);
+    f.put(static_cast<char>(c ^ 0x5a));
+  }
+  std::string actual = "sha256:" + dp::sha256_file(stored);
+  fs::create_directories(tmp_ / "out");
+  expect_error([&] { dp::bundle::pull(r, tmp_ / "out/x.dpk"); }, Errc::verify,
+               {"kimi/corrupt:v1", "layer blob digest mismatch", "expected " + layer_digest, "got " + actual});
+  EXPECT_FALSE(fs::exists(tmp_ / "out/x.dpk"));
+  EXPECT_FALSE(has_staging_leftovers(tmp_ / "out"));
+
+  // A blob cut short is refused as well.
+  fs::resize_file(stored, fs::file_size(stored) / 2);
+  expect_error([&] { dp::bundle::pull(r, tmp_ / "out/x.dpk"); }, Errc::verify,
+               {"digest mismatch", std::to_string(fs::file_size(stored)) + " bytes"});
+  EXPECT_FALSE(fs::exists(tmp_ / "out/x.dpk"));
+  EXPECT_FALSE(has_staging_leftovers(tmp_ / "out"));
+}
+
+TEST_F(Registry, ForeignArtifactsAreRefused) {
+  TestBundle b = make_bundle(tmp_.path(), 5, 1000);
+  dp::bundle::push(b.dpk, b.manifest_json, {}, ref("kimi/foreign:ours"));
+  // A manifest over the same blobs but claiming another artifact type.
+  dp::Json m = {
+      {"schemaVersion", 2},
+      {"mediaType", "application/vnd.oci.image.manifest.v1+json"},
+      {"artifactType", "application/vnd.example.other"},
+      {"config", {{"mediaType", "application/vnd.decodepack.bundle.config.v1+json"},
+                  {"digest", "sha256:" + dp::sha256_hex(b.manifest_json)},
+                  {"size", b.manifest_json.size()}}},
+      {"layers", dp::Json::array({{{"mediaType", "application/vnd.decodepack.bundle.layer.v1.tar"},
+                                   {"digest", "sha256:" + dp::sha256_file(b.dpk)},
+                                   {"size", fs::file_size(b.dpk)}}})},
+  };
+  auto put_resp = server_->http("PUT", "/v2/kimi/foreign/manifests/theirs",
+                                {"Content-Type: application/vnd.oci.image.manifest.v1+json"}, m.dump());
+  ASSERT_EQ(put_resp.status, 201) << put_resp.body;
+  expect_error([&] { dp::bundle::pull(ref("kimi/foreign:theirs"), tmp_ / "x.dpk"); }, Errc::input,
+               {"not a decodepack bundle", "application/vnd.example.other"});
+  EXPECT_FALSE(fs::exists(tmp_ / "x.dpk"));
+}
+
+TEST_F(Registry, PushNeedsATagAndValidInputs) {
+  TestBundle b = make_bundle(tmp_.path(), 6, 100);
+  expect_error([&] { dp::bundle::push(b.dpk, b.manifest_json, {}, ref("kimi/x@sha256:" + kHex)); }, Errc::usage,
+               {"push needs a reference with a tag"});
+  expect_error([&] { dp::bundle::push(b.dpk, "{broken", {}, ref("kimi/x:t")); }, Errc::input, {"invalid JSON"});
+  expect_error([&] { dp::bundle::push(tmp_ / "missing.dpk", b.manifest_json, {}, ref("kimi/x:t")); }, Errc::io,
+               {"missing.dpk"});
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Basic authentication (htpasswd), from the environment and from a docker config file.
+
+TEST(RegistryAuth, BasicCredentialsFromEnvironmentAndDockerConfig) {
+  if (RegistryServer::find_binary().empty()) GTEST_SKIP() << kSkipMessage;
+  // bcrypt (cost 5) of "s3cret-pass", made once with python3 crypt.crypt(); a test fixture.
+  RegistryServer server({.htpasswd = "decodepack:$2b$05$yxSGvJPOuEU4tr4mV4CEcuOSS7G2.9lkRckDtcqvGTvBSitaZ8Rwi\n"});
+  IsolatedEnv env;
+  TempDir tmp;
+  TestBundle b = make_bundle(tmp.path(), 7, 5000);
+  auto r = parse_reference(server.host() + "/secure/bundle:v1");
+
+  expect_error([&] { dp::bundle::push(b.dpk, b.manifest_json, {}, r); }, Errc::registry,
+               {"HTTP 401", "no credentials for " + server.host()});
+  expect_error([&] { dp::bundle::pull(r, tmp / "x.dpk"); }, Errc::registry,
+               {"HTTP 401", "UNAUTHORIZED", "no credentials for " + server.host()});
+
+  env.set("DECODEPACK_REGISTRY_USER", "decodepack");
+  env.set("DECODEPACK_REGISTRY_PASSWORD", "wrong");
+  expect_error([&] { dp::bundle::push(b.dpk, b.manifest_json, {}, r); }, Errc::registry,
+               {"HTTP 401", "were not accepted"});
+
+  env.set("DECODEPACK_REGISTRY_PASSWORD", "s3cret-pass");
+  auto pushed = dp::bundle::push(b.dpk, b.manifest_json, {}, r);
+  EXPECT_EQ(pushed.uploaded_blobs, 2);
+
+  // Pull with the docker config file instead ("auth" is base64 of decodepack:s3cret-pass).
+  env.set("DECODEPACK_REGISTRY_USER", std::nullopt);
+  env.set("DECODEPACK_REGISTRY_PASSWORD", std::nullopt);
+  put(env.docker_config_dir() / "config.json",
+      fmt::format(R"({{"auths": {{"{}": {{"auth": "ZGVjb2RlcGFjazpzM2NyZXQtcGFzcw=="}}}}}})", server.host()));
+  dp::bundle::pull(r, tmp / "pulled.dpk");
+  EXPECT_TRUE(slurp(tmp / "pulled.dpk") == slurp(b.dpk));
+}
