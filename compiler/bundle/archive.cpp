@@ -210,7 +210,7 @@ struct Header {
 class Reader {
  public:
   explicit Reader(const fs::path& file)
-      : file_(file), name_(file.string()), fd_(::open(file.c_str(), O_RDONLY | O_CLOEXEC)) {
+      : name_(file.string()), fd_(::open(file.c_str(), O_RDONLY | O_CLOEXEC)) {
     if (fd_.get() < 0) fail(Errc::io, "{}: cannot open: {}", name_, std::strerror(errno));
     struct stat st {};
     if (::fstat(fd_.get(), &st) != 0) fail(Errc::io, "{}: cannot stat: {}", name_, std::strerror(errno));
@@ -368,7 +368,6 @@ class Reader {
     }
   }
 
-  fs::path file_;
   std::string name_;
   Fd fd_;
   ArchivePtr a_;
@@ -396,7 +395,9 @@ void write_archive(const fs::path& dir, const fs::path& out_file) {
   fs::path parent = out_abs.parent_path();
   fs::path tmp = parent / fmt::format(".{}.tmp-{}", out_abs.filename().string(), random_suffix());
   Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
-  if (fd.get() < 0) fail(Errc::io, "{}: cannot create: {}", tmp.string(), std::strerror(errno));
+  if (fd.get() < 0)
+    fail(Errc::io, "{}: cannot create a staging file in {}: {}", out_file.string(), parent.string(),
+         std::strerror(errno));
   try {
     ArchivePtr a(archive_write_new());
     if (!a) fail(Errc::internal, "{}: libarchive: out of memory", out_file.string());

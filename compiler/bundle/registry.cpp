@@ -848,7 +848,9 @@ PullResult pull(const Reference& ref, const fs::path& out_dpk, const PullOptions
   fs::path out_abs = fs::absolute(out_dpk);
   fs::path tmp = out_abs.parent_path() / fmt::format(".{}.tmp-{}", out_abs.filename().string(), random_suffix());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) fail(Errc::io, "{}: cannot create: {}", tmp.string(), std::strerror(errno));
+  if (fd < 0)
+    fail(Errc::io, "{}: cannot create a staging file in {}: {}", out_dpk.string(), out_abs.parent_path().string(),
+         std::strerror(errno));
   try {
     Sha256 hash;
     uint64_t got = 0;

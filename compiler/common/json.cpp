@@ -10,6 +10,8 @@ Json parse_json(std::string_view text, std::string_view what) {
     return Json::parse(text.begin(), text.end());
   } catch (const Json::parse_error& e) {
     fail(Errc::input, "{}: invalid JSON at byte {}: {}", what, e.byte, e.what());
+  } catch (const Json::exception& e) {  // e.g. a number beyond double's range (out_of_range 406)
+    fail(Errc::input, "{}: invalid JSON: {}", what, e.what());
   }
 }
 

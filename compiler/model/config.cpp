@@ -100,6 +100,10 @@ class WeightBuilder {
   Model& m_;
 };
 
+// Far above the real models (K3: 93 layers, 93 x 896 expert MLPs).
+constexpr int64_t kMaxLayers = 1024;
+constexpr int64_t kMaxExpertTensors = 1 << 18;
+
 const Split kRep = Split::replicated();
 const Split kCol = Split::along(0);  // column-parallel: output features divided
 const Split kRow = Split::along(1);  // row-parallel: input features divided
@@ -246,6 +250,9 @@ bool is_mxfp4(const Json& q) {
 void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
   m.hidden = pos_int(t, "hidden_size");
   m.num_layers = pos_int(t, "num_hidden_layers");
+  if (m.num_layers > kMaxLayers)
+    fail(Errc::input, "{}: field {} is {}, expected at most {}", t.where(), t.field("num_hidden_layers"), m.num_layers,
+         kMaxLayers);
   m.vocab = pos_int(t, "vocab_size");
   m.rms_norm_eps = t.number_or("rms_norm_eps", 1e-5);
   if (!(m.rms_norm_eps > 0 && m.rms_norm_eps < 1))
@@ -347,6 +354,10 @@ void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
     fail(Errc::input, "{}: field {} is {}, expected 0..{}", t.where(), t.field("first_k_dense_replace"),
          m.first_k_dense, m.num_layers);
   m.moe.num_experts = pos_int(t, "num_experts");
+  // The IR lists every expert tensor; bound the list so a hostile config cannot exhaust memory.
+  if (m.moe.num_experts * m.num_layers > kMaxExpertTensors)
+    fail(Errc::input, "{}: num_experts {} x num_hidden_layers {} = {} expert MLPs, expected at most {}", t.where(),
+         m.moe.num_experts, m.num_layers, m.moe.num_experts * m.num_layers, kMaxExpertTensors);
   m.moe.top_k = pos_int(t, "num_experts_per_token");
   if (m.moe.top_k > m.moe.num_experts)
     fail(Errc::input, "{}: field {} is {}, more than num_experts {}", t.where(), t.field("num_experts_per_token"),

@@ -104,6 +104,11 @@ bool RegistryServer::start(const fs::path& binary, std::string& why) {
   if (!options_.htpasswd.empty()) {
     std::ofstream(root_ / "htpasswd") << options_.htpasswd;
     cfg << "auth:\n  htpasswd:\n    realm: decodepack-test\n    path: " << (root_ / "htpasswd").string() << "\n";
+  } else if (!options_.token.realm.empty()) {
+    std::ofstream(root_ / "token-root.pem") << options_.token.root_cert_pem;
+    cfg << "auth:\n  token:\n    realm: " << options_.token.realm << "\n    service: " << options_.token.service
+        << "\n    issuer: " << options_.token.issuer << "\n    rootcertbundle: " << (root_ / "token-root.pem").string()
+        << "\n";
   }
   std::ofstream(root_ / "config.yml") << cfg.str();
 

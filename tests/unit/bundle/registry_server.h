@@ -15,8 +15,13 @@ namespace dp::test {
 class RegistryServer {
  public:
   struct Options {
-    // Contents of an htpasswd file (bcrypt entries); empty: no authentication.
+    // Contents of an htpasswd file (bcrypt entries); empty: no basic authentication.
     std::string htpasswd;
+    // Bearer-token authentication (the docker token flow) when `realm` is set: the registry sends
+    // clients to `realm` and accepts JWTs from `issuer` for `service` signed by a key of `root_cert_pem`.
+    struct Token {
+      std::string realm, service, issuer, root_cert_pem;
+    } token;
   };
 
   // The docker-registry binary on PATH or at /usr/bin/docker-registry; empty when not installed

@@ -1,14 +1,20 @@
 // The OCI registry client, against a real registry server (docker-registry) on loopback.
 #include "bundle/registry.h"
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
+#include <thread>
 
 #include "../test_util.h"
 #include "bundle/archive.h"
@@ -434,7 +440,9 @@ TEST_F(Registry, PushNeedsATagAndValidInputs) {
 TEST(RegistryAuth, BasicCredentialsFromEnvironmentAndDockerConfig) {
   if (RegistryServer::find_binary().empty()) GTEST_SKIP() << kSkipMessage;
   // bcrypt (cost 5) of "s3cret-pass", made once with python3 crypt.crypt(); a test fixture.
-  RegistryServer server({.htpasswd = "decodepack:$2b$05$yxSGvJPOuEU4tr4mV4CEcuOSS7G2.9lkRckDtcqvGTvBSitaZ8Rwi\n"});
+  RegistryServer::Options opts;
+  opts.htpasswd = "decodepack:$2b$05$yxSGvJPOuEU4tr4mV4CEcuOSS7G2.9lkRckDtcqvGTvBSitaZ8Rwi\n";
+  RegistryServer server(opts);
   IsolatedEnv env;
   TempDir tmp;
   TestBundle b = make_bundle(tmp.path(), 7, 5000);
@@ -461,4 +469,141 @@ TEST(RegistryAuth, BasicCredentialsFromEnvironmentAndDockerConfig) {
       fmt::format(R"({{"auths": {{"{}": {{"auth": "ZGVjb2RlcGFjazpzM2NyZXQtcGFzcw=="}}}}}})", server.host()));
   dp::bundle::pull(r, tmp / "pulled.dpk");
   EXPECT_TRUE(slurp(tmp / "pulled.dpk") == slurp(b.dpk));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Bearer tokens (the docker token flow): the real registry checks real JWTs; the token service, which
+// Debian does not package, is a few lines below that hands out one pre-signed token to the right user.
+//
+// Fixture, made once with python3-cryptography (kept here so it can be made again):
+//   key = ec.generate_private_key(ec.SECP256R1()); self-signed cert, CN decodepack-test-token-issuer,
+//     valid 2000-01-01..2099-12-31, BasicConstraints(ca=True) -> kTokenCertPem
+//   kid = libtrust key id: base32(sha256(DER SubjectPublicKeyInfo)[:30]) without '=', in groups of 4 joined by ':'
+//   header {"typ":"JWT","alg":"ES256","kid":kid}
+//   claims {"iss":"decodepack-test-issuer","sub":"decodepack","aud":"decodepack-test-registry",
+//           "exp":4102444800,"nbf":946684800,"iat":946684800,"jti":"decodepack-test",
+//           "access":[{"type":"repository","name":"secure/token","actions":["pull","push"]}]}
+//   token = b64url(header) "." b64url(claims) "." b64url(r || s)   (ES256: 32-byte big-endian r and s)
+
+namespace {
+
+constexpr const char* kTokenCertPem = R"(-----BEGIN CERTIFICATE-----
+MIIBUDCB+KADAgECAgEBMAoGCCqGSM49BAMCMCcxJTAjBgNVBAMMHGRlY29kZXBh
+Y2stdGVzdC10b2tlbi1pc3N1ZXIwIBcNMDAwMTAxMDAwMDAwWhgPMjA5OTEyMzEw
+MDAwMDBaMCcxJTAjBgNVBAMMHGRlY29kZXBhY2stdGVzdC10b2tlbi1pc3N1ZXIw
+WTATBgcqhkjOPQIBBggqhkjOPQMBBwNCAATXVpG6KLK9vlj60/AIi77iP9vUyxVA
+J52WXHdKFTh23jsb9OqCkK0HDbBBBjD80FGpkN7mNhHUlgopixZGwHouoxMwETAP
+BgNVHRMBAf8EBTADAQH/MAoGCCqGSM49BAMCA0cAMEQCIG2SWvaXcoVgW47DPheS
+M8CM5dQVoCGldacexdlQzloDAiAiso54vj3o+fq4oMWzQj09orp8nD0V6U2nMb3/
+UUz52A==
+-----END CERTIFICATE-----
+)";
+constexpr const char* kToken = "eyJ0eXAiOiJKV1QiLCJhbGciOiJFUzI1NiIsImtpZCI6IkVUM1Q6WU43NzpLN0ZCOk1PV1E6NEo2VzpJVDQzOlBYTlg6RFdFRjpQVkZQOkhHRlM6SlNVVDpNSlRQIn0.eyJpc3MiOiJkZWNvZGVwYWNrLXRlc3QtaXNzdWVyIiwic3ViIjoiZGVjb2RlcGFjayIsImF1ZCI6ImRlY29kZXBhY2stdGVzdC1yZWdpc3RyeSIsImV4cCI6NDEwMjQ0NDgwMCwibmJmIjo5NDY2ODQ4MDAsImlhdCI6OTQ2Njg0ODAwLCJqdGkiOiJkZWNvZGVwYWNrLXRlc3QiLCJhY2Nlc3MiOlt7InR5cGUiOiJyZXBvc2l0b3J5IiwibmFtZSI6InNlY3VyZS90b2tlbiIsImFjdGlvbnMiOlsicHVsbCIsInB1c2giXX1dfQ.TPiefweRkBkCBlDnQdfMuKguL98zeWBOOKS5g0cz3-OdgeaqUUllfhYuw_h917CRhQKgvQxC6T7qMky3yoaYqQ";
+
+// Answers GET /token?service=..&scope=.. with {"token": kToken} when the request carries the expected
+// basic credentials, 401 otherwise; records the query strings it saw.
+class TokenServer {
+ public:
+  explicit TokenServer(std::string expected_authorization) : expected_(std::move(expected_authorization)) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    if (fd_ < 0 || ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(fd_, 16) != 0 ||
+        ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len) != 0)
+      throw std::runtime_error("token server: cannot listen on loopback");
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] { serve(); });
+  }
+  ~TokenServer() {
+    stopping_ = true;
+    ::shutdown(fd_, SHUT_RDWR);  // wakes accept()
+    thread_.join();
+    ::close(fd_);
+  }
+  std::string realm() const { return "http://127.0.0.1:" + std::to_string(port_) + "/token"; }
+  std::vector<std::string> requests() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return requests_;
+  }
+
+ private:
+  void serve() {
+    while (!stopping_) {
+      int c = ::accept(fd_, nullptr, nullptr);
+      if (c < 0) continue;
+      std::string req;
+      char buf[4096];
+      while (req.find("\r\n\r\n") == std::string::npos) {
+        ssize_t n = ::recv(c, buf, sizeof buf, 0);
+        if (n <= 0) break;
+        req.append(buf, static_cast<size_t>(n));
+      }
+      std::string target = req.substr(0, req.find("\r\n"));
+      bool authorized = req.find("Authorization: " + expected_ + "\r\n") != std::string::npos;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        requests_.push_back(target);
+      }
+      std::string body = authorized ? fmt::format(R"({{"token":"{}","expires_in":3600}})", kToken)
+                                    : R"({"errors":[{"code":"UNAUTHORIZED","message":"bad credentials"}]})";
+      std::string resp = fmt::format("HTTP/1.1 {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n"
+                                     "Connection: close\r\n\r\n{}",
+                                     authorized ? "200 OK" : "401 Unauthorized", body.size(), body);
+      ::send(c, resp.data(), resp.size(), MSG_NOSIGNAL);
+      ::close(c);
+    }
+  }
+
+  std::string expected_;
+  int fd_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+  mutable std::mutex mu_;
+  std::vector<std::string> requests_;
+};
+
+}  // namespace
+
+TEST(RegistryAuth, BearerTokenFlowAndStaticToken) {
+  if (RegistryServer::find_binary().empty()) GTEST_SKIP() << kSkipMessage;
+  TokenServer tokens("Basic dG9rZW51c2VyOnRva2VucGFzcw==");  // base64("tokenuser:tokenpass")
+  RegistryServer::Options opts;
+  opts.token = {tokens.realm(), "decodepack-test-registry", "decodepack-test-issuer", kTokenCertPem};
+  RegistryServer server(opts);
+  IsolatedEnv env;
+  TempDir tmp;
+  TestBundle b = make_bundle(tmp.path(), 8, 5000);
+  auto r = parse_reference(server.host() + "/secure/token:v1");
+
+  // Without credentials the token service refuses, and the message says where that happened.
+  expect_error([&] { dp::bundle::pull(r, tmp / "x.dpk"); }, Errc::registry,
+               {"token request to " + tokens.realm() + " refused", "HTTP 401"});
+
+  // Basic credentials buy a token from the realm named in the challenge.
+  env.set("DECODEPACK_REGISTRY_USER", "tokenuser");
+  env.set("DECODEPACK_REGISTRY_PASSWORD", "tokenpass");
+  auto pushed = dp::bundle::push(b.dpk, b.manifest_json, {}, r);
+  EXPECT_EQ(pushed.uploaded_blobs, 2);
+  ASSERT_FALSE(tokens.requests().empty());
+  for (const std::string& q : tokens.requests()) {
+    EXPECT_NE(q.find("service=decodepack-test-registry"), std::string::npos) << q;
+    EXPECT_NE(q.find("scope=repository%3Asecure%2Ftoken%3Apull"), std::string::npos) << q;
+  }
+
+  // A token the repository's scope does not cover is refused after one attempt, not retried forever.
+  auto other = parse_reference(server.host() + "/secure/other:v1");
+  expect_error([&] { dp::bundle::push(b.dpk, b.manifest_json, {}, other); }, Errc::registry,
+               {"secure/other:v1", "HTTP 401", "were not accepted"});
+
+  // A static token from the environment is sent unasked: no token request at all.
+  env.set("DECODEPACK_REGISTRY_USER", std::nullopt);
+  env.set("DECODEPACK_REGISTRY_PASSWORD", std::nullopt);
+  env.set("DECODEPACK_REGISTRY_TOKEN", kToken);
+  size_t before = tokens.requests().size();
+  dp::bundle::pull(r, tmp / "pulled.dpk");
+  EXPECT_TRUE(slurp(tmp / "pulled.dpk") == slurp(b.dpk));
+  EXPECT_EQ(tokens.requests().size(), before);
 }
