@@ -52,7 +52,10 @@ std::vector<std::string> Bundle::files() const {
       if (p != format::kManifestFile) out.push_back(p);
   } else {
     for (const auto& e : fs::recursive_directory_iterator(path_)) {
-      if (!e.is_regular_file() && !e.is_symlink()) continue;
+      if (e.is_symlink())  // a link could point anywhere: bundles hold regular files only
+        fail(Errc::verify, "{}: {} is a symbolic link; a bundle holds regular files only", path_.string(),
+             fs::relative(e.path(), path_).generic_string());
+      if (!e.is_regular_file()) continue;
       std::string rel = fs::relative(e.path(), path_).generic_string();
       if (rel != format::kManifestFile) out.push_back(rel);
     }
@@ -64,7 +67,7 @@ std::vector<std::string> Bundle::files() const {
 bool Bundle::has(const std::string& rel) const {
   if (archive_) return members_.count(rel) > 0;
   std::error_code ec;
-  return fs::is_regular_file(path_ / rel, ec);
+  return !fs::is_symlink(path_ / rel, ec) && fs::is_regular_file(path_ / rel, ec);
 }
 
 std::span<const uint8_t> Bundle::file(const std::string& rel) const {

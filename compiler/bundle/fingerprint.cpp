@@ -40,7 +40,9 @@ class Reader {
 
 // Feeds `n` bytes stored as `from` into the hash as `to`.
 void hash_converted(Sha256& h, const uint8_t* p, size_t n, DType from, DType to, std::vector<uint8_t>& tmp) {
-  if (from == to || dtype_size(from) == dtype_size(to)) {  // U8 <-> F8_E8M0: the same bytes
+  const bool same_bytes = from == to || ((from == DType::U8 || from == DType::F8_E8M0) &&
+                                         (to == DType::U8 || to == DType::F8_E8M0));  // E8M0 scales stored as U8
+  if (same_bytes) {
     h.update(p, n);
     return;
   }
@@ -58,7 +60,8 @@ void hash_converted(Sha256& h, const uint8_t* p, size_t n, DType from, DType to,
     for (size_t i = 0; i < n / 4; ++i) {
       uint32_t u;
       std::memcpy(&u, p + 4 * i, 4);
-      u += 0x7fff + ((u >> 16) & 1);
+      if ((u & 0x7fffffff) > 0x7f800000) u = (u | 0x00400000);  // NaN stays a (quiet) NaN, never rounds to Inf
+      else u += 0x7fff + ((u >> 16) & 1);
       tmp[2 * i] = static_cast<uint8_t>(u >> 16);
       tmp[2 * i + 1] = static_cast<uint8_t>(u >> 24);
     }

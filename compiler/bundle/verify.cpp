@@ -7,7 +7,10 @@
 #include "bundle/fingerprint.h"
 #include "common/error.h"
 #include "common/hash.h"
+#include "model/ir.h"
 #include "model/safetensors.h"
+
+#include <map>
 
 namespace dp::bundle {
 
@@ -75,6 +78,10 @@ VerifyReport verify_bundle(const Bundle& b, const VerifyOptions& o) {
       return r;
     }
     st::Checkpoint ck = st::Checkpoint::open(o.model);
+    // Other names a checkpoint may use for a tensor (HF transformers' layout), from the model IR.
+    std::map<std::string, std::vector<std::string>> aliases;
+    for (const model::WeightSpec& w : model::load_model(o.model).weights)
+      if (!w.aliases.empty()) aliases[w.name] = w.aliases;
     std::vector<ShardRef> refs;
     std::vector<std::pair<std::string, std::string>> expect;  // (tensor name, digest)
     for (const format::RankEntry& re : m.ranks)
@@ -84,18 +91,14 @@ VerifyReport verify_bundle(const Bundle& b, const VerifyOptions& o) {
           std::string name = w.name;
           if (w.experts > 0) name.replace(name.find("{e}"), 3, std::to_string(e));
           const st::TensorInfo* t = ck.find(name);
-          if (!t) {
-            // transformers' name for layer-0's dense MLP
-            std::string alt = name;
-            if (auto p = alt.find(".mlp."); p != std::string::npos) alt.replace(p, 5, ".block_sparse_moe.");
-            t = ck.find(alt);
-          }
+          if (auto a = aliases.find(name); !t && a != aliases.end())
+            for (const std::string& alt : a->second) t = t ? t : ck.find(alt);
           if (!t) {
             problem("weight", name, fmt::format("{}: tensor {} (rank {}) is not in the checkpoint", o.model, name, re.rank));
             continue;
           }
-          auto dt = dtype_from_name(w.dtype);
-          refs.push_back({t, w.split_dim, w.begin, w.end, dt ? *dt : t->dtype});
+          auto dt = dtype_from_name(w.dtype);  // validate() accepted only known dtypes
+          refs.push_back({t, w.split_dim, w.begin, w.end, *dt});
           expect.push_back({fmt::format("{} (rank {}{})", name, re.rank,
                                         w.split_dim >= 0 ? fmt::format(", dim {} [{}, {})", w.split_dim, w.begin, w.end) : ""),
                             w.sha256[e]});

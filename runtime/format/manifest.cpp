@@ -60,8 +60,9 @@ class Obj {
     std::vector<int64_t> out;
     const Json& a = array(k);
     for (size_t i = 0; i < a.size(); ++i) {
-      if (!a[i].is_number_integer())
-        schema_error(where_, fmt::format("field {}[{}] is {}, expected an integer", field(k), i, a[i].type_name()));
+      if (!a[i].is_number_integer() || (a[i].is_number_unsigned() && a[i].get<uint64_t>() > INT64_MAX))
+        schema_error(where_, fmt::format("field {}[{}] is {} ({}), expected an integer", field(k), i,
+                                         a[i].type_name(), a[i].dump()));
       out.push_back(a[i].get<int64_t>());
     }
     return out;
@@ -86,11 +87,22 @@ class Obj {
   }
   const std::string& where() const { return where_; }
   std::string label() const { return path_.empty() ? "top level" : path_; }
+  // A reader of this version knows every field of every manifest it accepts (newer minors are refused
+  // before this runs), so an unknown field is an edit or a bug, never a newer writer.
+  void only(std::initializer_list<std::string_view> keys) const {
+    for (auto it = j_.begin(); it != j_.end(); ++it)
+      if (std::find(keys.begin(), keys.end(), it.key()) == keys.end())
+        schema_error(where_, fmt::format("unknown field {}", field(it.key())));
+  }
 
  private:
   const Json& j_;
   std::string where_, path_;
 };
+
+const std::set<std::string> kDtypes = {"BOOL", "U8",  "I8",  "U16", "I16", "F16",     "BF16",    "U32",
+                                       "I32",  "F32", "U64", "I64", "F64", "F8_E4M3", "F8_E5M2", "F8_E8M0"};
+const std::set<std::string> kKinds = {"final_norm", "prefetch", "layer"};
 
 bool is_hex64(const std::string& s) {
   return s.size() == 64 && std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
@@ -130,8 +142,11 @@ Manifest from_json(const Json& j, const std::string& where) {
   if (m.format != kFormatName)
     schema_error(where, fmt::format("field format is \"{}\", expected \"{}\"", m.format, kFormatName));
   Obj fv = top.obj("format_version");
+  fv.only({"major", "minor"});
   m.format_version = {fv.num<int>("major", 0, 1 << 20), fv.num<int>("minor", 0, 1 << 20)};
   check_version(m.format_version, where);
+  top.only({"format", "format_version", "tool_version", "toolchains", "templates_digest", "model", "deploy",
+            "weights_fingerprinted", "layers", "kernels", "ranks", "prefetch", "workspace", "files"});
 
   m.tool_version = top.str("tool_version");
   m.toolchains = top.get("toolchains");
@@ -139,6 +154,8 @@ Manifest from_json(const Json& j, const std::string& where) {
   m.templates_digest = top.str("templates_digest");
 
   Obj mo = top.obj("model");
+  mo.only({"model_type", "architecture", "config_digest", "hidden_size", "num_layers", "vocab_size", "rms_norm_eps",
+           "details"});
   m.model.model_type = mo.str("model_type");
   m.model.architecture = mo.str("architecture");
   m.model.config_digest = mo.str("config_digest");
@@ -153,10 +170,13 @@ Manifest from_json(const Json& j, const std::string& where) {
 
   for (size_t i = 0; i < top.array("layers").size(); ++i) {
     Obj l = top.at("layers", i);
+    l.only({"index", "mixer", "ffn", "class"});
     m.layers.push_back({l.num<int>("index", 0), l.str("mixer"), l.str("ffn"), l.str("class")});
   }
   for (size_t i = 0; i < top.array("kernels").size(); ++i) {
     Obj k = top.at("kernels", i);
+    k.only({"key", "name", "op", "role", "target", "width", "q", "file", "sha256", "param_bytes", "params", "grid",
+            "block", "shared_bytes", "registers", "stack_bytes", "spill_bytes"});
     KernelEntry e;
     e.key = k.str("key");
     e.name = k.str("name");
@@ -170,6 +190,7 @@ Manifest from_json(const Json& j, const std::string& where) {
     e.param_bytes = k.num<uint32_t>("param_bytes");
     for (size_t p = 0; p < k.array("params").size(); ++p) {
       Obj po = k.at("params", p);
+      po.only({"name", "kind", "offset", "size", "shape", "nullable"});
       e.params.push_back({po.str("name"), po.str("kind"), po.num<uint32_t>("offset"), po.num<uint32_t>("size"),
                           po.str("shape"), po.boolean("nullable")});
     }
@@ -183,10 +204,12 @@ Manifest from_json(const Json& j, const std::string& where) {
   }
   for (size_t i = 0; i < top.array("ranks").size(); ++i) {
     Obj r = top.at("ranks", i);
+    r.only({"rank", "weights"});
     RankEntry re;
     re.rank = r.num<int64_t>("rank", 0, 1023);
     for (size_t w = 0; w < r.array("weights").size(); ++w) {
       Obj wo = r.at("weights", w);
+      wo.only({"name", "dtype", "shape", "split_dim", "begin", "end", "experts", "layer", "sha256"});
       WeightEntry we;
       we.name = wo.str("name");
       we.dtype = wo.str("dtype");
@@ -203,6 +226,7 @@ Manifest from_json(const Json& j, const std::string& where) {
   }
   for (size_t i = 0; i < top.array("prefetch").size(); ++i) {
     Obj p = top.at("prefetch", i);
+    p.only({"point", "layer", "widths", "critical", "grid", "ranges"});
     PrefetchEntry pe;
     pe.point = p.str("point");
     pe.layer = p.num<int>("layer", 0);
@@ -211,16 +235,19 @@ Manifest from_json(const Json& j, const std::string& where) {
     pe.grid = p.num<int>("grid", 1, 65535);
     for (size_t r = 0; r < p.array("ranges").size(); ++r) {
       Obj ro = p.at("ranges", r);
+      ro.only({"weight", "bytes"});
       pe.ranges.push_back({ro.str("weight"), ro.num<uint64_t>("bytes")});
     }
     m.prefetch.push_back(std::move(pe));
   }
   for (size_t i = 0; i < top.array("workspace").size(); ++i) {
     Obj w = top.at("workspace", i);
+    w.only({"width", "bytes"});
     m.workspace.push_back({w.num<int64_t>("width", 1), w.num<uint64_t>("bytes")});
   }
   for (size_t i = 0; i < top.array("files").size(); ++i) {
     Obj f = top.at("files", i);
+    f.only({"path", "size", "sha256"});
     m.files.push_back({f.str("path"), f.num<uint64_t>("size"), f.str("sha256")});
   }
   validate(m, where);
@@ -316,15 +343,37 @@ void validate(const Manifest& m, const std::string& where) {
     if (!is_hex64(k.sha256)) bad(fmt::format("kernels[{}] ({}): sha256 \"{}\" is not 64 hex digits", i, k.key, k.sha256));
     if (k.width != 0 && !widths.empty() && !widths.count(k.width))
       bad(fmt::format("kernels[{}] ({}): width {} is not one of the deploy's widths", i, k.key, k.width));
-    uint32_t end = 0;
-    for (const KernelParamEntry& p : k.params) end = std::max(end, p.offset + p.size);
+    auto listed = std::find_if(m.files.begin(), m.files.end(), [&](const FileEntry& f) { return f.path == k.file; });
+    if (listed != m.files.end() && listed->sha256 != k.sha256)
+      bad(fmt::format("kernels[{}] ({}): sha256 {} differs from files[] entry {} for {}", i, k.key, k.sha256,
+                      listed->sha256, k.file));
+    if (!kKinds.count(k.role.substr(0, k.role.find(':'))))
+      bad(fmt::format("kernels[{}] ({}): role \"{}\", expected final_norm, prefetch or layer:<class>", i, k.key, k.role));
+    uint64_t end = 0;
+    for (const KernelParamEntry& p : k.params) {
+      if (p.kind != "pointer" && p.kind != "u32" && p.kind != "f32")
+        bad(fmt::format("kernels[{}] ({}): param {} kind \"{}\", expected pointer, u32 or f32", i, k.key, p.name, p.kind));
+      end = std::max<uint64_t>(end, uint64_t{p.offset} + p.size);
+    }
     if (!k.params.empty() && end != k.param_bytes)
       bad(fmt::format("kernels[{}] ({}): params end at byte {}, param_bytes is {}", i, k.key, end, k.param_bytes));
   }
   for (size_t i = 0; i < m.ranks.size(); ++i) {
     const RankEntry& r = m.ranks[i];
     if (i > 0 && m.ranks[i - 1].rank >= r.rank) bad(fmt::format("ranks[{}]: rank {} out of order", i, r.rank));
+    std::set<std::string> names;
     for (const WeightEntry& w : r.weights) {
+      if (!names.insert(w.name).second) bad(fmt::format("ranks[{}]: weight {} listed twice", i, w.name));
+      if (!kDtypes.count(w.dtype))
+        bad(fmt::format("ranks[{}] weight {}: dtype \"{}\" is not a safetensors dtype", i, w.name, w.dtype));
+      const bool grouped = w.name.find("{e}") != std::string::npos;
+      if (grouped != (w.experts > 0))
+        bad(fmt::format("ranks[{}] weight {}: experts {} but the name {} \"{{e}}\"", i, w.name, w.experts,
+                        grouped ? "contains" : "lacks"));
+      if (w.split_dim >= 0 && w.split_dim < static_cast<int>(w.shape.size()) &&
+          (w.begin > w.end || w.shape[static_cast<size_t>(w.split_dim)] != w.end - w.begin))
+        bad(fmt::format("ranks[{}] weight {}: range [{}, {}) does not match shard dim {} of {}", i, w.name, w.begin,
+                        w.end, w.split_dim, w.shape[static_cast<size_t>(w.split_dim)]));
       size_t want = m.weights_fingerprinted ? (w.experts > 0 ? static_cast<size_t>(w.experts) : 1) : 0;
       if (w.sha256.size() != want)
         bad(fmt::format("ranks[{}] weight {}: {} fingerprints, expected {}", i, w.name, w.sha256.size(), want));
@@ -333,6 +382,33 @@ void validate(const Manifest& m, const std::string& where) {
       if (w.split_dim >= static_cast<int>(w.shape.size()))
         bad(fmt::format("ranks[{}] weight {}: split_dim {} beyond its {} dims", i, w.name, w.split_dim, w.shape.size()));
     }
+  }
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    const LayerEntry& l = m.layers[i];
+    if (l.index != static_cast<int>(i))
+      bad(fmt::format("layers[{}]: index {}, expected {} (layers in order)", i, l.index, i));
+    if (l.mixer != "kda" && l.mixer != "mla") bad(fmt::format("layers[{}]: mixer \"{}\", expected kda or mla", i, l.mixer));
+    if (l.ffn != "dense" && l.ffn != "moe" && l.ffn != "latent_moe")
+      bad(fmt::format("layers[{}]: ffn \"{}\", expected dense, moe or latent_moe", i, l.ffn));
+  }
+  if (static_cast<int64_t>(m.layers.size()) != m.model.num_layers)
+    bad(fmt::format("layers has {} entries, model.num_layers is {}", m.layers.size(), m.model.num_layers));
+  for (size_t i = 0; i < m.prefetch.size(); ++i) {
+    if (m.prefetch[i].layer < 0 || m.prefetch[i].layer >= m.model.num_layers)
+      bad(fmt::format("prefetch[{}]: layer {} outside [0, {})", i, m.prefetch[i].layer, m.model.num_layers));
+    for (int64_t w : m.prefetch[i].widths)
+      if (!widths.empty() && !widths.count(w))
+        bad(fmt::format("prefetch[{}]: width {} is not one of the deploy's widths", i, w));
+  }
+  for (size_t i = 0; i < m.workspace.size(); ++i)
+    if (!widths.empty() && !widths.count(m.workspace[i].width))
+      bad(fmt::format("workspace[{}]: width {} is not one of the deploy's widths", i, m.workspace[i].width));
+  if (m.deploy.contains("ranks") && m.deploy["ranks"].is_array()) {
+    std::set<int64_t> deploy_ranks;
+    for (const Json& r : m.deploy["ranks"])
+      if (r.is_number_integer()) deploy_ranks.insert(r.get<int64_t>());
+    for (const RankEntry& r : m.ranks)
+      if (!deploy_ranks.count(r.rank)) bad(fmt::format("ranks: rank {} is not in deploy.ranks", r.rank));
   }
   if (!m.ranks.empty()) {
     std::set<std::string> names;

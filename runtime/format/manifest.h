@@ -151,7 +151,9 @@ Json to_json(const Manifest& m);
 std::string canonical_bytes(const Manifest& m);
 
 // Cross-field rules: sorted unique keys and paths, kernel files listed in files[], digests well formed,
-// prefetch ranges naming weights of rank 0, widths in the deploy's widths. Throws FormatError(schema).
+// prefetch ranges naming weights of rank 0, kernel/prefetch/workspace widths among the deploy's widths,
+// layers in order, ranks among deploy.ranks, consistent shard ranges, known dtypes, "{e}" exactly in
+// expert groups, kernel digests equal to their files[] entries. Throws FormatError(schema).
 void validate(const Manifest& m, const std::string& where);
 
 // Reader's version gate, callable on a bare {major, minor}.

@@ -361,3 +361,15 @@ TEST(Archive, MissingMemberAndMissingFile) {
                {"a.dpk", "no member manifest.json"});
   expect_error([&] { dp::bundle::list_archive(tmp / "nope.dpk"); }, Errc::io, {"nope.dpk", "cannot open"});
 }
+
+TEST(Archive, DamagedHeaderIsNamed) {
+  TempDir tmp;
+  put(tmp / "src/a.txt", std::string(700, 'a'));
+  put(tmp / "src/b.bin", "bbbb");
+  dp::bundle::write_archive(tmp / "src", tmp / "a.dpk");
+  std::string bytes = slurp(tmp / "a.dpk");
+  bytes[1536 + 1] ^= 0x01;  // a byte of b.bin's name: its header checksum no longer matches
+  put(tmp / "damaged.dpk", bytes);
+  expect_error([&] { dp::bundle::list_archive(tmp / "damaged.dpk"); }, Errc::verify,
+               {"damaged.dpk", "corrupt archive", "after entry a.txt", "at byte 1536"});
+}
