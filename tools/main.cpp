@@ -24,6 +24,8 @@ int main(int argc, char** argv) {
   dp::tools::add_build(app, action);
   dp::tools::add_inspect(app, action);
   dp::tools::add_verify(app, action);
+  dp::tools::add_push(app, action);
+  dp::tools::add_pull(app, action);
 
   try {
     app.parse(argc, argv);

@@ -1,0 +1,829 @@
+#include "src/session.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "src/planner.h"
+#include "src/targets.h"
+#include "src/validity.h"
+
+using namespace dp::rt;
+namespace format = dp::format;
+
+namespace {
+
+// The kernels read 16-byte vectors, and the prefetch kernel walks 16-byte chunks.
+constexpr uint64_t kAlign = 16;
+constexpr size_t kMaxParamBytes = 4096;  // validity.cpp refuses larger parameter blocks
+
+const char* kv_kind_name(int32_t kind) {
+  switch (kind) {
+    case DP_KV_KDA_STATE: return "DP_KV_KDA_STATE";
+    case DP_KV_CONV_Q: return "DP_KV_CONV_Q";
+    case DP_KV_CONV_K: return "DP_KV_CONV_K";
+    case DP_KV_CONV_V: return "DP_KV_CONV_V";
+    case DP_KV_MLA_LATENT: return "DP_KV_MLA_LATENT";
+    default: return "?";
+  }
+}
+
+int32_t point_id(const std::string& p) {
+  if (p == "oproj_down") return DP_PREFETCH_OPROJ_DOWN;
+  if (p == "attention_moe") return DP_PREFETCH_ATTENTION_MOE;
+  if (p == "next_attention") return DP_PREFETCH_NEXT_ATTENTION;
+  return -1;
+}
+
+std::string dims_text(const int64_t* v, int32_t n) {
+  return fmt::format("[{}]", fmt::join(std::vector<int64_t>(v, v + std::max(n, 0)), ", "));
+}
+std::string dims_text(const std::vector<int64_t>& v) { return fmt::format("[{}]", fmt::join(v, ", ")); }
+
+// Bytes from the first to one past the last element a strided view touches (0 for an empty view).
+uint64_t span_bytes(const dp_tensor& t) {
+  uint64_t last = 0;
+  for (int32_t i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] == 0) return 0;
+    last += static_cast<uint64_t>(t.shape[i] - 1) * static_cast<uint64_t>(t.strides[i]);
+  }
+  return (last + 1) * dp_dtype_size(t.dtype);
+}
+
+template <typename T>
+void put(uint8_t* block, uint32_t offset, T v) {
+  std::memcpy(block + offset, &v, sizeof(T));
+}
+
+}  // namespace
+
+std::string dp_session::label() const {
+  return fmt::format("session (rank {}, {}, target {})", options.rank,
+                     device ? fmt::format("device {}", ordinal) : std::string("host-only"), target);
+}
+
+Result<dp_session*> dp_session::create(dp_bundle* b, const dp_session_options& o) {
+  const DeploySettings& d = b->deploy;
+  if (o.rank < 0) return error(DP_ERR_INVALID_ARGUMENT, "session options: rank {}, expected >= 0", o.rank);
+  DP_RETURN_IF_ERROR(check_rank(*b, o.rank));
+  if (o.tensor_parallel != 0 && o.tensor_parallel != d.tensor_parallel)
+    return error(DP_ERR_RANK, "{}: the host runs tensor_parallel {}, the bundle was built for tensor_parallel {}: use a "
+                 "bundle built for tensor_parallel {}", b->reader.label(), o.tensor_parallel, d.tensor_parallel,
+                 o.tensor_parallel);
+  if (o.num_speculative_tokens >= 0 && o.num_speculative_tokens + 1 != d.q)
+    return error(DP_ERR_CONFIG, "{}: the host runs num_speculative_tokens {}, the bundle was built for {} (q = {} rows "
+                 "per request): rebuild with \"num_speculative_tokens\": {}", b->reader.label(),
+                 o.num_speculative_tokens, d.q - 1, d.q, o.num_speculative_tokens);
+
+  auto s = std::make_unique<dp_session>();
+  s->options = o;
+  s->ordinal = o.device;
+  auto pick_named = [&](const char* t) -> Status {
+    if (std::find(d.targets.begin(), d.targets.end(), t) == d.targets.end())
+      return error(DP_ERR_TARGET, "{}: session options: target {} is not one of the bundle's targets ({})",
+                   b->reader.label(), t, fmt::join(d.targets, ", "));
+    s->target = t;
+    return ok();
+  };
+  if (o.device == DP_DEVICE_NONE) {
+    if (o.target && *o.target) DP_RETURN_IF_ERROR(pick_named(o.target));
+    if (o.device_desc) {
+      std::string chosen;
+      DP_RETURN_IF_ERROR(check_device(*b, *o.device_desc, -1, &chosen));
+      if (s->target.empty()) s->target = chosen;
+      std::string why;
+      if (!target_runs_on(s->target, o.device_desc->arch, &why))
+        return error(DP_ERR_TARGET, "{}: session options: target {} does not run on {}: {}", b->reader.label(),
+                     s->target, device_label(*o.device_desc, -1), why);
+    }
+    if (s->target.empty()) s->target = d.targets.front();
+  } else {
+    if (o.device < 0) return error(DP_ERR_INVALID_ARGUMENT, "session options: device {}, expected an ordinal >= 0 or "
+                                   "DP_DEVICE_NONE ({})", o.device, DP_DEVICE_NONE);
+    auto dev = open_device(o.vendor, o.device);
+    if (!dev.ok()) return dev.status();
+    s->device = std::move(*dev);
+    std::string chosen;
+    DP_RETURN_IF_ERROR(check_device(*b, s->device->desc(), o.device, &chosen));
+    s->target = chosen;
+    if (o.target && *o.target) {
+      DP_RETURN_IF_ERROR(pick_named(o.target));
+      std::string why;
+      if (!target_runs_on(s->target, s->device->desc().arch, &why))
+        return error(DP_ERR_TARGET, "{}: session options: target {} does not run on {}: {}", b->reader.label(),
+                     s->target, device_label(s->device->desc(), o.device), why);
+    }
+  }
+  DP_RETURN_IF_ERROR(check_kernels(*b, s->target));
+
+  s->weights = b->rank_weights(o.rank);
+  for (const WeightSpec& w : s->weights->weights) {
+    WeightBinding wb;
+    wb.data.assign(w.entry->experts > 0 ? static_cast<size_t>(w.entry->experts) : 1, 0);
+    s->bindings.push_back(std::move(wb));
+  }
+  const format::Manifest& m = b->manifest();
+  s->kv.resize(m.layers.size());
+  for (size_t i = 0; i < d.widths.size(); ++i) {
+    auto step = std::make_unique<dp_step>();
+    step->session = s.get();
+    step->width = d.widths[i];
+    step->q = d.q;
+    step->index = i;
+    step->layer_program.assign(m.layers.size(), 0);
+    for (const format::LayerEntry& l : m.layers)
+      for (const format::KernelEntry& k : m.kernels)
+        if (k.target == s->target && k.width == d.widths[i] && k.role == "layer:" + l.cls) step->layer_program[l.index] = 1;
+    s->steps.push_back(std::move(step));
+  }
+  s->flag_host = &s->host_flag_storage;
+  if (s->device) {
+    DeviceScope scope(s->device.get());
+    DP_RETURN_IF_ERROR(scope.status());
+    void* host = nullptr;
+    DP_RETURN_IF_ERROR(s->device->alloc_mapped(sizeof(uint32_t), "the session's error flag word", &host, &s->flag_device));
+    s->flag_host = static_cast<uint32_t*>(host);
+  }
+  b->retain();
+  s->bundle = b;
+  return s.release();
+}
+
+dp_session::~dp_session() {
+  if (device) {
+    DeviceScope scope(device.get());
+    if (scope.status().ok()) {
+      for (void* e : events) device->destroy_event(e);
+      if (join_event) device->destroy_event(join_event);
+      if (side_stream) device->destroy_stream(side_stream);
+      for (void* m : modules) device->unload_module(m);
+      if (prefetch_tables) device->free(prefetch_tables);
+      if (workspace) device->free(workspace);
+      if (flag_host && flag_host != &host_flag_storage) device->free_mapped(flag_host);
+    }
+  }
+  steps.clear();
+  device.reset();
+  if (bundle) bundle->release();
+}
+
+// ---- Tensors ------------------------------------------------------------------------------------------
+
+Status dp_session::check_tensor(const std::string& what, const dp_tensor& t, dp_dtype dtype,
+                                const std::vector<int64_t>& shape, bool lead_free, dp_code shape_code) const {
+  if (t.ndim < 0 || t.ndim > DP_MAX_DIMS)
+    return error(DP_ERR_INVALID_ARGUMENT, "{}: ndim {}, expected 0..{}", what, t.ndim, DP_MAX_DIMS);
+  if (t.dtype != dtype)
+    return error(DP_ERR_DTYPE, "{}: dtype {}, expected {}", what, dp_dtype_name(t.dtype), dp_dtype_name(dtype));
+  bool same = static_cast<size_t>(t.ndim) == shape.size();
+  for (size_t i = lead_free ? 1 : 0; same && i < shape.size(); ++i) same = t.shape[i] == shape[i];
+  if (same && lead_free && t.shape[0] < 1) same = false;
+  if (!same) {
+    std::vector<std::string> want;
+    for (size_t i = 0; i < shape.size(); ++i) want.push_back(lead_free && i == 0 ? "N" : std::to_string(shape[i]));
+    return error(shape_code, "{}: shape {}, expected [{}]{}", what, dims_text(t.shape, t.ndim), fmt::join(want, ", "),
+                 lead_free ? " (N >= 1 slots or blocks)" : "");
+  }
+  // Dense rows: every dimension (but a free leading one) has the row-major stride; size-1 dimensions
+  // are never stepped over, so their stride does not matter (PyTorch reports various values there).
+  int64_t expect = 1;
+  bool dense = true;
+  for (int32_t i = t.ndim - 1; i >= (lead_free ? 1 : 0); --i) {
+    if (t.shape[i] != 1 && t.strides[i] != expect) dense = false;
+    expect *= t.shape[i];
+  }
+  if (!dense || (lead_free && t.ndim > 0 && t.shape[0] > 1 && t.strides[0] < expect)) {
+    std::vector<int64_t> want(t.ndim);
+    int64_t e = 1;
+    for (int32_t i = t.ndim - 1; i >= 0; --i) {
+      want[i] = e;
+      e *= t.shape[i];
+    }
+    return error(DP_ERR_LAYOUT, "{}: strides {}, expected {}{} (the kernels read {} as dense rows)", what,
+                 dims_text(t.strides, t.ndim), dims_text(want), lead_free ? " or a larger first stride" : "",
+                 lead_free ? "each slot/block" : "weights");
+  }
+  if (t.data == 0) return error(DP_ERR_INVALID_ARGUMENT, "{}: data address is 0", what);
+  if (t.data % kAlign)
+    return error(DP_ERR_ALIGNMENT, "{}: address {:#x} is not a multiple of {} bytes (it is {} past one)", what, t.data,
+                 kAlign, t.data % kAlign);
+  if (lead_free && t.ndim > 0 && t.shape[0] > 1 &&
+      (static_cast<uint64_t>(t.strides[0]) * dp_dtype_size(t.dtype)) % kAlign)
+    return error(DP_ERR_ALIGNMENT, "{}: first-dimension stride {} elements ({} bytes) is not a multiple of {} bytes", what,
+                 t.strides[0], static_cast<uint64_t>(t.strides[0]) * dp_dtype_size(t.dtype), kAlign);
+  return ok();
+}
+
+// ---- Weights ------------------------------------------------------------------------------------------
+
+namespace {
+
+// The group and expert a per-expert name refers to: each run of digits in `name` is tried as "{e}".
+bool find_expert(const RankWeights& rw, const std::string& name, size_t* index, int64_t* expert) {
+  for (size_t i = 0; i < name.size();) {
+    if (!std::isdigit(static_cast<unsigned char>(name[i]))) {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < name.size() && std::isdigit(static_cast<unsigned char>(name[j]))) ++j;
+    const std::string pattern = name.substr(0, i) + "{e}" + name.substr(j);
+    auto it = rw.by_name.find(pattern);
+    if (it != rw.by_name.end() && j - i <= 9 && (j - i == 1 || name[i] != '0')) {
+      *index = it->second;
+      *expert = std::stoll(name.substr(i, j - i));
+      return true;
+    }
+    i = j;
+  }
+  return false;
+}
+
+std::string shard_note(const format::WeightEntry& w) {
+  if (w.split_dim < 0) return {};
+  return fmt::format(" (this rank's shard: range [{}, {}) of dimension {} of the full tensor)", w.begin, w.end,
+                     w.split_dim);
+}
+
+}  // namespace
+
+Status dp_session::bind_weight(const std::string& name, const dp_tensor& t) {
+  size_t index = 0;
+  int64_t expert = -1;
+  if (auto it = weights->by_name.find(name); it != weights->by_name.end()) {
+    index = it->second;
+    if (weights->weights[index].entry->experts > 0)
+      return error(DP_ERR_INVALID_ARGUMENT, "weight {} (rank {}) is an expert group: bind it with "
+                   "dp_session_bind_expert_weights, or each expert by its name with {{e}} replaced by the expert index",
+                   name, options.rank);
+  } else if (!find_expert(*weights, name, &index, &expert)) {
+    return error(DP_ERR_UNKNOWN_TENSOR, "weight {}: not a weight of rank {} in {} (it lists {} weights; embeddings and "
+                 "the LM head stay with the host)", name, options.rank, bundle->reader.label(), weights->weights.size());
+  }
+  const WeightSpec& spec = weights->weights[index];
+  if (expert >= spec.entry->experts)
+    return error(DP_ERR_UNKNOWN_TENSOR, "weight {}: expert {} of group {}, which has experts 0..{} on rank {}", name, expert,
+                 spec.entry->name, spec.entry->experts - 1, options.rank);
+  const std::string what = fmt::format("weight {} (rank {})", name, options.rank);
+  const Status st = check_tensor(what, t, spec.dtype, spec.entry->shape, false, DP_ERR_SHAPE);
+  if (!st.ok() && st.code() == DP_ERR_SHAPE) return Status(st.code(), st.message() + shard_note(*spec.entry));
+  DP_RETURN_IF_ERROR(st);
+  WeightBinding& b = bindings[index];
+  uint64_t& slot = b.data[expert < 0 ? 0 : static_cast<size_t>(expert)];
+  if (slot != 0 && slot != t.data)
+    return error(DP_ERR_REBIND, "{}: already bound at {:#x}, now {:#x}: weight reloads are not supported (kernels and "
+                 "prefetch tables use the first address; create a new session for new weights)", what, slot, t.data);
+  slot = t.data;
+  b.desc = t;
+  b.described = true;
+  return ok();
+}
+
+Status dp_session::bind_experts(const std::string& group, const uint64_t* data, int32_t count, const dp_tensor& t) {
+  auto it = weights->by_name.find(group);
+  if (it == weights->by_name.end())
+    return error(DP_ERR_UNKNOWN_TENSOR, "expert group {}: not a weight of rank {} in {} (groups are named with \"{{e}}\" "
+                 "for the expert index, as dp_bundle_get_weight lists them)", group, options.rank, bundle->reader.label());
+  const WeightSpec& spec = weights->weights[it->second];
+  if (spec.entry->experts == 0)
+    return error(DP_ERR_INVALID_ARGUMENT, "weight {} (rank {}) is a single tensor, not an expert group: bind it with "
+                 "dp_session_bind_weight", group, options.rank);
+  if (count != spec.entry->experts)
+    return error(DP_ERR_SHAPE, "expert group {} (rank {}): {} experts given, the rank holds {}", group, options.rank,
+                 count, spec.entry->experts);
+  WeightBinding& b = bindings[it->second];
+  for (int32_t e = 0; e < count; ++e) {
+    dp_tensor one = t;
+    one.data = data[e];
+    const std::string what = fmt::format("weight {} (expert {} of group {}, rank {})",
+                                         group.substr(0, group.find("{e}")) + std::to_string(e) +
+                                             group.substr(group.find("{e}") + 3), e, group, options.rank);
+    const Status st = check_tensor(what, one, spec.dtype, spec.entry->shape, false, DP_ERR_SHAPE);
+    if (!st.ok() && st.code() == DP_ERR_SHAPE) return Status(st.code(), st.message() + shard_note(*spec.entry));
+    DP_RETURN_IF_ERROR(st);
+    if (b.data[e] != 0 && b.data[e] != data[e])
+      return error(DP_ERR_REBIND, "{}: already bound at {:#x}, now {:#x}: weight reloads are not supported", what,
+                   b.data[e], data[e]);
+  }
+  // All checked: bind atomically, so a refused call leaves the group as it was.
+  for (int32_t e = 0; e < count; ++e) b.data[e] = data[e];
+  b.desc = t;
+  b.described = true;
+  return ok();
+}
+
+Status dp_session::finalize_weights() {
+  std::vector<std::string> missing;
+  for (size_t i = 0; i < bindings.size(); ++i) {
+    const WeightBinding& b = bindings[i];
+    const format::WeightEntry& w = *weights->weights[i].entry;
+    const size_t unbound = static_cast<size_t>(std::count(b.data.begin(), b.data.end(), uint64_t{0}));
+    if (unbound == 0) continue;
+    if (w.experts == 0) {
+      missing.push_back(w.name);
+    } else {
+      std::vector<size_t> which;
+      for (size_t e = 0; e < b.data.size() && which.size() < 4; ++e)
+        if (!b.data[e]) which.push_back(e);
+      missing.push_back(unbound == b.data.size()
+                            ? fmt::format("{} (all {} experts)", w.name, w.experts)
+                            : fmt::format("{} ({} of {} experts: {}{})", w.name, unbound, w.experts, fmt::join(which, ", "),
+                                          unbound > which.size() ? ", ..." : ""));
+    }
+  }
+  if (!missing.empty()) {
+    const size_t shown = std::min<size_t>(missing.size(), 8);
+    return error(DP_ERR_MISSING_TENSOR, "{}: {} of {} weights are not bound: {}{}", label(), missing.size(),
+                 bindings.size(), fmt::join(missing.begin(), missing.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
+                 missing.size() > shown ? fmt::format(", and {} more", missing.size() - shown) : std::string());
+  }
+  finalized = true;
+  return ok();
+}
+
+uint64_t dp_session::weight_address(const std::string& name, uint64_t* span) const {
+  auto it = weights->by_name.find(name);
+  if (it == weights->by_name.end()) return 0;
+  const WeightBinding& b = bindings[it->second];
+  if (span) *span = span_bytes(b.desc);
+  return b.data[0];
+}
+
+// ---- Kernels ------------------------------------------------------------------------------------------
+
+const format::KernelEntry* dp_session::find_kernel(const std::string& role, int32_t width) const {
+  for (const format::KernelEntry& k : bundle->manifest().kernels)
+    if (k.target == target && k.role == role && k.width == width) return &k;
+  return nullptr;
+}
+
+Status dp_session::load_kernel(const format::KernelEntry& k, int32_t layer, LoadedKernel* out) {
+  const std::string what = fmt::format("kernel {} ({})", k.key, k.file);
+  void* fn = nullptr;
+  // One module per code object, shared by every width, layer and table that launches it.
+  if (auto it = functions.find(&k); it != functions.end()) {
+    fn = it->second;
+  } else {
+    void* module = nullptr;
+    std::span<const uint8_t> image;
+    try {
+      image = bundle->reader.file(k.file);
+    } catch (const std::exception& e) {
+      return Status(DP_ERR_INTEGRITY, e.what());
+    }
+    DP_RETURN_IF_ERROR(device->load_module(image, what, &module));
+    modules.push_back(module);
+    DP_RETURN_IF_ERROR(device->function(module, k.name, what, &fn));
+    FunctionInfo info;
+    DP_RETURN_IF_ERROR(device->function_info(fn, what, &info));
+    const int threads = static_cast<int>(k.block[0] * k.block[1] * k.block[2]);
+    if (info.max_threads < threads)
+      return error(DP_ERR_DEVICE_LIMITS, "{}: the driver launches this code object with at most {} threads per block ({} "
+                   "registers per thread), the manifest's block has {}", what, info.max_threads, info.registers, threads);
+    if (info.has_param_info) {
+      bool same = info.params.size() == k.params.size();
+      for (size_t i = 0; same && i < k.params.size(); ++i)
+        same = info.params[i].first == k.params[i].offset && info.params[i].second == k.params[i].size;
+      if (!same) {
+        std::vector<std::string> got, want;
+        for (const auto& [o, sz] : info.params) got.push_back(fmt::format("{}+{}", o, sz));
+        for (const auto& p : k.params) want.push_back(fmt::format("{}+{}", p.offset, p.size));
+        return error(DP_ERR_DEVICE_LIMITS, "{}: the code object's parameters are at (offset+size) {}, the manifest says {}: "
+                     "the bundle is inconsistent, rebuild it", what, fmt::join(got, " "), fmt::join(want, " "));
+      }
+    }
+    functions[&k] = fn;
+  }
+  out->entry = &k;
+  out->function = fn;
+  out->block.assign(k.param_bytes, 0);
+  out->call_slots.clear();
+  for (const format::KernelParamEntry& p : k.params) {
+    const ParamSource src = *param_source(k.role, p.name, p.kind);  // check_kernels made sure it exists
+    switch (src) {
+      case ParamSource::eps: put<float>(out->block.data(), p.offset, static_cast<float>(bundle->manifest().model.rms_norm_eps)); break;
+      case ParamSource::workspace: put<uint64_t>(out->block.data(), p.offset, workspace); break;
+      case ParamSource::error_flag: put<uint64_t>(out->block.data(), p.offset, flag_device); break;
+      case ParamSource::final_norm_weight: {
+        uint64_t addr = 0;
+        for (size_t i = 0; i < weights->weights.size(); ++i)
+          if (weights->weights[i].entry->layer < 0 && weights->weights[i].entry->experts == 0) addr = bindings[i].data[0];
+        if (!addr)
+          return error(DP_ERR_FORMAT, "{}: {}: the rank lists no final-norm weight (a weight with layer -1) for parameter "
+                       "weight", bundle->reader.label(), what);
+        put<uint64_t>(out->block.data(), p.offset, addr);
+        break;
+      }
+      default: out->call_slots.push_back({p.offset, p.size, src, p.nullable, p.name});
+    }
+  }
+  (void)layer;
+  return ok();
+}
+
+Status dp_session::build_prefetch_tables() {
+  const format::Manifest& m = bundle->manifest();
+  if (m.prefetch.empty()) return ok();
+  const format::KernelEntry* pk = find_kernel("prefetch", 0);
+  if (!pk) return error(DP_ERR_FORMAT, "{}: prefetch tables but no prefetch kernel for {}", bundle->reader.label(), target);
+  LoadedKernel base;
+  DP_RETURN_IF_ERROR(load_kernel(*pk, -1, &base));
+
+  std::vector<uint64_t> host;  // every table, {addr, bytes} pairs
+  std::vector<std::pair<size_t, size_t>> spans;  // (first entry, count) per manifest table
+  std::map<std::pair<int32_t, int32_t>, size_t> event_of;
+  for (const format::PrefetchEntry& p : m.prefetch) {
+    const int32_t point = point_id(p.point);
+    if (point < 0)
+      return error(DP_ERR_NOT_SUPPORTED, "{}: prefetch table at point \"{}\" of layer {}: libdecodepack {} knows the points "
+                   "oproj_down, attention_moe, next_attention", bundle->reader.label(), p.point, p.layer, dp_version_string());
+    const size_t first = host.size() / 2;
+    for (const format::PrefetchRangeEntry& r : p.ranges) {
+      auto it = weights->by_name.find(r.weight);
+      if (it == weights->by_name.end())
+        return error(DP_ERR_FORMAT, "{}: prefetch table {} of layer {}: weight {} is not a weight of rank {}",
+                     bundle->reader.label(), p.point, p.layer, r.weight, options.rank);
+      const WeightBinding& b = bindings[it->second];
+      // The bundle's bytes were capped from rank 0's shard; this rank's shard may be shorter, so cap
+      // again at the bound tensor's extent (computed from its shape and strides), keeping 16-byte units.
+      const uint64_t extent = span_bytes(b.desc);
+      for (uint64_t addr : b.data) {  // a group prefetches the same leading bytes of every expert
+        const uint64_t bytes = std::min<uint64_t>(r.bytes, extent) / kAlign * kAlign;
+        if (bytes == 0) continue;
+        host.push_back(addr);
+        host.push_back(bytes);
+      }
+    }
+    spans.emplace_back(first, host.size() / 2 - first);
+    event_of.emplace(std::make_pair(point, p.layer), event_of.size());
+  }
+  const size_t bytes = std::max<size_t>(host.size() * sizeof(uint64_t), kAlign);
+  DP_RETURN_IF_ERROR(device->alloc(bytes, "prefetch range tables", &prefetch_tables));
+  if (!host.empty())
+    DP_RETURN_IF_ERROR(device->upload(prefetch_tables, host.data(), host.size() * sizeof(uint64_t), "prefetch range tables"));
+
+  for (size_t i = 0; i < m.prefetch.size(); ++i) {
+    const format::PrefetchEntry& p = m.prefetch[i];
+    PrefetchTable t;
+    t.entry = &p;
+    t.device_table = prefetch_tables + spans[i].first * 2 * sizeof(uint64_t);
+    t.count = static_cast<uint32_t>(spans[i].second);
+    t.kernel = base;
+    for (const ParamSlot& s : base.call_slots) {
+      if (s.source == ParamSource::prefetch_table) put<uint64_t>(t.kernel.block.data(), s.offset, t.device_table);
+      if (s.source == ParamSource::prefetch_count) put<uint32_t>(t.kernel.block.data(), s.offset, t.count);
+    }
+    t.kernel.call_slots.clear();
+    const int32_t point = point_id(p.point);
+    t.event = event_of.at({point, p.layer});
+    if (t.count == 0) continue;  // nothing to pull on this rank: fork reports "not launched"
+    prefetch.push_back(t);
+    for (int64_t w : p.widths) prefetch_index[{point, p.layer, static_cast<int32_t>(w)}] = prefetch.size() - 1;
+  }
+  events.assign(event_of.size(), nullptr);
+  for (void*& e : events) DP_RETURN_IF_ERROR(device->create_event(&e));
+  DP_RETURN_IF_ERROR(device->create_event(&join_event));
+  return device->create_stream(&side_stream);
+}
+
+Status dp_session::load_kernels() {
+  if (!device)
+    return error(DP_ERR_NO_DEVICE, "{}: dp_session_load_kernels needs a device; this session is host-only (it binds, "
+                 "checks and plans)", label());
+  if (!finalized)
+    return error(DP_ERR_STATE, "{}: dp_session_load_kernels before dp_session_finalize_weights (the kernels and prefetch "
+                 "tables use the bound weights)", label());
+  if (loaded) return ok();
+  DeviceScope scope(device.get());
+  DP_RETURN_IF_ERROR(scope.status());
+  const format::Manifest& m = bundle->manifest();
+  const DeploySettings& d = bundle->deploy;
+
+  bool any_layer_program = false;
+  for (const auto& s : steps)
+    for (uint8_t p : s->layer_program) any_layer_program |= p != 0;
+  if (any_layer_program) {
+    uint64_t bytes = 0;
+    for (const format::WorkspaceEntry& w : m.workspace) bytes = std::max(bytes, w.bytes);
+    if (bytes) DP_RETURN_IF_ERROR(device->alloc(bytes, "the step workspace", &workspace));
+  }
+
+  final_norm.assign(d.widths.size(), LoadedKernel{});
+  layer_programs.assign(d.widths.size(), std::vector<std::vector<LoadedKernel>>(m.layers.size()));
+  for (size_t i = 0; i < d.widths.size(); ++i) {
+    if (const format::KernelEntry* k = find_kernel("final_norm", d.widths[i])) {
+      LoadedKernel lk;
+      DP_RETURN_IF_ERROR(load_kernel(*k, -1, &lk));
+      final_norm[i] = std::move(lk);
+    }
+    for (const format::LayerEntry& l : m.layers)
+      for (const format::KernelEntry& k : m.kernels)  // the program's kernels, in kernel-table order
+        if (k.target == target && k.width == d.widths[i] && k.role == "layer:" + l.cls) {
+          LoadedKernel lk;
+          DP_RETURN_IF_ERROR(load_kernel(k, l.index, &lk));
+          layer_programs[i][l.index].push_back(std::move(lk));
+        }
+  }
+  DP_RETURN_IF_ERROR(build_prefetch_tables());
+  loaded = true;
+  return ok();
+}
+
+// ---- KV caches ----------------------------------------------------------------------------------------
+
+Status dp_session::kv_layout(int32_t layer, int32_t kind, int64_t count, dp_tensor* out) const {
+  const format::Manifest& m = bundle->manifest();
+  const DeploySettings& d = bundle->deploy;
+  if (layer < 0 || static_cast<size_t>(layer) >= m.layers.size())
+    return error(DP_ERR_INVALID_ARGUMENT, "KV layer {}: expected 0..{}", layer, m.layers.size() - 1);
+  if (kind < DP_KV_KDA_STATE || kind > DP_KV_MLA_LATENT)
+    return error(DP_ERR_INVALID_ARGUMENT, "layer {}: KV kind {} is not a dp_kv_kind (1..5)", layer, kind);
+  if (count < 1) return error(DP_ERR_INVALID_ARGUMENT, "layer {} {}: count {}, expected >= 1", layer, kv_kind_name(kind), count);
+  const bool kda = m.layers[layer].mixer == "kda";
+  if (kda != (kind != DP_KV_MLA_LATENT))
+    return error(DP_ERR_UNKNOWN_TENSOR, "layer {} is a{} {} layer: it has no {} (it binds {})", layer,
+                 kda ? "" : "n", kda ? "KDA" : "MLA", kv_kind_name(kind),
+                 kda ? "DP_KV_KDA_STATE and DP_KV_CONV_Q/K/V" : "DP_KV_MLA_LATENT");
+  const int64_t tp = d.tensor_parallel;
+  std::vector<int64_t> shape;
+  dp_dtype dtype = DP_DTYPE_F32;
+  if (kind == DP_KV_KDA_STATE) {
+    shape = {count, d.kda_heads / tp, d.kda_head_dim, d.kda_head_dim};
+  } else if (kind == DP_KV_MLA_LATENT) {
+    shape = {count, d.block_size, d.mla_kv_lora_rank + d.mla_rope_dim};
+    dtype = d.kv_dtype;
+  } else {
+    const int64_t p = d.kda_heads * d.kda_head_dim / tp, k = d.conv_kernel - 1;
+    shape = d.conv_layout == "sd" ? std::vector<int64_t>{count, k, p} : std::vector<int64_t>{count, p, k};
+    dtype = d.conv_dtype;
+  }
+  dp_tensor_init(out, 0, dtype, static_cast<int32_t>(shape.size()), shape.data());
+  return ok();
+}
+
+Status dp_session::bind_kv(int32_t layer, int32_t kind, const dp_tensor& t) {
+  dp_tensor want;
+  const int64_t count = t.ndim > 0 ? std::max<int64_t>(t.shape[0], 1) : 1;
+  DP_RETURN_IF_ERROR(kv_layout(layer, kind, count, &want));
+  const std::string what = fmt::format("layer {} {}", layer, kv_kind_name(kind));
+  DP_RETURN_IF_ERROR(check_tensor(what, t, static_cast<dp_dtype>(want.dtype),
+                                  std::vector<int64_t>(want.shape, want.shape + want.ndim), true, DP_ERR_SHAPE));
+  KvBinding& b = kv[layer][kind];
+  if (b.bound && b.data != t.data)
+    return error(DP_ERR_REBIND, "{}: bound at {:#x}, now {:#x}: call dp_session_release_kv first when the cache moved "
+                 "(graphs captured with the old address would still use it)", what, b.data, t.data);
+  if (b.bound && b.lead_stride != t.strides[0] && t.shape[0] > 1 && b.count > 1)
+    return error(DP_ERR_REBIND, "{}: re-bound at the same address with first stride {}, was {}: a cache may grow in place, "
+                 "not change its layout (call dp_session_release_kv first)", what, t.strides[0], b.lead_stride);
+  b.bound = true;
+  b.data = t.data;
+  b.count = t.shape[0];
+  b.lead_stride = t.shape[0] > 1 ? t.strides[0] : want.strides[0];
+  return ok();
+}
+
+void dp_session::release_kv() {
+  for (auto& layer : kv)
+    for (KvBinding& b : layer) b = KvBinding{};
+}
+
+// ---- Planning -----------------------------------------------------------------------------------------
+
+Status dp_session::plan(const dp_step_desc& d, dp_plan_result* out) {
+  if (aborted || *static_cast<volatile uint32_t*>(flag_host)) {
+    aborted = true;
+    return error(DP_ERR_ABORTED, "{}: the session gave up an in-kernel wait (error flag {:#010x}); it can run no more "
+                 "steps", label(), *static_cast<volatile uint32_t*>(flag_host));
+  }
+  if (!finalized)
+    return error(DP_ERR_STATE, "{}: dp_plan before dp_session_finalize_weights", label());
+  if (device && !loaded)
+    return error(DP_ERR_STATE, "{}: dp_plan before dp_session_load_kernels (load every width's kernels before the host "
+                 "profiles memory or captures graphs)", label());
+  if (d.graph_mode < DP_GRAPH_NONE || d.graph_mode > DP_GRAPH_FULL)
+    return error(DP_ERR_INVALID_ARGUMENT, "step: graph_mode {}, expected DP_GRAPH_NONE (0), DP_GRAPH_PIECEWISE (1) or "
+                 "DP_GRAPH_FULL (2)", d.graph_mode);
+  if (d.block_table && (d.block_table_cols < 0 || d.block_table_stride < d.block_table_cols))
+    return error(DP_ERR_INVALID_ARGUMENT, "step: block_table_cols {} and block_table_stride {}, expected 0 <= cols <= "
+                 "stride", d.block_table_cols, d.block_table_stride);
+  if (d.state_indices && d.state_indices_stride != 0 && d.state_indices_stride < bundle->deploy.q)
+    return error(DP_ERR_INVALID_ARGUMENT, "step: state_indices_stride {}, expected 0 or >= q = {}", d.state_indices_stride,
+                 bundle->deploy.q);
+
+  PlanInputs in;
+  in.widths = &bundle->deploy.widths;
+  in.q = bundle->deploy.q;
+  const format::Manifest& m = bundle->manifest();
+  size_t missing = 0;
+  for (const format::LayerEntry& l : m.layers) {
+    const bool kda = l.mixer == "kda";
+    for (int32_t kind = DP_KV_KDA_STATE; kind <= DP_KV_MLA_LATENT; ++kind) {
+      if (kda != (kind != DP_KV_MLA_LATENT)) continue;
+      const KvBinding& b = kv[l.index][kind];
+      if (!b.bound) {
+        if (missing++ == 0) in.kv_missing = fmt::format("layer {} {}", l.index, kv_kind_name(kind));
+        continue;
+      }
+      int64_t& bound = kind == DP_KV_MLA_LATENT ? in.blocks : in.slots;
+      bound = bound < 0 ? b.count : std::min(bound, b.count);
+    }
+  }
+  if (missing > 1) in.kv_missing += fmt::format(" and {} more", missing - 1);
+
+  const PlanOutcome o = plan_step(in, d);
+  dp_plan_result r;
+  dp_plan_result_init(&r);
+  r.reason = o.reason;
+  r.q = in.q;
+  if (o.reason == DP_REASON_NONE) {
+    const auto it = std::find(bundle->deploy.widths.begin(), bundle->deploy.widths.end(), o.width);
+    const dp_step* step = steps[static_cast<size_t>(it - bundle->deploy.widths.begin())].get();
+    r.width = o.width;
+    r.rows = o.width * in.q;
+    r.step = step;
+  }
+  std::snprintf(r.message, sizeof(r.message), "%s", o.message.c_str());
+  const size_t n = std::min(out->size, sizeof(r));
+  r.size = out->size;
+  std::memcpy(out, &r, n);
+  return ok();
+}
+
+Status dp_session::after_step() {
+  const uint32_t v = *static_cast<volatile uint32_t*>(flag_host);
+  if (v == 0 && !aborted) return ok();
+  aborted = true;
+  std::vector<std::string> causes;
+  if (v & DP_FLAG_WAIT_TIMEOUT) causes.push_back("a kernel of this rank gave up a bounded wait");
+  if (v & DP_FLAG_PEER_ABORT) causes.push_back("a peer rank announced that it gave up");
+  if (causes.empty()) causes.push_back("unknown cause");
+  const uint32_t layer = v >> 16;
+  return error(DP_ERR_ABORTED, "{}: error flag {:#010x}: {}{}: every rank reports this; the session can run no more steps "
+               "(tear it down and restart the engine)", label(), v, fmt::join(causes, "; "),
+               layer ? fmt::format(" (first in layer {})", layer - 1) : std::string());
+}
+
+// ---- Launch -------------------------------------------------------------------------------------------
+
+namespace {
+
+Status check_io_address(const char* what, const char* field, uint64_t v, bool nullable) {
+  if (v == 0) {
+    if (nullable) return ok();
+    return error(DP_ERR_INVALID_ARGUMENT, "{}: {} is 0, expected a device address", what, field);
+  }
+  if (v % kAlign)
+    return error(DP_ERR_ALIGNMENT, "{}: {} {:#x} is not a multiple of {} bytes", what, field, v, kAlign);
+  return ok();
+}
+
+}  // namespace
+
+Status dp_session::launch_final_norm(const dp_step* step, const dp_final_norm_io& io, dp_stream stream) {
+  if (!device) return error(DP_ERR_NO_DEVICE, "{}: dp_launch_final_norm on a host-only session", label());
+  if (!loaded) return error(DP_ERR_STATE, "{}: dp_launch_final_norm before dp_session_load_kernels", label());
+  if (!step || step->session != this)
+    return error(DP_ERR_INVALID_ARGUMENT, "{}: dp_launch_final_norm: the step is {} (expected a dp_plan_result.step of this "
+                 "session)", label(), step ? "another session's" : "NULL");
+  const LoadedKernel& k = final_norm[step->index];
+  if (!k.function)
+    return error(DP_ERR_NO_KERNEL, "{}: the bundle has no final_norm kernel for width {} on {}", label(), step->width, target);
+  static const char* what = "dp_launch_final_norm";
+  DP_RETURN_IF_ERROR(check_io_address(what, "hidden", io.hidden, false));
+  DP_RETURN_IF_ERROR(check_io_address(what, "residual", io.residual, true));
+  DP_RETURN_IF_ERROR(check_io_address(what, "out", io.out, false));
+  DP_RETURN_IF_ERROR(check_io_address(what, "residual_out", io.residual_out, false));
+  // Without a residual the sum is `hidden` alone: the kernel then writes hidden to residual_out.
+  alignas(16) uint8_t block[kMaxParamBytes];
+  std::memcpy(block, k.block.data(), k.block.size());
+  for (const ParamSlot& s : k.call_slots) {
+    uint64_t v = 0;
+    switch (s.source) {
+      case ParamSource::io_hidden: v = io.hidden; break;
+      case ParamSource::io_residual: v = io.residual; break;
+      case ParamSource::io_out: v = io.out; break;
+      case ParamSource::io_residual_out: v = io.residual_out; break;
+      default: break;
+    }
+    put<uint64_t>(block, s.offset, v);
+  }
+  LaunchSpec l;
+  l.function = k.function;
+  std::copy(k.entry->grid, k.entry->grid + 3, l.grid);
+  std::copy(k.entry->block, k.entry->block + 3, l.block);
+  l.stream = stream;
+  l.params = block;
+  l.param_bytes = k.block.size();
+  DeviceScope scope(device.get());
+  DP_RETURN_IF_ERROR(scope.status());
+  return device->launch(l, k.entry->key.c_str());
+}
+
+Status dp_session::launch_layer(const dp_step* step, int32_t layer, const dp_layer_io& io, dp_stream stream) {
+  const format::Manifest& m = bundle->manifest();
+  if (!step || step->session != this)
+    return error(DP_ERR_INVALID_ARGUMENT, "{}: dp_launch_layer: the step is {} (expected a dp_plan_result.step of this "
+                 "session)", label(), step ? "another session's" : "NULL");
+  if (layer < 0 || static_cast<size_t>(layer) >= m.layers.size())
+    return error(DP_ERR_INVALID_ARGUMENT, "{}: dp_launch_layer: layer {}, expected 0..{}", label(), layer, m.layers.size() - 1);
+  if (!step->layer_program[layer])
+    return error(DP_ERR_NO_KERNEL, "{}: layer {} ({}): the bundle has no program for width {} on {}; the host runs its own "
+                 "layer (dp_step_layer_kernel returns 0)", label(), layer, m.layers[layer].cls, step->width, target);
+  if (!device) return error(DP_ERR_NO_DEVICE, "{}: dp_launch_layer on a host-only session", label());
+  if (!loaded) return error(DP_ERR_STATE, "{}: dp_launch_layer before dp_session_load_kernels", label());
+  static const char* what = "dp_launch_layer";
+  DP_RETURN_IF_ERROR(check_io_address(what, "hidden", io.hidden, false));
+  DP_RETURN_IF_ERROR(check_io_address(what, "residual", io.residual, layer == 0));
+  DP_RETURN_IF_ERROR(check_io_address(what, "out", io.out, false));
+  DP_RETURN_IF_ERROR(check_io_address(what, "residual_out", io.residual_out, false));
+  const auto& kvl = kv[layer];
+  DeviceScope scope(device.get());
+  DP_RETURN_IF_ERROR(scope.status());
+  for (const LoadedKernel& k : layer_programs[step->index][layer]) {
+    alignas(16) uint8_t block[kMaxParamBytes];
+    std::memcpy(block, k.block.data(), k.block.size());
+    for (const ParamSlot& s : k.call_slots) {
+      uint64_t v = 0;
+      switch (s.source) {
+        case ParamSource::io_hidden: v = io.hidden; break;
+        case ParamSource::io_residual: v = io.residual; break;
+        case ParamSource::io_out: v = io.out; break;
+        case ParamSource::io_residual_out: v = io.residual_out; break;
+        case ParamSource::io_positions: v = io.positions; break;
+        case ParamSource::io_state_indices: v = io.state_indices; break;
+        case ParamSource::io_block_table: v = io.block_table; break;
+        case ParamSource::io_seq_lens: v = io.seq_lens; break;
+        case ParamSource::io_slot_mapping: v = io.slot_mapping; break;
+        case ParamSource::io_num_accepted: v = io.num_accepted; break;
+        case ParamSource::kv_kda_state: v = kvl[DP_KV_KDA_STATE].data; break;
+        case ParamSource::kv_conv_q: v = kvl[DP_KV_CONV_Q].data; break;
+        case ParamSource::kv_conv_k: v = kvl[DP_KV_CONV_K].data; break;
+        case ParamSource::kv_conv_v: v = kvl[DP_KV_CONV_V].data; break;
+        case ParamSource::kv_mla_latent: v = kvl[DP_KV_MLA_LATENT].data; break;
+        case ParamSource::io_block_table_stride: v = static_cast<uint32_t>(io.block_table_stride); break;
+        case ParamSource::kda_state_stride: v = static_cast<uint32_t>(kvl[DP_KV_KDA_STATE].lead_stride); break;
+        case ParamSource::conv_stride: v = static_cast<uint32_t>(kvl[DP_KV_CONV_Q].lead_stride); break;
+        case ParamSource::mla_block_stride: v = static_cast<uint32_t>(kvl[DP_KV_MLA_LATENT].lead_stride); break;
+        default: break;
+      }
+      if (s.size == 8) put<uint64_t>(block, s.offset, v);
+      else put<uint32_t>(block, s.offset, static_cast<uint32_t>(v));
+    }
+    LaunchSpec l;
+    l.function = k.function;
+    std::copy(k.entry->grid, k.entry->grid + 3, l.grid);
+    std::copy(k.entry->block, k.entry->block + 3, l.block);
+    l.stream = stream;
+    l.params = block;
+    l.param_bytes = k.block.size();
+    DP_RETURN_IF_ERROR(device->launch(l, k.entry->key.c_str()));
+  }
+  return ok();
+}
+
+// ---- Prefetch -----------------------------------------------------------------------------------------
+
+Status dp_session::prefetch_fork(int32_t point, int32_t layer, int32_t width, dp_stream stream, int32_t* launched) {
+  if (launched) *launched = 0;
+  if (point < DP_PREFETCH_OPROJ_DOWN || point > DP_PREFETCH_NEXT_ATTENTION)
+    return error(DP_ERR_INVALID_ARGUMENT, "dp_prefetch_fork: point {}, expected a dp_prefetch_point (0..2)", point);
+  if (!device) return error(DP_ERR_NO_DEVICE, "{}: dp_prefetch_fork on a host-only session", label());
+  if (!loaded) return error(DP_ERR_STATE, "{}: dp_prefetch_fork before dp_session_load_kernels", label());
+  if (options.flags & DP_SESSION_NO_PREFETCH) return ok();
+  const auto it = prefetch_index.find({point, layer, width});
+  if (it == prefetch_index.end()) return ok();
+  const PrefetchTable& t = prefetch[it->second];
+  DeviceScope scope(device.get());
+  DP_RETURN_IF_ERROR(scope.status());
+  // The prefetch may start only once the work it overlaps was issued: the side stream waits on an
+  // event recorded on the host's stream (under capture this also pulls the side stream into the graph).
+  DP_RETURN_IF_ERROR(device->record(events[t.event], stream));
+  DP_RETURN_IF_ERROR(device->wait(side_stream, events[t.event]));
+  LaunchSpec l;
+  l.function = t.kernel.function;
+  l.grid[0] = static_cast<uint32_t>(t.entry->grid);
+  std::copy(t.kernel.entry->block, t.kernel.entry->block + 3, l.block);
+  l.stream = side_stream;
+  l.params = const_cast<uint8_t*>(t.kernel.block.data());
+  l.param_bytes = t.kernel.block.size();
+  l.high_priority = t.entry->critical;
+  l.max_carveout = t.entry->critical;
+  prefetch_pending = true;  // the side stream now depends on `stream`: join must close it even if the launch failed
+  DP_RETURN_IF_ERROR(device->launch(l, t.kernel.entry->key.c_str()));
+  if (launched) *launched = 1;
+  return ok();
+}
+
+Status dp_session::prefetch_join(dp_stream stream) {
+  if (!device) return error(DP_ERR_NO_DEVICE, "{}: dp_prefetch_join on a host-only session", label());
+  if (!prefetch_pending) return ok();
+  DeviceScope scope(device.get());
+  DP_RETURN_IF_ERROR(scope.status());
+  DP_RETURN_IF_ERROR(device->record(join_event, side_stream));
+  DP_RETURN_IF_ERROR(device->wait(stream, join_event));
+  prefetch_pending = false;
+  return ok();
+}

@@ -1,0 +1,129 @@
+// dp_session: one (device, rank) view of a bundle: bound weights and caches, loaded kernels with their
+// parameter templates, prefetch tables and events, the error flag, and one dp_step per width.
+//
+// Everything that can fail for a reason known before a step (shapes, alignment, parameter names,
+// kernel resources) fails in bind/finalize/load; the launch functions only pack precomputed parameter
+// templates and call the driver.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "decodepack/decodepack.h"
+#include "src/bundle.h"
+#include "src/device.h"
+#include "src/params.h"
+#include "src/status.h"
+
+namespace dp::rt {
+
+struct WeightBinding {
+  std::vector<uint64_t> data;  // one address, or one per expert (0: not bound)
+  dp_tensor desc{};            // dtype, shape, strides as bound (all experts alike)
+  bool described = false;
+};
+
+struct KvBinding {
+  bool bound = false;
+  uint64_t data = 0;
+  int64_t count = 0;           // slots or blocks
+  int64_t lead_stride = 0;     // elements between slots/blocks
+};
+
+// One parameter of a kernel, with where its value comes from.
+struct ParamSlot {
+  uint32_t offset = 0, size = 0;
+  ParamSource source{};
+  bool nullable = false;
+  std::string name;
+};
+
+// A loaded kernel and its parameter block with every value fixed at load already filled in.
+struct LoadedKernel {
+  const format::KernelEntry* entry = nullptr;
+  void* function = nullptr;
+  std::vector<ParamSlot> call_slots;   // filled per launch (io fields)
+  std::vector<uint8_t> block;          // param_bytes, fixed values pre-packed
+};
+
+struct PrefetchTable {
+  const format::PrefetchEntry* entry = nullptr;
+  uint64_t device_table = 0;  // {u64 addr, u64 bytes}[count] on the device
+  uint32_t count = 0;
+  LoadedKernel kernel;        // the prefetch kernel with table/count packed
+  size_t event = 0;           // index into Session::events_ ((point, layer) pair)
+};
+
+}  // namespace dp::rt
+
+struct dp_step {
+  dp_session* session = nullptr;
+  int32_t width = 0, q = 1;
+  size_t index = 0;                     // into the session's widths
+  std::vector<uint8_t> layer_program;   // per layer: 1 if the bundle has its program at this width
+};
+
+struct dp_session {
+  ~dp_session();
+
+  dp_bundle* bundle = nullptr;  // retained
+  dp_session_options options{};
+  std::string target;
+  const dp::rt::RankWeights* weights = nullptr;
+  std::unique_ptr<dp::rt::Device> device;  // null: host-only
+  int32_t ordinal = DP_DEVICE_NONE;
+
+  std::vector<dp::rt::WeightBinding> bindings;  // parallel to weights->weights
+  bool finalized = false;
+  bool loaded = false;
+  std::vector<std::array<dp::rt::KvBinding, 6>> kv;  // per layer, indexed by dp_kv_kind
+  std::vector<std::unique_ptr<dp_step>> steps;        // one per width
+
+  // Device resources (load_kernels).
+  std::vector<void*> modules;
+  std::map<const dp::format::KernelEntry*, void*> functions;  // loaded entry points
+  std::vector<dp::rt::LoadedKernel> final_norm;        // per width index (function null: none in the bundle)
+  std::vector<std::vector<std::vector<dp::rt::LoadedKernel>>> layer_programs;  // [width][layer][kernel]
+  std::vector<dp::rt::PrefetchTable> prefetch;
+  std::map<std::array<int32_t, 3>, size_t> prefetch_index;  // (point, layer, width) -> prefetch[]
+  std::vector<void*> events;                               // per (point, layer)
+  void* side_stream = nullptr;
+  void* join_event = nullptr;
+  bool prefetch_pending = false;
+  uint64_t prefetch_tables = 0;   // device buffer holding every table
+  uint64_t workspace = 0;
+  uint32_t* flag_host = nullptr;  // the error flag word (mapped host memory, or host_flag_ below)
+  uint64_t flag_device = 0;
+  uint32_t host_flag_storage = 0;
+  bool aborted = false;
+
+  static dp::rt::Result<dp_session*> create(dp_bundle* b, const dp_session_options& o);
+
+  dp::rt::Status bind_weight(const std::string& name, const dp_tensor& t);
+  dp::rt::Status bind_experts(const std::string& group, const uint64_t* data, int32_t count, const dp_tensor& t);
+  dp::rt::Status finalize_weights();
+  dp::rt::Status load_kernels();
+  dp::rt::Status bind_kv(int32_t layer, int32_t kind, const dp_tensor& t);
+  void release_kv();
+  dp::rt::Status kv_layout(int32_t layer, int32_t kind, int64_t count, dp_tensor* out) const;
+  dp::rt::Status plan(const dp_step_desc& d, dp_plan_result* out);
+  dp::rt::Status after_step();
+
+  dp::rt::Status launch_layer(const dp_step* step, int32_t layer, const dp_layer_io& io, dp_stream stream);
+  dp::rt::Status launch_final_norm(const dp_step* step, const dp_final_norm_io& io, dp_stream stream);
+  dp::rt::Status prefetch_fork(int32_t point, int32_t layer, int32_t width, dp_stream stream, int32_t* launched);
+  dp::rt::Status prefetch_join(dp_stream stream);
+
+ private:
+  std::string label() const;
+  dp::rt::Status check_tensor(const std::string& what, const dp_tensor& t, dp_dtype dtype,
+                              const std::vector<int64_t>& shape, bool lead_free, dp_code shape_code) const;
+  dp::rt::Status load_kernel(const dp::format::KernelEntry& k, int32_t layer, dp::rt::LoadedKernel* out);
+  dp::rt::Status build_prefetch_tables();
+  uint64_t weight_address(const std::string& name, uint64_t* span_bytes) const;
+  const dp::format::KernelEntry* find_kernel(const std::string& role, int32_t width) const;
+};
