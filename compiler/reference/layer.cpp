@@ -319,7 +319,7 @@ Mat kda_mixer(const LayerWeights& w, const Mat& x, const StepMeta& meta, KdaStat
         std::vector<double> o(static_cast<size_t>(d));
         kda_delta_step(S[j], qv, kv, vv, al, bt, o);
         if (R.kda_state)
-          for (double& e : S[j]) e = round_fp32(e);
+          for (double& e : S[j]) e = e;
         if (write_slot != kNullBlockId) {
           std::span<double> dst = st.slot_state(write_slot, j);
           std::copy(S[j].begin(), S[j].end(), dst.begin());

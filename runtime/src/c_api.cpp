@@ -329,8 +329,8 @@ dp_status* dp_bundle_get_weight(const dp_bundle* b, int32_t rank, int32_t index,
 dp_status* dp_bundle_query_validity(const dp_bundle* b, const dp_device_desc* device, int32_t rank) {
   return guarded(__func__, [&]() -> Status {
     if (!b) return null_arg(__func__, "bundle");
-    if (rank != -1) DP_RETURN_IF_ERROR(check_rank(*b, rank));
     if (rank < -1) return error(DP_ERR_INVALID_ARGUMENT, "{}: rank {}, expected >= 0 or -1", __func__, rank);
+    if (rank != -1) DP_RETURN_IF_ERROR(check_rank(*b, rank));
     if (!device) {
       for (const std::string& t : b->deploy.targets) DP_RETURN_IF_ERROR(check_kernels(*b, t));
       return ok();
@@ -371,6 +371,8 @@ dp_status* dp_session_create(dp_bundle* b, const dp_session_options* options, dp
     return ok();
   });
 }
+
+const char* dp_session_target(const dp_session* s) { return s ? s->target.c_str() : ""; }
 
 void dp_session_destroy(dp_session* s) {
   try {

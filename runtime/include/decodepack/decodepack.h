@@ -359,6 +359,8 @@ DP_API void dp_session_options_init(dp_session_options* o);
 /* Creates a session on (device, rank): runs dp_bundle_query_validity against the device, retains the
  * device's primary context. On failure *out is NULL. The session holds a reference to the bundle. */
 DP_API dp_status* dp_session_create(dp_bundle* bundle, const dp_session_options* options, dp_session** out);
+/* The bundle target whose code objects the session uses ("sm_90a"). Lives as long as the session. */
+DP_API const char* dp_session_target(const dp_session* session);
 /* Frees the session's device resources (modules, streams, events, workspace). The caller must make
  * sure no work it launched is still running or captured in a graph that will be replayed. NULL ignored. */
 DP_API void dp_session_destroy(dp_session* session);

@@ -50,7 +50,9 @@ TEST(Plan, TensorParallelShardsDivideSplitDims) {
         EXPECT_EQ(s.split_dim, 1);
         EXPECT_EQ(s.shape, (std::vector<int64_t>{2304, 1024}));
       }
-      if (s.name == "model.layers.0.self_attn.f_a_proj.weight") EXPECT_EQ(s.split_dim, -1);
+      if (s.name == "model.layers.0.self_attn.f_a_proj.weight") {
+        EXPECT_EQ(s.split_dim, -1);
+      }
       if (s.name == "model.layers.5.block_sparse_moe.experts.{e}.w2.weight") {
         EXPECT_EQ(s.experts, 256);
         EXPECT_EQ(s.shape, (std::vector<int64_t>{2304, 256}));

@@ -7,7 +7,7 @@
 #include <random>
 
 #include "reference/numeric.h"
-#include "test_util.h"
+#include "../test_util.h"
 
 namespace dp::ref {
 namespace {

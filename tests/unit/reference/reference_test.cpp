@@ -15,7 +15,7 @@
 #include "model/synth.h"
 #include "reference/layer.h"
 #include "reference/numeric.h"
-#include "test_util.h"
+#include "../test_util.h"
 
 namespace dp::ref {
 namespace {
@@ -167,6 +167,12 @@ TEST(Reference, DeltaRuleClosedForms) {
   std::vector<double> half(d, std::log(0.5));
   kda_delta_step(S, q, k, v, half, 0.0, o);
   for (size_t i = 0; i < d * d; ++i) EXPECT_DOUBLE_EQ(S[i], S0[i] / 2);
+  // Per-key-channel decay: alpha[k] = -k ln 2 scales ROW k of S (the k-major [k][v] layout) by 2^-k.
+  std::vector<double> Sd = S0, ramp(d);
+  for (size_t a = 0; a < d; ++a) ramp[a] = -static_cast<double>(a) * std::log(2.0);
+  kda_delta_step(Sd, q, k, v, ramp, 0.0, o);
+  for (size_t a = 0; a < d; ++a)
+    for (size_t b = 0; b < d; ++b) EXPECT_DOUBLE_EQ(Sd[a * d + b], std::ldexp(S0[a * d + b], -static_cast<int>(a)));
   // beta = 1 with a unit key e_3: the state then maps e_3 to v exactly (S^T e_3 = row 3 = v).
   std::vector<double> e3(d, 0.0);
   e3[3] = 1;
@@ -174,8 +180,9 @@ TEST(Reference, DeltaRuleClosedForms) {
   for (size_t b = 0; b < d; ++b) EXPECT_DOUBLE_EQ(S[3 * d + b], v[b]);
   EXPECT_EQ(o, v);  // o = S^T q with q = e_3
   for (size_t a = 0; a < d; ++a)
-    if (a != 3)
+    if (a != 3) {
       for (size_t b = 0; b < d; ++b) EXPECT_DOUBLE_EQ(S[a * d + b], S0[a * d + b] / 2);  // other rows untouched
+    }
 }
 
 TEST(Reference, ConvStepAndL2Norm) {
@@ -572,7 +579,9 @@ TEST(Reference, PaddedKdaRequestReadsAndWritesNothing) {
       }
       for (int64_t c = 0; c < st.conv_dim; ++c) {
         std::span<const double> b(before.conv_v.data() + (s * st.conv_dim + c) * st.conv_width, static_cast<size_t>(st.conv_width));
-        if (!touched[s]) ASSERT_EQ(max_diff(st.conv(2, s, c), b), 0.0) << q << " " << s;
+        if (!touched[s]) {
+          ASSERT_EQ(max_diff(st.conv(2, s, c), b), 0.0) << q << " " << s;
+        }
       }
     }
     const std::vector<bool> valid = valid_rows(meta, model::Mixer::kda);
@@ -794,7 +803,23 @@ TEST(Reference, K3SpecVerifyAndTensorParallel) {
     ASSERT_LT(a, 0.0);
   }
 
-  // TP = 2 equals TP = 1 on the latent-MoE MLA layer (the latent sum is all-reduced before its norm).
+  // TP = 2 equals TP = 1 on a KDA layer (A_log replicated [a_log_size]: rank r uses heads r*h/2..)
+  // and on the latent-MoE MLA layer (the latent sum is all-reduced before its norm).
+  {
+    LayerWeights f1 = LayerWeights::from_synth(m, 2, 16);
+    LayerWeights q0 = LayerWeights::from_synth(m, 2, 16, {2, 0}), q1 = LayerWeights::from_synth(m, 2, 16, {2, 1});
+    LayerState sf, s0, s1;
+    sf.kda = KdaState::zeros(m, {}, 3, m.kda.conv_kernel - 1);
+    s0.kda = KdaState::zeros(m, {2, 0}, 3, m.kda.conv_kernel - 1);
+    s1.kda = KdaState::zeros(m, {2, 1}, 3, m.kda.conv_kernel - 1);
+    Mat hid = rand_mat(2, m.hidden, 17), res = rand_mat(2, m.hidden, 18);
+    LayerOutput of = decoder_layer(f1, hid, &res, meta, sf, none());
+    const LayerWeights* ranks[2] = {&q0, &q1};
+    LayerState* states[2] = {&s0, &s1};
+    LayerOutput ot = decoder_layer_tp(ranks, hid, &res, meta, states, none());
+    EXPECT_LT(rel_error(ot.hidden, of.hidden), 1e-13);
+    EXPECT_LT(rel_error(ot.residual, of.residual), 1e-13);
+  }
   const int layer = 4;
   LayerWeights full = LayerWeights::from_synth(m, layer, 12);
   LayerWeights r0 = LayerWeights::from_synth(m, layer, 12, {2, 0}), r1 = LayerWeights::from_synth(m, layer, 12, {2, 1});

@@ -1,0 +1,353 @@
+// Step planning on host-only sessions against real bundles: a table of step cases per reason code,
+// widths and padding, the tensor-parallel verdict, the error flag and after_step, and the launch
+// functions' answers where no device or no layer program exists.
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "runtime_test_util.h"
+
+namespace dp::rttest {
+namespace {
+
+const Bundles& bundles() {
+  static const Bundles b = ensure_bundles();
+  return b;
+}
+
+constexpr int64_t kSlots = 64, kBlocks = 32;
+
+class PlanningTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!bundles().error.empty()) GTEST_FAIL() << bundles().error;
+    open(bundles().tiny);
+  }
+  void TearDown() override { close(); }
+  void open(const fs::path& bundle, bool bind_kv = true) {
+    close();
+    ASSERT_TRUE(outcome(dp_bundle_open(bundle.c_str(), nullptr, &b_)).ok());
+    dp_session_options o = host_options(0);
+    ASSERT_TRUE(outcome(dp_session_create(b_, &o, &s_)).ok());
+    const Outcome w = bind_all_weights(b_, s_, 0);
+    ASSERT_TRUE(w.ok()) << w.message;
+    ASSERT_TRUE(outcome(dp_session_finalize_weights(s_)).ok());
+    if (bind_kv) {
+      const Outcome k = bind_all_kv(b_, s_, kSlots, kBlocks);
+      ASSERT_TRUE(k.ok()) << k.message;
+    }
+  }
+  void close() {
+    dp_session_destroy(s_);
+    dp_bundle_close(b_);
+    s_ = nullptr;
+    b_ = nullptr;
+  }
+  dp_plan_result plan(const dp_step_desc& d) {
+    dp_plan_result r;
+    dp_plan_result_init(&r);
+    const Outcome o = outcome(dp_plan(s_, &d, &r));
+    EXPECT_TRUE(o.ok()) << o.message;
+    return r;
+  }
+  dp_bundle* b_ = nullptr;
+  dp_session* s_ = nullptr;
+};
+
+// One step description, owning its arrays.
+struct Step {
+  std::vector<int32_t> qlens, accepted, states, blocks;
+  int32_t graph = DP_GRAPH_FULL, pp = 0, block_cols = 0, block_stride = 0;
+  int32_t n = -1;  // num_requests when the arrays are left out
+  dp_step_desc desc() const {
+    dp_step_desc d;
+    dp_step_desc_init(&d);
+    d.num_requests = n >= 0 ? n : static_cast<int32_t>(qlens.size());
+    d.query_lens = qlens.empty() ? nullptr : qlens.data();
+    d.num_accepted = accepted.empty() ? nullptr : accepted.data();
+    d.state_indices = states.empty() ? nullptr : states.data();
+    d.block_table = blocks.empty() ? nullptr : blocks.data();
+    d.block_table_cols = block_cols;
+    d.block_table_stride = block_stride;
+    d.graph_mode = graph;
+    d.pp_stage_input = pp;
+    return d;
+  }
+};
+
+Step decode(int n) {
+  Step s;
+  for (int i = 0; i < n; ++i) {
+    s.qlens.push_back(1);
+    s.accepted.push_back(1);
+    s.states.push_back(1 + i);
+  }
+  return s;
+}
+
+struct Case {
+  const char* name;
+  Step step;
+  int32_t reason;
+  int32_t width;
+  const char* fragment;  // in the message
+};
+
+TEST_F(PlanningTest, TableOfStepCases) {
+  auto with = [](Step s, auto f) {
+    f(s);
+    return s;
+  };
+  const std::vector<Case> cases = {
+      {"one request", decode(1), DP_REASON_NONE, 1, ""},
+      {"three requests", decode(3), DP_REASON_NONE, 3, ""},
+      {"the largest width", decode(8), DP_REASON_NONE, 8, ""},
+      {"eager (no graph)", with(decode(2), [](Step& s) { s.graph = DP_GRAPH_NONE; }), DP_REASON_NONE, 2, ""},
+      {"only the request count (the host vouches for uniform rows)",
+       with(decode(4), [](Step& s) { s.qlens.clear(); s.accepted.clear(); s.states.clear(); s.n = 4; }), DP_REASON_NONE,
+       4, ""},
+      {"pipeline stage input", with(decode(2), [](Step& s) { s.pp = 1; }), DP_REASON_PP_STAGE_INPUT, 0,
+       "previous pipeline-parallel stage"},
+      {"piecewise graph", with(decode(2), [](Step& s) { s.graph = DP_GRAPH_PIECEWISE; }), DP_REASON_PIECEWISE, 0,
+       "PIECEWISE graph mode"},
+      {"more requests than width 8", decode(9), DP_REASON_TOO_MANY_REQUESTS, 0, "9 requests, the largest width built is 8"},
+      {"no requests", Step{}, DP_REASON_NOT_UNIFORM, 0, "0 requests: not a decode step"},
+      {"a prefill", with(decode(3), [](Step& s) { s.qlens[1] = 17; }), DP_REASON_NOT_UNIFORM, 0,
+       "request 1 has 17 query rows, expected q = 1"},
+      {"a zero-length row", with(decode(3), [](Step& s) { s.qlens[2] = 0; }), DP_REASON_NOT_UNIFORM, 0,
+       "request 2 has 0 query rows"},
+      {"padded tail (NULL_BLOCK_ID)", with(decode(4), [](Step& s) { s.states[2] = s.states[3] = 0; }), DP_REASON_NONE, 4,
+       ""},
+      {"padded tail (PAD_SLOT_ID)", with(decode(4), [](Step& s) { s.states[3] = -1; }), DP_REASON_NONE, 4, ""},
+      {"padded request accepted 2", with(decode(2), [](Step& s) { s.states[1] = 0; s.accepted[1] = 2; }),
+       DP_REASON_BAD_METADATA, 0, "request 1: padded (state index 0) with num_accepted 2, expected 1"},
+      {"accepted beyond q", with(decode(2), [](Step& s) { s.accepted[0] = 2; }), DP_REASON_BAD_METADATA, 0,
+       "request 0: num_accepted 2, expected 1..1"},
+      {"state index beyond the cache", with(decode(2), [](Step& s) { s.states[1] = kSlots; }), DP_REASON_BAD_METADATA, 0,
+       "request 1: state index 64 at draft position 0, expected 1..63 (the bound KDA state has 64 slots"},
+      {"negative state index", with(decode(2), [](Step& s) { s.states[0] = -5; }), DP_REASON_BAD_METADATA, 0,
+       "state index -5"},
+      {"block table inside the cache",
+       with(decode(2), [](Step& s) { s.blocks = {1, 2, 0, 0, 3, 31, 0, 0}; s.block_cols = 3; s.block_stride = 4; }),
+       DP_REASON_NONE, 2, ""},
+      {"block id beyond the cache",
+       with(decode(2), [](Step& s) { s.blocks = {1, 2, 0, 0, 3, 32, 0, 0}; s.block_cols = 2; s.block_stride = 4; }),
+       DP_REASON_BAD_METADATA, 0, "request 1: block table entry 1 is 32, expected 0..31"},
+      {"padded rows' block tables are not read",
+       with(decode(2), [](Step& s) { s.states[1] = 0; s.blocks = {1, 0, 999, 999}; s.block_cols = 2; s.block_stride = 2; }),
+       DP_REASON_NONE, 2, ""},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const dp_step_desc d = c.step.desc();
+    const dp_plan_result r = plan(d);
+    EXPECT_EQ(dp_reason_name(r.reason), std::string(dp_reason_name(c.reason))) << r.message;
+    EXPECT_EQ(r.width, c.width);
+    EXPECT_NE(std::string(r.message).find(c.fragment), std::string::npos) << r.message;
+    if (c.reason == DP_REASON_NONE) {
+      ASSERT_NE(r.step, nullptr);
+      EXPECT_EQ(r.rows, c.width);
+      EXPECT_EQ(r.q, 1);
+      EXPECT_EQ(dp_step_width(r.step), c.width);
+      EXPECT_STREQ(r.message, "");
+    } else {
+      EXPECT_EQ(r.step, nullptr);
+    }
+  }
+}
+
+TEST_F(PlanningTest, NoKvBoundYet) {
+  open(bundles().tiny, false);
+  const dp_step_desc d = decode(2).desc();
+  dp_plan_result r = plan(d);
+  EXPECT_EQ(r.reason, DP_REASON_NO_KV);
+  EXPECT_NE(std::string(r.message).find("no KV cache bound yet: layer 0 DP_KV_KDA_STATE and 12 more"), std::string::npos)
+      << r.message;
+  // Pipeline-stage inputs are reported first, as the reference orders its checks.
+  Step pp = decode(2);
+  pp.pp = 1;
+  EXPECT_EQ(plan(pp.desc()).reason, DP_REASON_PP_STAGE_INPUT);
+  // Partly bound is still "no KV": the missing cache is named.
+  ASSERT_TRUE(bind_all_kv(b_, s_, kSlots, kBlocks).ok());
+  DP_EXPECT_OK(dp_session_release_kv(s_));
+  dp_tensor t;
+  DP_EXPECT_OK(dp_session_kv_layout(s_, 3, DP_KV_MLA_LATENT, 8, &t));
+  t.data = 0x7c0000000000ull;
+  DP_EXPECT_OK(dp_session_bind_kv(s_, 3, DP_KV_MLA_LATENT, &t));
+  r = plan(d);
+  EXPECT_EQ(r.reason, DP_REASON_NO_KV);
+  EXPECT_NE(std::string(r.message).find("layer 0 DP_KV_KDA_STATE and 11 more"), std::string::npos) << r.message;
+}
+
+TEST_F(PlanningTest, SpeculativeDecodeStepsHaveQRowsPerRequest) {
+  open(bundles().spec);  // q = 2, widths 1, 2, 4
+  Step s;
+  for (int i = 0; i < 3; ++i) {
+    s.qlens.push_back(2);
+    s.accepted.push_back(i == 0 ? 2 : 1);
+    s.states.push_back(10 + 2 * i);  // one slot per draft position: [request, q]
+    s.states.push_back(11 + 2 * i);
+  }
+  dp_plan_result r = plan(s.desc());
+  EXPECT_EQ(r.reason, DP_REASON_NONE) << r.message;
+  EXPECT_EQ(r.width, 4);  // smallest built width >= 3
+  EXPECT_EQ(r.q, 2);
+  EXPECT_EQ(r.rows, 8);
+  EXPECT_EQ(dp_step_q(r.step), 2);
+
+  Step one = s;
+  one.qlens[1] = 1;  // a request without its draft token: not a uniform spec-verify step
+  r = plan(one.desc());
+  EXPECT_EQ(r.reason, DP_REASON_NOT_UNIFORM);
+  EXPECT_NE(std::string(r.message).find("request 1 has 1 query rows, expected q = 2"), std::string::npos) << r.message;
+
+  Step acc = s;
+  acc.accepted[2] = 3;
+  r = plan(acc.desc());
+  EXPECT_EQ(r.reason, DP_REASON_BAD_METADATA);
+  EXPECT_NE(std::string(r.message).find("num_accepted 3, expected 1..2"), std::string::npos) << r.message;
+
+  Step pad = s;
+  pad.states[4] = 0;  // padded request whose draft slot is not padding
+  r = plan(pad.desc());
+  EXPECT_EQ(r.reason, DP_REASON_BAD_METADATA);
+  EXPECT_NE(std::string(r.message).find("request 2: state index 15 at draft position 1 in a padded request"),
+            std::string::npos) << r.message;
+  pad.states[5] = 0;
+  pad.accepted[2] = 1;
+  EXPECT_EQ(plan(pad.desc()).reason, DP_REASON_NONE);
+
+  // state_indices_stride: rows of a wider host tensor.
+  Step wide = s;
+  wide.states = {10, 11, -9, 12, 13, -9, 14, 15, -9};
+  dp_step_desc d = wide.desc();
+  d.state_indices_stride = 3;
+  EXPECT_EQ(plan(d).reason, DP_REASON_NONE);
+  d.state_indices_stride = 1;
+  dp_plan_result bad;
+  dp_plan_result_init(&bad);
+  DP_EXPECT_STATUS(dp_plan(s_, &d, &bad), DP_ERR_INVALID_ARGUMENT, "state_indices_stride 1, expected 0 or >= q = 2");
+  EXPECT_EQ(plan(decode(5).desc()).reason, DP_REASON_TOO_MANY_REQUESTS);
+}
+
+TEST_F(PlanningTest, StepsAreOwnedBySessionAndStable) {
+  const dp_plan_result a = plan(decode(3).desc());
+  const dp_plan_result b = plan(decode(3).desc());
+  EXPECT_EQ(a.step, b.step);  // one step object per width: a plan baked into a graph stays valid
+  const dp_plan_result c = plan(decode(4).desc());
+  EXPECT_NE(a.step, c.step);
+  for (int l = 0; l < 4; ++l) EXPECT_EQ(dp_step_layer_kernel(a.step, l), 0) << l;  // no layer programs built yet
+  EXPECT_EQ(dp_step_layer_kernel(a.step, 99), 0);
+  EXPECT_EQ(dp_step_layer_kernel(nullptr, 0), 0);
+  EXPECT_EQ(dp_step_width(nullptr), 0);
+}
+
+TEST_F(PlanningTest, ArgumentErrors) {
+  dp_plan_result r;
+  dp_plan_result_init(&r);
+  Step s = decode(2);
+  dp_step_desc d = s.desc();
+  d.graph_mode = 7;
+  DP_EXPECT_STATUS(dp_plan(s_, &d, &r), DP_ERR_INVALID_ARGUMENT, "graph_mode 7");
+  d = s.desc();
+  s.blocks = {1, 2};
+  d = s.desc();
+  d.block_table_cols = 3;
+  d.block_table_stride = 2;
+  DP_EXPECT_STATUS(dp_plan(s_, &d, &r), DP_ERR_INVALID_ARGUMENT, "block_table_cols 3 and block_table_stride 2");
+  d = s.desc();
+  d.size = 0;
+  DP_EXPECT_STATUS(dp_plan(s_, &d, &r), DP_ERR_INVALID_ARGUMENT, "dp_step_desc.size is 0");
+  d = s.desc();
+  DP_EXPECT_STATUS(dp_plan(s_, &d, nullptr), DP_ERR_INVALID_ARGUMENT, "out is NULL");
+}
+
+TEST_F(PlanningTest, OlderPlanResultIsFilledUpToItsSize) {
+  unsigned char raw[sizeof(dp_plan_result)];
+  std::memset(raw, 0xCD, sizeof(raw));
+  auto* r = reinterpret_cast<dp_plan_result*>(raw);
+  r->size = offsetof(dp_plan_result, message);
+  const dp_step_desc d = decode(9).desc();
+  DP_EXPECT_OK(dp_plan(s_, &d, r));
+  EXPECT_EQ(r->reason, DP_REASON_TOO_MANY_REQUESTS);
+  for (size_t k = offsetof(dp_plan_result, message); k < sizeof(raw); ++k) ASSERT_EQ(raw[k], 0xCD);
+}
+
+TEST(Agree, EveryRankGetsTheSameVerdict) {
+  const int32_t all_ok[4] = {0, 0, 0, 0};
+  int32_t who = 7;
+  EXPECT_EQ(dp_agree(all_ok, 4, &who), DP_REASON_NONE);
+  EXPECT_EQ(who, -1);
+  const int32_t one[4] = {0, 0, DP_REASON_BAD_METADATA, 0};
+  EXPECT_EQ(dp_agree(one, 4, &who), DP_REASON_BAD_METADATA);
+  EXPECT_EQ(who, 2);
+  const int32_t two[4] = {0, DP_REASON_NO_KV, DP_REASON_NOT_UNIFORM, 0};
+  EXPECT_EQ(dp_agree(two, 4, &who), DP_REASON_NO_KV);  // the lowest refusing rank's reason, everywhere
+  EXPECT_EQ(who, 1);
+  // Every rank computes it from the same gathered array: rotate the caller, same answer.
+  for (int caller = 0; caller < 4; ++caller) EXPECT_EQ(dp_agree(two, 4, nullptr), DP_REASON_NO_KV);
+  const int32_t junk[2] = {0, 99};
+  EXPECT_EQ(dp_agree(junk, 2, &who), DP_REASON_INVALID);
+  EXPECT_EQ(who, 1);
+  EXPECT_EQ(dp_agree(nullptr, 4, &who), DP_REASON_INVALID);
+  EXPECT_EQ(dp_agree(all_ok, 0, &who), DP_REASON_INVALID);
+  EXPECT_EQ(dp_agree(all_ok, 1, nullptr), DP_REASON_NONE);
+}
+
+TEST_F(PlanningTest, ErrorFlagAbortsEveryLaterStep) {
+  uint64_t addr = 1;
+  uint32_t value = 1;
+  DP_EXPECT_OK(dp_session_error_flag(s_, &addr, &value));
+  EXPECT_EQ(addr, 0u);  // host-only: the word is host memory
+  EXPECT_EQ(value, 0u);
+  DP_EXPECT_OK(dp_after_step(s_));
+  // A kernel of layer 5 gave up its wait (what a layer program writes), as the protocol describes.
+  DP_EXPECT_OK(dp_session_raise_error_flag(s_, DP_FLAG_WAIT_TIMEOUT | (6u << 16)));
+  DP_EXPECT_OK(dp_session_error_flag(s_, nullptr, &value));
+  EXPECT_EQ(value, 0x00060001u);
+  DP_EXPECT_STATUS(dp_after_step(s_), DP_ERR_ABORTED, "error flag 0x00060001", "gave up a bounded wait",
+                   "first in layer 5", "every rank reports this");
+  DP_EXPECT_STATUS(dp_after_step(s_), DP_ERR_ABORTED);  // sticky
+  const dp_step_desc d = decode(1).desc();
+  dp_plan_result r;
+  dp_plan_result_init(&r);
+  DP_EXPECT_STATUS(dp_plan(s_, &d, &r), DP_ERR_ABORTED, "can run no more steps");
+}
+
+TEST_F(PlanningTest, PeerAbortIsReported) {
+  DP_EXPECT_OK(dp_session_raise_error_flag(s_, DP_FLAG_PEER_ABORT));
+  DP_EXPECT_STATUS(dp_after_step(s_), DP_ERR_ABORTED, "a peer rank announced that it gave up");
+}
+
+TEST_F(PlanningTest, LaunchesOnAHostOnlySession) {
+  const dp_plan_result r = plan(decode(2).desc());
+  ASSERT_NE(r.step, nullptr);
+  dp_layer_io io;
+  dp_layer_io_init(&io);
+  io.hidden = io.out = io.residual = io.residual_out = 0x7a0000000000ull;
+  DP_EXPECT_STATUS(dp_launch_layer(s_, r.step, 1, &io, nullptr), DP_ERR_NO_KERNEL, "layer 1 (kda_moe)",
+                   "no program for width 2", "the host runs its own layer");
+  DP_EXPECT_STATUS(dp_launch_layer(s_, r.step, 4, &io, nullptr), DP_ERR_INVALID_ARGUMENT, "layer 4, expected 0..3");
+  DP_EXPECT_STATUS(dp_launch_layer(s_, nullptr, 0, &io, nullptr), DP_ERR_INVALID_ARGUMENT, "the step is NULL");
+  dp_final_norm_io n;
+  dp_final_norm_io_init(&n);
+  DP_EXPECT_STATUS(dp_launch_final_norm(s_, r.step, &n, nullptr), DP_ERR_NO_DEVICE, "host-only");
+  int32_t launched = 5;
+  DP_EXPECT_STATUS(dp_prefetch_fork(s_, DP_PREFETCH_NEXT_ATTENTION, 1, 2, nullptr, &launched), DP_ERR_NO_DEVICE);
+  EXPECT_EQ(launched, 0);
+  DP_EXPECT_STATUS(dp_prefetch_fork(s_, 3, 1, 2, nullptr, &launched), DP_ERR_INVALID_ARGUMENT, "point 3");
+  DP_EXPECT_STATUS(dp_prefetch_join(s_, nullptr), DP_ERR_NO_DEVICE);
+
+  // A step of another session is refused.
+  dp_session* other = nullptr;
+  dp_session_options o = host_options();
+  DP_EXPECT_OK(dp_session_create(b_, &o, &other));
+  DP_EXPECT_STATUS(dp_launch_layer(other, r.step, 0, &io, nullptr), DP_ERR_INVALID_ARGUMENT, "another session's");
+  dp_session_destroy(other);
+}
+
+}  // namespace
+}  // namespace dp::rttest
