@@ -31,14 +31,24 @@ __device__ __forceinline__ float dp_group_sum(float v) {
   return v;
 }
 
-__device__ __forceinline__ float dp_sigmoid(float x) { return 1.0f / (1.0f + dp_expf(-x)); }
-__device__ __forceinline__ float dp_silu(float x) { return x / (1.0f + dp_expf(-x)); }
+// Division without NVIDIA's IEEE slow path: a / b calls a subroutine for extreme operands, whose call
+// ABI costs registers and stack in every kernel that divides; __fdividef is within 2 ulp, far below
+// the bf16 rounding every caller applies. AMD's a / b is an inline instruction sequence already.
+__device__ __forceinline__ float dp_div(float a, float b) {
+#if DP_VENDOR_NVIDIA
+  return __fdividef(a, b);
+#else
+  return a / b;
+#endif
+}
+__device__ __forceinline__ float dp_sigmoid(float x) { return dp_div(1.0f, 1.0f + dp_expf(-x)); }
+__device__ __forceinline__ float dp_silu(float x) { return dp_div(x, 1.0f + dp_expf(-x)); }
 __device__ __forceinline__ float dp_round_bf16(float x) { return dp_bf16_to_f32(dp_f32_to_bf16(x)); }
 // tanh from one exponential: exact to a few ulp away from 0 and saturating (no inf/inf) for large |x|.
 __device__ __forceinline__ float dp_tanh(float x) {
   const float a = x < 0.0f ? -x : x;
   const float e = dp_expf(-2.0f * (a < 40.0f ? a : 40.0f));
-  const float t = (1.0f - e) / (1.0f + e);
+  const float t = dp_div(1.0f - e, 1.0f + e);
   return x < 0.0f ? -t : t;
 }
 
@@ -48,7 +58,7 @@ __device__ __forceinline__ float dp_tanh(float x) {
 template <int kAct>
 __device__ __forceinline__ float dp_gated_act(float gate, float up, float beta, float lbeta) {
   if (kAct == 0) return dp_silu(gate) * up;
-  return beta * dp_tanh(gate / beta) * dp_sigmoid(gate) * (lbeta * dp_tanh(up / lbeta));
+  return beta * dp_tanh(dp_div(gate, beta)) * dp_sigmoid(gate) * (lbeta * dp_tanh(dp_div(up, lbeta)));
 }
 
 // Lane partials of M x T dot products over a slice of K:

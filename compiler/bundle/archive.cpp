@@ -226,7 +226,7 @@ class Reader {
     // Only uncompressed tar: a compressed or foreign container is not a .dpk.
     archive_read_support_format_tar(a_.get());
     if (archive_read_open_fd(a_.get(), fd_.get(), kChunk) != ARCHIVE_OK)
-      fail(Errc::input, "{}: not a tar archive: {}", name_, error_text());
+      fail(Errc::verify, "{}: not a tar archive: {}", name_, error_text());
   }
 
   // Reads the next header into `h`; returns false once the end-of-archive marker was reached and checked.

@@ -17,6 +17,9 @@ struct ParamSpec {
   const char* prefix;  // "w": its spelling in the kernel name
   int64_t min, max;    // inclusive
   const char* doc;
+  // Left out of the kernel name when 0 (optional segments, flags that are usually off). Only for
+  // parameters whose zero is unambiguous from the others (trailing GEMM segments, the f32 flag).
+  bool omit_zero = false;
 };
 
 // A parameter of the entry point before layout (offsets are computed in kernel_signature()).
@@ -51,6 +54,84 @@ uint32_t rmsnorm_threads(int64_t h) {
   return static_cast<uint32_t>(std::max<int64_t>(64, (threads + 63) / 64 * 64));
 }
 
+
+// ---- GEMM-shaped kernels (templates/gemm.h, moe.h) -----------------------------------------------
+// Every GEMM-shaped block is 256 threads = 8 groups of 32 lanes; a group owns M weight rows and one of
+// S K-slices (split-K), so a block covers (8/S)*M rows. These are functions of the named parameters
+// (never of the target), so the kernel name stays a function of its parameters.
+constexpr uint32_t kGemmThreads = 256;
+constexpr int64_t kGemmGroups = 8;
+constexpr int64_t kMaxGemmRows = 32;     // activation rows (W*q) of one launch: fp32 accumulators per lane
+constexpr int64_t kTargetBlocks = 264;   // about two blocks per SM of a 132-SM H200
+
+struct GemmGeometry {
+  int64_t m = 1;  // weight rows per group
+  int64_t s = 1;  // K-slices (split-K) per block
+  int64_t rows() const { return kGemmGroups / s * m; }
+};
+
+int64_t pow2_floor(int64_t x) {
+  int64_t p = 1;
+  while (p * 2 <= x) p *= 2;
+  return p;
+}
+
+// Rows per block from the matrix height: tall matrices get several rows per group (more loads in
+// flight per lane, fewer activation re-reads), short ones split K so that they still fill the GPU.
+// The lane accumulators (M x T) stay at 64 or fewer.
+GemmGeometry gemm_geometry(int64_t t, int64_t k, int64_t n_total) {
+  const int64_t m_max = std::max<int64_t>(1, std::min<int64_t>(4, 64 / t));
+  int64_t rb = pow2_floor(std::max<int64_t>(1, n_total / kTargetBlocks));
+  rb = std::min(rb, kGemmGroups * m_max);
+  GemmGeometry g;
+  if (rb <= kGemmGroups) {
+    g.s = kGemmGroups / rb;
+  } else {
+    g.m = rb / kGemmGroups;
+  }
+  // A K-slice shorter than one 16-byte vector per lane leaves lanes idle: fewer slices instead.
+  g.s = std::min(g.s, std::max<int64_t>(1, pow2_floor(k / 8 / 32)));
+  return g;
+}
+
+constexpr const char* kGemmSegKeys[6] = {"NA", "NB", "NC", "ND", "NE", "NF"};
+
+int64_t gemm_ntot(const Params& p) {
+  int64_t n = 0;
+  for (const char* k : kGemmSegKeys) n += p.at(k);
+  return n;
+}
+
+uint32_t gemm_grid(const Params& p) {
+  const int64_t rb = gemm_geometry(p.at("W"), p.at("K"), gemm_ntot(p)).rows();
+  int64_t blocks = 0;
+  for (const char* k : kGemmSegKeys) blocks += (p.at(k) + rb - 1) / rb;
+  return static_cast<uint32_t>(blocks);
+}
+
+// MoE / MLP gate-up and down blocks: one row per group, whole K per group (RB = 8 features).
+constexpr int64_t kFfnRows = kGemmGroups;
+
+int64_t moe_max_used(const Params& p) { return std::min(p.at("E"), p.at("W") * p.at("K")); }
+
+void check_multiple_of_8(const Params& p, const std::string& who, std::initializer_list<const char*> keys) {
+  for (const char* k : keys)
+    if (p.at(k) % 8 != 0)
+      fail(Errc::input, "{}: parameter {} = {} is not a multiple of 8 (rows are read as 16-byte bf16 vectors)", who, k,
+           p.at(k));
+}
+
+void check_topk(const Params& p, const std::string& who) {
+  if (p.at("K") > p.at("E"))
+    fail(Errc::input, "{}: parameter K = {} (top-k) exceeds E = {} experts", who, p.at("K"), p.at("E"));
+}
+
+std::string shape(std::initializer_list<int64_t> d, const char* dtype) {
+  std::string s = "[";
+  for (int64_t x : d) s += fmt::format("{}{}", s.size() > 1 ? ", " : "", x);
+  return s + "] " + dtype;
+}
+
 std::string dims(const Params& p, std::initializer_list<const char*> keys, const char* dtype) {
   std::string s = "[";
   for (const char* k : keys) {
@@ -62,6 +143,284 @@ std::string dims(const Params& p, std::initializer_list<const char*> keys, const
 
 const std::vector<OpSpec>& ops() {
   static const std::vector<OpSpec> table = {
+      {
+          // Skinny GEMM over up to six weights that read the same input, stacked in one launch.
+          "gemm",
+          "gemm.h",
+          "dp_gemm",
+          {{"W", "w", 1, kMaxGemmRows, "activation rows (requests x q)"},
+           {"K", "k", 8, 1 << 20, "input width, a multiple of 8"},
+           {"NA", "na", 1, 1 << 20, "rows of weight 0"},
+           {"NB", "nb", 0, 1 << 20, "rows of weight 1 (0: absent)", true},
+           {"NC", "nc", 0, 1 << 20, "rows of weight 2 (0: absent)", true},
+           {"ND", "nd", 0, 1 << 20, "rows of weight 3 (0: absent)", true},
+           {"NE", "ne", 0, 1 << 20, "rows of weight 4 (0: absent)", true},
+           {"NF", "nf", 0, 1 << 20, "rows of weight 5 (0: absent)", true},
+           {"F", "f", 0, 1, "1: fp32 output (router logits), 0: bf16", true}},
+          [](const Params& p, const std::string& who) {
+            check_multiple_of_8(p, who, {"K"});
+            for (int i = 1; i < 6; ++i)
+              if (p.at(kGemmSegKeys[i]) > 0 && p.at(kGemmSegKeys[i - 1]) == 0)
+                fail(Errc::input, "{}: parameter {} = {} follows {} = 0 (absent weights must be the last ones)", who,
+                     kGemmSegKeys[i], p.at(kGemmSegKeys[i]), kGemmSegKeys[i - 1]);
+          },
+          [](const Params& p) {
+            const GemmGeometry g = gemm_geometry(p.at("W"), p.at("K"), gemm_ntot(p));
+            return std::vector<int64_t>{p.at("W"), p.at("K"), p.at("NA"), p.at("NB"), p.at("NC"), p.at("ND"),
+                                        p.at("NE"), p.at("NF"), p.at("F"), g.m, g.s};
+          },
+          [](const Params& p) {
+            const char* out_t = p.at("F") ? "fp32" : "bf16";
+            std::vector<ArgSpec> a{
+                {"x", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"W", "K"}, "bf16"), "input rows"},
+                {"out", KernelParam::Kind::pointer, "void*", shape({p.at("W"), gemm_ntot(p)}, out_t),
+                 "outputs of the weights side by side, in weight order"},
+            };
+            static const char* names[6] = {"w0", "w1", "w2", "w3", "w4", "w5"};
+            for (int i = 0; i < 6; ++i)
+              if (p.at(kGemmSegKeys[i]) > 0)
+                a.push_back({names[i], KernelParam::Kind::pointer, "const dp_bf16*",
+                             shape({p.at(kGemmSegKeys[i]), p.at("K")}, "bf16"), "weight [out, in]"});
+            return a;
+          },
+          [](const Params& p) {
+            LaunchShape s;
+            s.grid[0] = gemm_grid(p);
+            s.block[0] = kGemmThreads;
+            return s;
+          },
+          [](const Params&) { return kGemmThreads; },
+      },
+      {
+          // KDA recurrent step: conv + gates + L2 norm + gated delta rule + gated RMSNorm, all heads.
+          "kda_step",
+          "kda.h",
+          "dp_kda_step",
+          {{"W", "w", 1, 4096, "requests"},
+           {"Q", "q", 1, 16, "rows per request (1 + speculative tokens)"},
+           {"NH", "nh", 1, 1024, "KDA heads on this rank"},
+           {"D", "d", 64, 256, "head dim (64, 128, 192 or 256)"},
+           {"CV", "cv", 2, 8, "short conv kernel size"},
+           {"FR", "fr", 8, 4096, "forget gate rank (f_a rows), a multiple of 8"},
+           {"GR", "gr", 0, 4096, "output gate rank (g_a rows); 0: full-rank g_proj (K3)"},
+           {"SG", "sg", 0, 1, "1: K3 safe gate (lower_bound * sigmoid), 0: softplus gate"},
+           {"ON", "on", 0, 1, "1: o_norm weight is fp32, 0: bf16"}},
+          [](const Params& p, const std::string& who) {
+            if (p.at("D") % 64 != 0)
+              fail(Errc::input, "{}: parameter D = {} is not a multiple of 64 (valid: 64, 128, 192, 256)", who,
+                   p.at("D"));
+            check_multiple_of_8(p, who, {"FR", "GR"});
+          },
+          [](const Params& p) {
+            return std::vector<int64_t>{p.at("W"), p.at("Q"), p.at("NH"), p.at("D"), p.at("CV"),
+                                        p.at("FR"), p.at("GR"), p.at("SG"), p.at("ON")};
+          },
+          [](const Params& p) {
+            const int64_t W = p.at("W"), Q = p.at("Q"), NH = p.at("NH"), D = p.at("D"), P = NH * D;
+            const int64_t NP = 3 * P + p.at("FR") + (p.at("GR") > 0 ? p.at("GR") : P) + NH;
+            const std::string gate = p.at("GR") > 0 ? "g_a" : "g";
+            return std::vector<ArgSpec>{
+                {"proj", KernelParam::Kind::pointer, "const dp_bf16*", shape({W * Q, NP}, "bf16"),
+                 "projections, columns q | k | v | f_a | g_a (g when GR = 0) | b"},
+                {"w_fb", KernelParam::Kind::pointer, "const dp_bf16*", shape({P, p.at("FR")}, "bf16"), "f_b_proj"},
+                {"w_gb", KernelParam::Kind::pointer, "const dp_bf16*", shape({P, p.at("GR")}, "bf16"),
+                 "g_b_proj (null when GR = 0)", true},
+                {"conv_wq", KernelParam::Kind::pointer, "const float*", shape({P, p.at("CV")}, "fp32"), "q_conv1d"},
+                {"conv_wk", KernelParam::Kind::pointer, "const float*", shape({P, p.at("CV")}, "fp32"), "k_conv1d"},
+                {"conv_wv", KernelParam::Kind::pointer, "const float*", shape({P, p.at("CV")}, "fp32"), "v_conv1d"},
+                {"dt_bias", KernelParam::Kind::pointer, "const float*", shape({P}, "fp32"), "dt_bias"},
+                {"a_log", KernelParam::Kind::pointer, "const float*", shape({NH}, "fp32"),
+                 "A_log of this rank's heads (K3: replicated tensor + rank*NH)"},
+                {"o_norm", KernelParam::Kind::pointer, "const void*", shape({D}, p.at("ON") ? "fp32" : "bf16"),
+                 "o_norm.weight"},
+                {"state", KernelParam::Kind::pointer, "float*", fmt::format("[slots, {}, {}, {}] fp32", NH, D, D),
+                 "recurrent state S[k][v], updated in place"},
+                {"conv_q", KernelParam::Kind::pointer, "dp_bf16*", fmt::format("[slots, {}, {}] bf16", p.at("CV") - 1, P),
+                 "q conv state, updated in place"},
+                {"conv_k", KernelParam::Kind::pointer, "dp_bf16*", fmt::format("[slots, {}, {}] bf16", p.at("CV") - 1, P),
+                 "k conv state"},
+                {"conv_v", KernelParam::Kind::pointer, "dp_bf16*", fmt::format("[slots, {}, {}] bf16", p.at("CV") - 1, P),
+                 "v conv state"},
+                {"slots", KernelParam::Kind::pointer, "const dp_i32*", shape({W, Q}, "i32"),
+                 "state slot per draft position; slots[r][0] = 0 marks a padded request"},
+                {"num_accepted", KernelParam::Kind::pointer, "const dp_i32*", shape({W}, "i32"),
+                 "accepted tokens of the previous step, 1..Q (null when Q = 1)", true},
+                {"out", KernelParam::Kind::pointer, "dp_bf16*", shape({W * Q, P}, "bf16"), "gated RMSNorm output"},
+                {"lower_bound", KernelParam::Kind::f32, "float", "", "safe gate lower bound (SG = 1)"},
+                {"onorm_eps", KernelParam::Kind::f32, "float", "", "gated RMSNorm epsilon"},
+            };
+          },
+          [](const Params& p) {
+            LaunchShape s;
+            s.grid[0] = static_cast<uint32_t>(p.at("NH"));
+            s.grid[1] = static_cast<uint32_t>(p.at("W"));
+            s.block[0] = static_cast<uint32_t>(4 * p.at("D"));
+            return s;
+          },
+          [](const Params& p) { return static_cast<uint32_t>(4 * p.at("D")); },
+      },
+      {
+          // MoE routing: sigmoid, correction bias, top-k, renormalise; the step's used-expert list.
+          "moe_route",
+          "moe.h",
+          "dp_moe_route",
+          {{"W", "w", 1, 64, "activation rows (requests x q)"},
+           {"E", "e", 1, 1024, "routed experts"},
+           {"K", "k", 1, 32, "experts per token (top-k)"},
+           {"RN", "rn", 0, 1, "1: renormalise the top-k weights"}},
+          [](const Params& p, const std::string& who) { check_topk(p, who); },
+          [](const Params& p) { return std::vector<int64_t>{p.at("W"), p.at("E"), p.at("K"), p.at("RN")}; },
+          [](const Params& p) {
+            const int64_t W = p.at("W"), E = p.at("E"), K = p.at("K"), U = moe_max_used(p);
+            return std::vector<ArgSpec>{
+                {"logits", KernelParam::Kind::pointer, "const float*", shape({W, E}, "fp32"), "router logits"},
+                {"bias", KernelParam::Kind::pointer, "const float*", shape({E}, "fp32"),
+                 "e_score_correction_bias (selection only)"},
+                {"topk_ids", KernelParam::Kind::pointer, "dp_i32*", shape({W, K}, "i32"), "chosen experts"},
+                {"topk_weights", KernelParam::Kind::pointer, "float*", shape({W, K}, "fp32"),
+                 "their weights (renormalised, unscaled)"},
+                {"experts", KernelParam::Kind::pointer, "dp_i32*", shape({1 + U}, "i32"),
+                 "count, then the used experts ascending"},
+                {"expert_slots", KernelParam::Kind::pointer, "dp_i32*", shape({U, W}, "i32"),
+                 "top-k position of each used expert per row, or -1"},
+            };
+          },
+          [](const Params&) {
+            LaunchShape s;
+            s.block[0] = 256;
+            return s;
+          },
+          [](const Params&) { return uint32_t{256}; },
+      },
+      {
+          // Gate/up + activation of every used routed expert and of the shared expert, one launch.
+          "moe_up",
+          "moe.h",
+          "dp_moe_up",
+          {{"W", "w", 1, kMaxGemmRows, "activation rows (requests x q)"},
+           {"D", "d", 8, 1 << 20, "expert input width (hidden, or K3 latent)"},
+           {"I", "i", 8, 1 << 20, "expert intermediate width (this rank's shard)"},
+           {"E", "e", 1, 1024, "routed experts"},
+           {"K", "k", 1, 32, "experts per token (top-k)"},
+           {"S", "s", 0, 1 << 20, "shared expert width (this rank's shard); 0: none"},
+           {"ACT", "act", 0, 1, "0: silu(gate)*up, 1: K3 SiTU"}},
+          [](const Params& p, const std::string& who) {
+            check_multiple_of_8(p, who, {"D", "I", "S"});
+            check_topk(p, who);
+          },
+          [](const Params& p) {
+            return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"),
+                                        p.at("ACT"), 1, 1};
+          },
+          [](const Params& p) {
+            const int64_t W = p.at("W"), D = p.at("D"), I = p.at("I"), E = p.at("E"), K = p.at("K"), S = p.at("S");
+            const int64_t U = moe_max_used(p);
+            std::vector<ArgSpec> a{
+                {"x", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, D}, "bf16"), "post-attention-norm rows"},
+                {"w1", KernelParam::Kind::pointer, "const dp_bf16*", shape({E, I, D}, "bf16"), "expert gate weights"},
+                {"w3", KernelParam::Kind::pointer, "const dp_bf16*", shape({E, I, D}, "bf16"), "expert up weights"},
+                {"shared_gate", KernelParam::Kind::pointer, "const dp_bf16*", shape({S, D}, "bf16"),
+                 "shared expert gate_proj (null when S = 0)", true},
+                {"shared_up", KernelParam::Kind::pointer, "const dp_bf16*", shape({S, D}, "bf16"),
+                 "shared expert up_proj (null when S = 0)", true},
+                {"experts", KernelParam::Kind::pointer, "const dp_i32*", shape({1 + U}, "i32"), "from moe_route"},
+                {"expert_slots", KernelParam::Kind::pointer, "const dp_i32*", shape({U, W}, "i32"), "from moe_route"},
+                {"h", KernelParam::Kind::pointer, "dp_bf16*", shape({W, K, I}, "bf16"), "routed activations"},
+                {"hs", KernelParam::Kind::pointer, "dp_bf16*", shape({W, S}, "bf16"),
+                 "shared expert activations (null when S = 0)", true},
+            };
+            if (p.at("ACT")) {
+              a.push_back({"act_beta", KernelParam::Kind::f32, "float", "", "SiTU beta"});
+              a.push_back({"act_linear_beta", KernelParam::Kind::f32, "float", "", "SiTU linear beta"});
+            }
+            return a;
+          },
+          [](const Params& p) {
+            LaunchShape s;
+            const int64_t n_i = (p.at("I") + kFfnRows - 1) / kFfnRows, n_s = (p.at("S") + kFfnRows - 1) / kFfnRows;
+            s.grid[0] = static_cast<uint32_t>(n_s + moe_max_used(p) * n_i);
+            s.block[0] = kGemmThreads;
+            return s;
+          },
+          [](const Params&) { return kGemmThreads; },
+      },
+      {
+          // Down projection of every used expert, weighted sum, routed scaling, plus the shared expert.
+          "moe_down",
+          "moe.h",
+          "dp_moe_down",
+          {{"W", "w", 1, kMaxGemmRows, "activation rows (requests x q)"},
+           {"D", "d", 8, 1 << 20, "expert output width (hidden, or K3 latent)"},
+           {"I", "i", 8, 1 << 20, "expert intermediate width (this rank's shard)"},
+           {"E", "e", 1, 1024, "routed experts"},
+           {"K", "k", 1, 32, "experts per token (top-k)"},
+           {"S", "s", 0, 1 << 20, "shared expert width (this rank's shard); 0: none"}},
+          [](const Params& p, const std::string& who) {
+            check_multiple_of_8(p, who, {"D", "I", "S"});
+            check_topk(p, who);
+          },
+          [](const Params& p) {
+            return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"), 1};
+          },
+          [](const Params& p) {
+            const int64_t W = p.at("W"), D = p.at("D"), I = p.at("I"), E = p.at("E"), K = p.at("K"), S = p.at("S");
+            const int64_t U = moe_max_used(p);
+            return std::vector<ArgSpec>{
+                {"h", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, K, I}, "bf16"), "from moe_up"},
+                {"hs", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, S}, "bf16"),
+                 "from moe_up (null when S = 0)", true},
+                {"w2", KernelParam::Kind::pointer, "const dp_bf16*", shape({E, D, I}, "bf16"), "expert down weights"},
+                {"shared_down", KernelParam::Kind::pointer, "const dp_bf16*", shape({D, S}, "bf16"),
+                 "shared expert down_proj (null when S = 0)", true},
+                {"experts", KernelParam::Kind::pointer, "const dp_i32*", shape({1 + U}, "i32"), "from moe_route"},
+                {"expert_slots", KernelParam::Kind::pointer, "const dp_i32*", shape({U, W}, "i32"), "from moe_route"},
+                {"topk_weights", KernelParam::Kind::pointer, "const float*", shape({W, K}, "fp32"), "from moe_route"},
+                {"out", KernelParam::Kind::pointer, "dp_bf16*", shape({W, D}, "bf16"), "FFN output"},
+                {"routed_scaling", KernelParam::Kind::f32, "float", "", "routed_scaling_factor"},
+            };
+          },
+          [](const Params& p) {
+            LaunchShape s;
+            s.grid[0] = static_cast<uint32_t>((p.at("D") + kFfnRows - 1) / kFfnRows);
+            s.block[0] = kGemmThreads;
+            return s;
+          },
+          [](const Params&) { return kGemmThreads; },
+      },
+      {
+          // Dense MLP gate/up + activation (its down projection is a gemm).
+          "mlp_up",
+          "moe.h",
+          "dp_mlp_up",
+          {{"W", "w", 1, kMaxGemmRows, "activation rows (requests x q)"},
+           {"D", "d", 8, 1 << 20, "input width (hidden)"},
+           {"I", "i", 8, 1 << 20, "intermediate width (this rank's shard)"},
+           {"ACT", "act", 0, 1, "0: silu(gate)*up, 1: K3 SiTU"}},
+          [](const Params& p, const std::string& who) { check_multiple_of_8(p, who, {"D", "I"}); },
+          [](const Params& p) {
+            return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("ACT"), 1, 1};
+          },
+          [](const Params& p) {
+            std::vector<ArgSpec> a{
+                {"x", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"W", "D"}, "bf16"), "post-attention-norm rows"},
+                {"w_gate", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"I", "D"}, "bf16"), "gate_proj"},
+                {"w_up", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"I", "D"}, "bf16"), "up_proj"},
+                {"h", KernelParam::Kind::pointer, "dp_bf16*", dims(p, {"W", "I"}, "bf16"), "activations (down_proj input)"},
+            };
+            if (p.at("ACT")) {
+              a.push_back({"act_beta", KernelParam::Kind::f32, "float", "", "SiTU beta"});
+              a.push_back({"act_linear_beta", KernelParam::Kind::f32, "float", "", "SiTU linear beta"});
+            }
+            return a;
+          },
+          [](const Params& p) {
+            LaunchShape s;
+            s.grid[0] = static_cast<uint32_t>((p.at("I") + kFfnRows - 1) / kFfnRows);
+            s.block[0] = kGemmThreads;
+            return s;
+          },
+          [](const Params&) { return kGemmThreads; },
+      },
       {
           "prefetch",
           "prefetch.h",
@@ -180,7 +539,10 @@ void validate_instance(const KernelInstance& k, std::string_view where) { (void)
 std::string kernel_name(const KernelInstance& k) {
   const OpSpec& op = spec_of(k, {});
   std::string name = op.name;
-  for (const ParamSpec& ps : op.params) name += fmt::format("_{}{}", ps.prefix, k.params.at(ps.key));
+  for (const ParamSpec& ps : op.params) {
+    if (ps.omit_zero && k.params.at(ps.key) == 0) continue;
+    name += fmt::format("_{}{}", ps.prefix, k.params.at(ps.key));
+  }
   return name;
 }
 
@@ -235,8 +597,10 @@ std::string generate_source(const KernelInstance& k) {
   s += "// generated by decodepack, do not edit.\n";
   s += "// Reproduce with `decodepack build --emit-source DIR`; change templates/ or compiler/codegen instead.\n";
   s += fmt::format("// kernel {}: op {} ({})\n", name, op.name, params_line);
-  s += fmt::format("// launch: block {} threads, grid {} blocks{}; parameter block {} bytes\n", launch.block[0],
-                   launch.grid[0], launch.grid_is_default ? " by default" : "", sig.bytes);
+  std::string grid = std::to_string(launch.grid[0]);
+  if (launch.grid[1] > 1 || launch.grid[2] > 1) grid += fmt::format(" x {} x {}", launch.grid[1], launch.grid[2]);
+  s += fmt::format("// launch: block {} threads, grid {} blocks{}; parameter block {} bytes\n", launch.block[0], grid,
+                   launch.grid_is_default ? " by default" : "", sig.bytes);
   s += "#include \"vendor.h\"\n";
   s += fmt::format("#include \"{}\"\n\n", op.header);
   s += fmt::format("extern \"C\" __global__ DP_LAUNCH_BOUNDS({}) void {}(\n", op.block_threads(k.params), name);

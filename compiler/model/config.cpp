@@ -411,7 +411,8 @@ void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
     l.index = static_cast<int>(i);
     l.mixer = mixers[i];
     l.ffn = ffns[i];
-    l.attn_res_push = m.attn_res_block > 0 && i > 0 && i % m.attn_res_block == 0;
+    // Layer 0 pushes too (the embedding becomes the first block): 93 layers keep up to 8 blocks.
+    l.attn_res_push = m.attn_res_block > 0 && i % m.attn_res_block == 0;
     m.layers.push_back(std::move(l));
   }
 }

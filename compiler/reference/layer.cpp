@@ -50,8 +50,13 @@ KdaState KdaState::zeros(const Model& m, Shard shard, int64_t num_slots, int64_t
   s.conv_dim = s.heads * s.head_dim;
   s.conv_width = conv_width;
   s.recurrent.assign(static_cast<size_t>(num_slots * s.heads * s.head_dim * s.head_dim), 0.0);
-  for (auto* c : {&s.conv_q, &s.conv_k, &s.conv_v}) c->assign(static_cast<size_t>(num_slots * s.conv_dim * conv_width), 0.0);
+  for (auto* c : {&s.conv_q, &s.conv_k, &s.conv_v})
+    c->assign(static_cast<size_t>(num_slots * s.conv_dim * conv_width), 0.0);
   return s;
+}
+
+int64_t KdaState::conv_width_for(const Model& m, ConvSpecLayout layout, int64_t q) {
+  return layout == ConvSpecLayout::window ? m.kda.conv_kernel - 2 + q : m.kda.conv_kernel - 1;
 }
 
 std::span<double> KdaState::slot_state(int64_t slot, int64_t head) {
@@ -116,8 +121,7 @@ Mat linear_r(const Mat& x, const Tensor& w, const Rounding& r) {
 }
 
 double act(const Model& m, double gate, double up) {
-  return m.activation == model::Activation::silu ? silu(gate) * up
-                                                 : situ(gate, up, m.situ_beta, m.situ_linear_beta);
+  return m.activation == model::Activation::silu ? silu(gate) * up : situ(gate, up, m.situ_beta, m.situ_linear_beta);
 }
 
 double mla_eps(const Model& m, const Options& opt) { return opt.mla_norm_eps.value_or(m.rms_norm_eps); }
@@ -141,27 +145,40 @@ Mat routed_experts(const LayerWeights& w, const Mat& x, const Mat& xe, const Opt
   Mat logits = linear(x, w.get("block_sparse_moe.gate.weight"));  // [T, E], fp32 in vLLM
   round_bf16_if(R.router_logits, logits);
   const Tensor& bias = w.get("block_sparse_moe.gate.e_score_correction_bias");
-  const int64_t k = m.moe.top_k;
-  Mat ids(x.rows, k), wts(x.rows, k);
-  Mat out(x.rows, xe.cols);
-  for (int64_t t = 0; t < x.rows; ++t) {
+  const int64_t k = m.moe.top_k, T = x.rows, D = xe.cols;
+  Mat ids(T, k), wts(T, k);
+  // Route every row, then stream each chosen expert once over the rows that chose it.
+  std::map<int64_t, std::vector<std::pair<int64_t, int64_t>>> users;  // expert -> (row, top-k position)
+  for (int64_t t = 0; t < T; ++t) {
     const Routing rt = route(logits.row(t), bias.data, m.moe);
-    std::vector<double> acc(static_cast<size_t>(xe.cols), 0.0);
     for (int64_t i = 0; i < k; ++i) {
-      const int64_t e = rt.experts[i];
-      ids(t, i) = static_cast<double>(e);
+      ids(t, i) = static_cast<double>(rt.experts[i]);
       wts(t, i) = rt.weights[i];
-      std::vector<double> g = gemv(w.expert(e, "w1"), xe.row(t));  // [I/tp]
-      std::vector<double> u = gemv(w.expert(e, "w3"), xe.row(t));
+      users[rt.experts[i]].push_back({t, i});
+    }
+  }
+  std::vector<std::vector<double>> y(static_cast<size_t>(T * k));  // w_i * E_i(xe_t), per (row, position)
+  for (const auto& [e, rows] : users) {
+    const Tensor w1 = w.expert(e, "w1"), w3 = w.expert(e, "w3"), w2 = w.expert(e, "w2");
+    for (const auto& [t, i] : rows) {
+      std::vector<double> g = gemv(w1, xe.row(t));  // [I/tp]
+      std::vector<double> u = gemv(w3, xe.row(t));
       round_bf16_if(R.linear, g);
       round_bf16_if(R.linear, u);
       for (size_t j = 0; j < g.size(); ++j) g[j] = act(m, g[j], u[j]);
       round_bf16_if(R.act, g);
-      std::vector<double> y = gemv(w.expert(e, "w2"), g);  // [D]
-      for (double& v : y) v *= rt.weights[i];
-      round_bf16_if(R.moe_weighted, y);
-      for (size_t j = 0; j < y.size(); ++j) acc[j] += y[j];
+      std::vector<double> ye = gemv(w2, g);  // [D]
+      for (double& v : ye) v *= wts(t, i);
+      round_bf16_if(R.moe_weighted, ye);
+      y[static_cast<size_t>(t * k + i)] = std::move(ye);
     }
+  }
+  // Sum over the top-k in routing order, then the routed scaling factor.
+  Mat out(T, D);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> acc(static_cast<size_t>(D), 0.0);
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t j = 0; j < D; ++j) acc[j] += y[static_cast<size_t>(t * k + i)][j];
     round_bf16_if(R.moe_sum, acc);
     for (double& v : acc) v *= m.moe.routed_scaling;
     round_bf16_if(R.moe_sum, acc);
@@ -213,7 +230,7 @@ Mat kda_mixer(const LayerWeights& w, const Mat& x, const StepMeta& meta, KdaStat
   const Shard sh = w.shard();
   const int64_t h = kc.num_heads / sh.tp, d = kc.head_dim, P = h * d, K = kc.conv_kernel, T = x.rows, q = meta.q;
   const bool window = opt.conv_spec == ConvSpecLayout::window;
-  const int64_t width = window ? K - 2 + q : K - 1;
+  const int64_t width = KdaState::conv_width_for(m, opt.conv_spec, q);
   if (st.heads != h || st.head_dim != d || st.conv_dim != P || st.conv_width != width)
     fail(Errc::input,
          "reference KDA state: heads {} head_dim {} conv_dim {} conv_width {}, expected {} {} {} {} (layout {})",
@@ -252,7 +269,8 @@ Mat kda_mixer(const LayerWeights& w, const Mat& x, const StepMeta& meta, KdaStat
     if (slots[0] == kNullBlockId) continue;  // padded: read and write nothing, zero output rows
     if (acc < 1 || acc > q) fail(Errc::input, "reference KDA step: request {} num_accepted {} not in 1..{}", r, acc, q);
     if (static_cast<int64_t>(slots.size()) < q && (q > 1))
-      fail(Errc::input, "reference KDA step: request {} has {} state slots, spec decode needs q = {}", r, slots.size(), q);
+      fail(Errc::input, "reference KDA step: request {} has {} state slots, spec decode needs q = {}", r, slots.size(),
+           q);
     const int64_t read_slot = slots[acc - 1];
     if (read_slot == kNullBlockId)
       fail(Errc::input, "reference KDA step: request {} reads its state from slot 0 (NULL_BLOCK_ID) at position {}", r,
@@ -319,7 +337,7 @@ Mat kda_mixer(const LayerWeights& w, const Mat& x, const StepMeta& meta, KdaStat
         std::vector<double> o(static_cast<size_t>(d));
         kda_delta_step(S[j], qv, kv, vv, al, bt, o);
         if (R.kda_state)
-          for (double& e : S[j]) e = e;
+          for (double& e : S[j]) e = round_fp32(e);
         if (write_slot != kNullBlockId) {
           std::span<double> dst = st.slot_state(write_slot, j);
           std::copy(S[j].begin(), S[j].end(), dst.begin());
@@ -591,8 +609,10 @@ LayerOutput decoder_layer_tp(std::span<const LayerWeights* const> ranks, const M
     const Shard s = ranks[i]->shard();
     if (s.tp != static_cast<int>(ranks.size()) || s.rank != static_cast<int>(i) || ranks[i]->layer() != w0.layer() ||
         &ranks[i]->model() != &w0.model())
-      fail(Errc::input, "reference decoder_layer_tp: entry {} holds rank {} of tp {} of layer {}, expected rank {} of {} of layer {}",
-           i, s.rank, s.tp, ranks[i]->layer(), i, ranks.size(), w0.layer());
+      fail(
+          Errc::input,
+          "reference decoder_layer_tp: entry {} holds rank {} of tp {} of layer {}, expected rank {} of {} of layer {}",
+          i, s.rank, s.tp, ranks[i]->layer(), i, ranks.size(), w0.layer());
   }
   const Model& m = w0.model();
   const Rounding& R = opt.rounding;
@@ -601,12 +621,14 @@ LayerOutput decoder_layer_tp(std::span<const LayerWeights* const> ranks, const M
   AddNorm in = fused_add_rms_norm(hidden, residual, w0.get("input_layernorm.weight").data, m.rms_norm_eps, R);
   std::vector<Mat> parts;
   for (size_t i = 0; i < ranks.size(); ++i) {
-    if (w0.spec().mixer == model::Mixer::kda) parts.push_back(kda_mixer(*ranks[i], in.x, meta, states[i]->kda, opt, trace));
-    else parts.push_back(mla_mixer(*ranks[i], in.x, meta, states[i]->mla, opt, trace));
+    if (w0.spec().mixer == model::Mixer::kda)
+      parts.push_back(kda_mixer(*ranks[i], in.x, meta, states[i]->kda, opt, trace));
+    else
+      parts.push_back(mla_mixer(*ranks[i], in.x, meta, states[i]->mla, opt, trace));
   }
   Mat mixer_out = all_reduce(parts, R);
-  AddNorm post = fused_add_rms_norm(mixer_out, &in.residual, w0.get("post_attention_layernorm.weight").data,
-                                    m.rms_norm_eps, R);
+  AddNorm post =
+      fused_add_rms_norm(mixer_out, &in.residual, w0.get("post_attention_layernorm.weight").data, m.rms_norm_eps, R);
   LayerOutput out;
   out.hidden = ffn(ranks, post.x, opt, trace);
   out.residual = post.residual;

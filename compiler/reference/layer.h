@@ -59,17 +59,16 @@ struct StepMeta {
 
   // ---- MLA layers (the attention KV-cache group) ----
   std::vector<std::vector<int64_t>> block_table;  // [W][blocks]: physical block of logical block b
-  std::vector<int64_t> seq_lens;  // [W]: tokens of request r including its q new ones; 0 = padded
-                                  //   request (no attention, no cache write, zero MLA output rows)
-  std::vector<int64_t> slot_mapping;  // [W*q]: cache slot (block*block_size + offset) of each new
-                                      //   token; kPadSlotId (-1) = not written
+  std::vector<int64_t> seq_lens;                  // [W]: tokens of request r including its q new ones; 0 = padded
+                                                  //   request (no attention, no cache write, zero MLA output rows)
+  std::vector<int64_t> slot_mapping;              // [W*q]: cache slot (block*block_size + offset) of each new
+                                                  //   token; kPadSlotId (-1) = not written
 
   int64_t rows() const { return num_requests * q; }
   // vLLM-consistent metadata for tests: request r gets KDA slots kda_slot_base + r*q + i (i < q), blocks
   // [first_block + r*blocks_per_req, ...) and the slot mapping that follows from them.
-  static StepMeta simple(int64_t num_requests, int64_t q, const std::vector<int64_t>& seq_lens,
-                         int64_t block_size, int64_t blocks_per_request, int64_t first_block = 1,
-                         int64_t kda_slot_base = 1);
+  static StepMeta simple(int64_t num_requests, int64_t q, const std::vector<int64_t>& seq_lens, int64_t block_size,
+                         int64_t blocks_per_request, int64_t first_block = 1, int64_t kda_slot_base = 1);
 };
 
 // How a spec-decode step (q > 1) reads and writes the KDA conv state. [version-dependent in vLLM]
@@ -98,7 +97,9 @@ struct KdaState {
   std::vector<double> conv_q, conv_k, conv_v;
 
   static KdaState zeros(const model::Model& m, Shard shard, int64_t num_slots, int64_t conv_width);
-  std::span<double> slot_state(int64_t slot, int64_t head);  // [d_k * d_v]
+  // The conv width a layout needs: K-1 (per_slot, or q = 1), K-2+q (window).
+  static int64_t conv_width_for(const model::Model& m, ConvSpecLayout layout, int64_t q);
+  std::span<double> slot_state(int64_t slot, int64_t head);                            // [d_k * d_v]
   std::span<double> conv(int which /*0 q, 1 k, 2 v*/, int64_t slot, int64_t channel);  // [conv_width]
 };
 
@@ -123,8 +124,8 @@ struct LayerState {
 struct Options {
   Rounding rounding = Rounding::vllm();
   ConvSpecLayout conv_spec = ConvSpecLayout::per_slot;
-  double l2norm_eps = 1e-6;       // KDA q/k L2 normalisation
-  double kda_onorm_eps = 1e-5;    // FusedRMSNormGated (layer default, not read from the config)
+  double l2norm_eps = 1e-6;            // KDA q/k L2 normalisation
+  double kda_onorm_eps = 1e-5;         // FusedRMSNormGated (layer default, not read from the config)
   std::optional<double> mla_norm_eps;  // kv_a / q_a layernorm eps (default: rms_norm_eps)
 };
 
@@ -132,8 +133,9 @@ struct Options {
 // Keys: "x" (normed input), "residual", "mixer_out"; KDA "q", "k", "v" (projections, [T, P]),
 // "q_conv", "k_conv", "v_conv", "f", "alpha" ([T, P]), "beta" ([T, h]), "g" ([T, P]), "o" ([T, P]),
 // "o_gated" ([T, P]); MLA "q" ([T, N*(Pn+R)]), "kv" ([T, L+R]), "c" ([T, L]), "ql" ([T, N*L]),
-// "o_lat" ([T, N*L]), "o_heads" ([T, N*V]); FFN "x2", "residual2", "router_logits" ([T, E]),
-// "topk_ids", "topk_weights" ([T, k]), "routed" ([T, D]), "shared" ([T, H]), "ffn_out".
+// "o_lat" ([T, N*L]), "o_heads" ([T, N*V], after the K3 gate), "mla_gate" ([T, N*V], K3 gate logits);
+// FFN "x2", "residual2", "router_logits" ([T, E]), "topk_ids", "topk_weights" ([T, k]), "routed"
+// ([T, D], rank partial), "shared" ([T, H]), K3 "latent" ([T, D]) and "latent_up" ([T, H]), "ffn_out".
 // Under TP the per-rank entries are those of the last rank run.
 struct Trace {
   std::map<std::string, Mat> t;

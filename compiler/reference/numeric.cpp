@@ -43,9 +43,12 @@ namespace {
 double f16_bits_to_double(uint16_t h) {
   const int sign = (h >> 15) & 1, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
   double v;
-  if (exp == 0) v = std::ldexp(static_cast<double>(man), -24);
-  else if (exp == 31) v = man ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
-  else v = std::ldexp(static_cast<double>(man | 0x400), exp - 25);
+  if (exp == 0)
+    v = std::ldexp(static_cast<double>(man), -24);
+  else if (exp == 31)
+    v = man ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
+  else
+    v = std::ldexp(static_cast<double>(man | 0x400), exp - 25);
   return sign ? -v : v;
 }
 
@@ -60,7 +63,8 @@ std::vector<double> decode_tensor(std::span<const uint8_t> bytes, DType dtype, c
   const uint8_t* p = bytes.data();
   switch (dtype) {
     case DType::BF16:
-      for (size_t i = 0; i < n; ++i) out[i] = bf16_bits_to_double(static_cast<uint16_t>(p[2 * i] | (p[2 * i + 1] << 8)));
+      for (size_t i = 0; i < n; ++i)
+        out[i] = bf16_bits_to_double(static_cast<uint16_t>(p[2 * i] | (p[2 * i + 1] << 8)));
       break;
     case DType::F16:
       for (size_t i = 0; i < n; ++i) out[i] = f16_bits_to_double(static_cast<uint16_t>(p[2 * i] | (p[2 * i + 1] << 8)));
@@ -80,8 +84,9 @@ std::vector<double> decode_tensor(std::span<const uint8_t> bytes, DType dtype, c
       for (size_t i = 0; i < n; ++i) out[i] = p[i];
       break;
     default:
-      fail(Errc::input, "{}: dtype {} has no decoder in the CPU reference (expected BF16, F16, F32, F64, U8 or F8_E8M0)",
-           what, dtype_name(dtype));
+      fail(Errc::input,
+           "{}: dtype {} has no decoder in the CPU reference (expected BF16, F16, F32, F64, U8 or F8_E8M0)", what,
+           dtype_name(dtype));
   }
   return out;
 }
@@ -102,11 +107,11 @@ std::vector<double> dequant_mxfp4(std::span<const double> packed, std::span<cons
   if (cols % 2 || group <= 0 || cols % group)
     fail(Errc::input, "{}: MXFP4 width {} must be even and a multiple of the group size {}", what, cols, group);
   if (static_cast<int64_t>(packed.size()) != rows * cols / 2)
-    fail(Errc::input, "{}: packed MXFP4 data has {} bytes, expected [{}, {}] = {}", what, packed.size(), rows,
-         cols / 2, rows * cols / 2);
+    fail(Errc::input, "{}: packed MXFP4 data has {} bytes, expected [{}, {}] = {}", what, packed.size(), rows, cols / 2,
+         rows * cols / 2);
   if (static_cast<int64_t>(scales.size()) != rows * (cols / group))
-    fail(Errc::input, "{}: MXFP4 scales have {} bytes, expected [{}, {}] = {}", what, scales.size(), rows,
-         cols / group, rows * (cols / group));
+    fail(Errc::input, "{}: MXFP4 scales have {} bytes, expected [{}, {}] = {}", what, scales.size(), rows, cols / group,
+         rows * (cols / group));
   std::vector<double> out(static_cast<size_t>(rows * cols));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {

@@ -46,7 +46,7 @@ std::vector<double> dequant_mxfp4(std::span<const double> packed, std::span<cons
 
 // Scalar activations, in double.
 double sigmoid(double x);
-double silu(double x);                                 // x * sigmoid(x)
+double silu(double x);                                                  // x * sigmoid(x)
 double softplus(double x, double beta = 1.0, double threshold = 20.0);  // x where beta*x > threshold
 // Kimi-K3 SiTU, replacing silu(gate) * up:
 //   a = beta * tanh(gate / beta) * sigmoid(gate);  up' = linear_beta * tanh(up / linear_beta);  a * up'

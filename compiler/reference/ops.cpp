@@ -24,8 +24,7 @@ void round_bf16_if(bool on, std::span<double> x) {
 void round_bf16_if(bool on, Mat& m) { round_bf16_if(on, std::span<double>(m.v)); }
 
 Mat linear(const Mat& x, std::span<const double> w, int64_t out, int64_t in) {
-  if (x.cols != in)
-    fail(Errc::internal, "reference linear: input has {} columns, weight expects {}", x.cols, in);
+  if (x.cols != in) fail(Errc::internal, "reference linear: input has {} columns, weight expects {}", x.cols, in);
   if (static_cast<int64_t>(w.size()) != out * in)
     fail(Errc::internal, "reference linear: weight has {} values, expected [{}, {}]", w.size(), out, in);
   Mat y(x.rows, out);
@@ -131,8 +130,8 @@ void gated_rms_norm(std::span<const double> o, std::span<const double> g, std::s
 Routing route(std::span<const double> logits, std::span<const double> correction_bias, const model::MoeConfig& cfg) {
   const auto E = static_cast<int64_t>(logits.size());
   if (E != cfg.num_experts || (!correction_bias.empty() && static_cast<int64_t>(correction_bias.size()) != E))
-    fail(Errc::internal, "reference router: {} logits, {} biases for {} experts", logits.size(),
-         correction_bias.size(), cfg.num_experts);
+    fail(Errc::internal, "reference router: {} logits, {} biases for {} experts", logits.size(), correction_bias.size(),
+         cfg.num_experts);
   std::vector<double> s(static_cast<size_t>(E)), sel(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) {
     s[e] = sigmoid(logits[e]);

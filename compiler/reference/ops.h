@@ -34,26 +34,26 @@ struct Mat {
 // GPU kernels that fuse several ops keep the intermediates in fp32 registers: compare them with the
 // default (vllm()) at 1e-2 relative error; the differences are then one bf16 ulp per fused-away point.
 struct Rounding {
-  bool residual = true;      // bf16: the residual stream after each fused add (input / post-attention /
-                             //   final norm: residual = h + residual, written back in bf16)
-  bool norm = true;          // bf16: every RMSNorm output (input/post-attention/final norm,
-                             //   kv_a_layernorm, q_a_layernorm, routed_expert_norm)
-  bool linear = true;        // bf16: every bf16 GEMM output (q/k/v/f_a/f_b/b/g_a/g_b/g projections,
-                             //   q_proj, q_a/q_b, kv_a_proj, o_proj, MLP gate/up/down, expert w1/w3,
-                             //   shared expert, latent down/up; the MoE router only with router_logits)
-  bool conv = true;          // bf16: KDA short-conv output (after SiLU), causal_conv1d_update's output
-  bool kda_out = true;       // bf16: KDA recurrent output o (the fused recurrent kernel writes bf16)
-  bool gated_norm = true;    // bf16: FusedRMSNormGated output (input of KDA o_proj)
+  bool residual = true;        // bf16: the residual stream after each fused add (input / post-attention /
+                               //   final norm: residual = h + residual, written back in bf16)
+  bool norm = true;            // bf16: every RMSNorm output (input/post-attention/final norm,
+                               //   kv_a_layernorm, q_a_layernorm, routed_expert_norm)
+  bool linear = true;          // bf16: every bf16 GEMM output (q/k/v/f_a/f_b/b/g_a/g_b/g projections,
+                               //   q_proj, q_a/q_b, kv_a_proj, o_proj, MLP gate/up/down, expert w1/w3,
+                               //   shared expert, latent down/up; the MoE router only with router_logits)
+  bool conv = true;            // bf16: KDA short-conv output (after SiLU), causal_conv1d_update's output
+  bool kda_out = true;         // bf16: KDA recurrent output o (the fused recurrent kernel writes bf16)
+  bool gated_norm = true;      // bf16: FusedRMSNormGated output (input of KDA o_proj)
   bool mla_q_absorbed = true;  // bf16: q_nope . W_UK_T (torch.bmm output)
-  bool mla_attn_out = true;  // bf16: o_lat, the MQA-over-latent kernel output
-  bool mla_v_up = true;      // bf16: o_lat . W_UV per head (torch.bmm output, input of o_proj)
-  bool mla_gate = true;      // bf16: K3 output gate product concat(o) * sigmoid(g)
-  bool act = true;           // bf16: silu(gate)*up / SiTU output (SiluAndMul, fused_moe intermediate)
-  bool moe_weighted = true;  // bf16: w_i * E_i(x), the fused-MoE second GEMM epilogue output
-  bool moe_sum = true;       // bf16: sum over the top-k (moe_sum), and the routed_scaling product
-  bool ffn_out = true;       // bf16: FFN output (routed + shared), and every all-reduce result
-  bool kda_state = true;     // fp32: KDA recurrent state as stored (after each token)
-  bool cache = true;         // bf16: conv-state and MLA latent-cache entries as stored
+  bool mla_attn_out = true;    // bf16: o_lat, the MQA-over-latent kernel output
+  bool mla_v_up = true;        // bf16: o_lat . W_UV per head (torch.bmm output, input of o_proj)
+  bool mla_gate = true;        // bf16: K3 output gate product concat(o) * sigmoid(g)
+  bool act = true;             // bf16: silu(gate)*up / SiTU output (SiluAndMul, fused_moe intermediate)
+  bool moe_weighted = true;    // bf16: w_i * E_i(x), the fused-MoE second GEMM epilogue output
+  bool moe_sum = true;         // bf16: sum over the top-k (moe_sum), and the routed_scaling product
+  bool ffn_out = true;         // bf16: FFN output (routed + shared), and every all-reduce result
+  bool kda_state = true;       // fp32: KDA recurrent state as stored (after each token)
+  bool cache = true;           // bf16: conv-state and MLA latent-cache entries as stored
   bool router_logits = false;  // bf16 router logits (vLLM computes them in fp32; off by default)
 
   static Rounding vllm() { return {}; }

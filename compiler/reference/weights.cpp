@@ -74,7 +74,8 @@ Tensor shard_tensor(const model::WeightSpec& w, std::vector<double> full, Shard 
   for (int64_t o = 0; o < outer; ++o)
     for (int64_t j = 0; j < part; ++j)
       for (int64_t i = 0; i < inner; ++i)
-        t.data[static_cast<size_t>((o * part + j) * inner + i)] = full[static_cast<size_t>((o * n + begin + j) * inner + i)];
+        t.data[static_cast<size_t>((o * part + j) * inner + i)] =
+            full[static_cast<size_t>((o * n + begin + j) * inner + i)];
   return t;
 }
 
@@ -101,25 +102,27 @@ bool LayerWeights::has(const std::string& key) const {
   return false;
 }
 
+Tensor LayerWeights::load(const std::string& key) const {
+  const model::WeightSpec& w = find_weight(*model_, layer_, key);
+  lookups_.push_back(key);
+  return shard_tensor(w, lookup_(key), shard_);
+}
+
 const Tensor& LayerWeights::get(const std::string& key) const {
   auto it = cache_.find(key);
   if (it != cache_.end()) return it->second;
-  const model::WeightSpec& w = find_weight(*model_, layer_, key);
-  return cache_.emplace(key, shard_tensor(w, lookup_(key), shard_)).first->second;
+  return cache_.emplace(key, load(key)).first->second;
 }
 
-const Tensor& LayerWeights::expert(int64_t e, const std::string& w) const {
+Tensor LayerWeights::expert(int64_t e, const std::string& w) const {
   const std::string base = fmt::format("block_sparse_moe.experts.{}.{}", e, w);
-  if (model_->moe.expert_format == model::ExpertFormat::bf16) return get(base + ".weight");
-  const std::string key = base + ".dequant";
-  auto it = cache_.find(key);
-  if (it != cache_.end()) return it->second;
-  const Tensor& packed = get(base + ".weight_packed");  // [rows, cols/2] bytes, sharded
-  const Tensor& scales = get(base + ".weight_scale");   // [rows, cols/group] bytes, sharded
+  if (model_->moe.expert_format == model::ExpertFormat::bf16) return load(base + ".weight");
+  const Tensor packed = load(base + ".weight_packed");  // [rows, cols/2] bytes, sharded
+  const Tensor scales = load(base + ".weight_scale");   // [rows, cols/group] bytes, sharded
   Tensor t;
   t.shape = {packed.dim(0), packed.dim(1) * 2};
   t.data = dequant_mxfp4(packed.data, scales.data, t.shape[0], t.shape[1], model_->moe.mxfp4_group, base);
-  return cache_.emplace(key, std::move(t)).first->second;
+  return t;
 }
 
 Tensor model_tensor(const model::Model& m, const WeightLookup& lookup, const std::string& key) {

@@ -74,13 +74,17 @@ class LayerWeights {
   int layer() const { return layer_; }
   Shard shard() const { return shard_; }
 
-  bool has(const std::string& key) const;        // the IR lists `key` for this layer
+  bool has(const std::string& key) const;           // the IR lists `key` for this layer
   const Tensor& get(const std::string& key) const;  // the rank's shard, with its sharded shape
   // Routed expert `e`'s matrix `w` ("w1" gate [I/tp, D], "w3" up [I/tp, D], "w2" down [D, I/tp]) as
-  // doubles, MXFP4 experts dequantised (D = hidden, or the latent width for K3 latent MoE).
-  const Tensor& expert(int64_t e, const std::string& w) const;
+  // doubles, MXFP4 experts dequantised (D = hidden, or the latent width for K3 latent MoE). Loaded
+  // on every call and NOT cached: a MoE step streams its routed experts one at a time, so a
+  // 48B-shaped layer never holds more than one expert in double.
+  Tensor expert(int64_t e, const std::string& w) const;
   void drop_cache() const { cache_.clear(); }
   size_t cached_tensors() const { return cache_.size(); }
+  // Keys passed to the lookup so far, in order (a MoE step reads only its routed experts).
+  const std::vector<std::string>& lookups() const { return lookups_; }
 
  private:
   const model::Model* model_;
@@ -88,6 +92,9 @@ class LayerWeights {
   WeightLookup lookup_;
   Shard shard_;
   mutable std::map<std::string, Tensor> cache_;
+  mutable std::vector<std::string> lookups_;
+
+  Tensor load(const std::string& key) const;  // lookup + shard, uncached
 };
 
 // A model-level tensor (e.g. "norm.weight"), whole.

@@ -36,7 +36,7 @@ dp_status* to_c(const Status& s) {
 template <typename F>
 dp_status* guarded(const char* fn, F&& f) {
   try {
-    return to_c(f());
+    return to_c(f(fn));
   } catch (const std::bad_alloc&) {
     return &g_out_of_memory;
   } catch (const std::exception& e) {
@@ -216,15 +216,15 @@ void dp_final_norm_io_init(dp_final_norm_io* io) {
 // ---- Devices ------------------------------------------------------------------------------------------
 
 dp_status* dp_device_query(int32_t vendor, int32_t ordinal, dp_device_desc* out) {
-  return guarded(__func__, [&]() -> Status {
-    DP_RETURN_IF_ERROR(check_out(__func__, "out", out));
+  return guarded(__func__, [&](const char* fn) -> Status {
+    DP_RETURN_IF_ERROR(check_out(fn, "out", out));
     return query_device(vendor, ordinal, out);
   });
 }
 
 dp_status* dp_device_count(int32_t vendor, int32_t* count) {
-  return guarded(__func__, [&]() -> Status {
-    if (!count) return null_arg(__func__, "count");
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!count) return null_arg(fn, "count");
     return device_count(vendor, count);
   });
 }
@@ -232,15 +232,15 @@ dp_status* dp_device_count(int32_t vendor, int32_t* count) {
 // ---- Bundles ------------------------------------------------------------------------------------------
 
 dp_status* dp_bundle_open(const char* path, const dp_bundle_open_options* options, dp_bundle** out) {
-  return guarded(__func__, [&]() -> Status {
-    if (!out) return null_arg(__func__, "out");
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!out) return null_arg(fn, "out");
     *out = nullptr;
-    if (!path) return null_arg(__func__, "path");
+    if (!path) return null_arg(fn, "path");
     dp_bundle_open_options o;
     dp_bundle_open_options_init(&o);
-    if (options) DP_RETURN_IF_ERROR(read_versioned(__func__, "dp_bundle_open_options", options, &o));
+    if (options) DP_RETURN_IF_ERROR(read_versioned(fn, "dp_bundle_open_options", options, &o));
     if (o.flags != 0)
-      return error(DP_ERR_INVALID_ARGUMENT, "{}: options.flags {:#x}, expected 0 (no flags are defined)", __func__, o.flags);
+      return error(DP_ERR_INVALID_ARGUMENT, "{}: options.flags {:#x}, expected 0 (no flags are defined)", fn, o.flags);
     auto b = dp_bundle::open(path);
     if (!b.ok()) return b.status();
     *out = *b;
@@ -253,9 +253,9 @@ void dp_bundle_close(dp_bundle* b) {
 }
 
 dp_status* dp_bundle_get_info(const dp_bundle* b, dp_bundle_info* out) {
-  return guarded(__func__, [&]() -> Status {
-    if (!b) return null_arg(__func__, "bundle");
-    DP_RETURN_IF_ERROR(check_out(__func__, "out", out));
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!b) return null_arg(fn, "bundle");
+    DP_RETURN_IF_ERROR(check_out(fn, "out", out));
     const auto& m = b->manifest();
     dp_bundle_info i{};
     i.format_major = m.format_version.major;
@@ -281,12 +281,12 @@ dp_status* dp_bundle_get_info(const dp_bundle* b, dp_bundle_info* out) {
 }
 
 dp_status* dp_bundle_get_layer(const dp_bundle* b, int32_t layer, dp_layer_info* out) {
-  return guarded(__func__, [&]() -> Status {
-    if (!b) return null_arg(__func__, "bundle");
-    DP_RETURN_IF_ERROR(check_out(__func__, "out", out));
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!b) return null_arg(fn, "bundle");
+    DP_RETURN_IF_ERROR(check_out(fn, "out", out));
     const auto& layers = b->manifest().layers;
     if (layer < 0 || static_cast<size_t>(layer) >= layers.size())
-      return error(DP_ERR_INVALID_ARGUMENT, "{}: layer {}, expected 0..{}", __func__, layer, layers.size() - 1);
+      return error(DP_ERR_INVALID_ARGUMENT, "{}: layer {}, expected 0..{}", fn, layer, layers.size() - 1);
     dp_layer_info i{};
     i.index = layer;
     i.mixer = layers[layer].mixer == "kda" ? DP_MIXER_KDA : DP_MIXER_MLA;
@@ -304,13 +304,13 @@ int32_t dp_bundle_weight_count(const dp_bundle* b, int32_t rank) {
 }
 
 dp_status* dp_bundle_get_weight(const dp_bundle* b, int32_t rank, int32_t index, dp_weight_info* out) {
-  return guarded(__func__, [&]() -> Status {
-    if (!b) return null_arg(__func__, "bundle");
-    DP_RETURN_IF_ERROR(check_out(__func__, "out", out));
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!b) return null_arg(fn, "bundle");
+    DP_RETURN_IF_ERROR(check_out(fn, "out", out));
     const RankWeights* r = b->rank_weights(rank);
     if (!r) return check_rank(*b, rank);
     if (index < 0 || static_cast<size_t>(index) >= r->weights.size())
-      return error(DP_ERR_INVALID_ARGUMENT, "{}: index {}, rank {} has weights 0..{}", __func__, index, rank,
+      return error(DP_ERR_INVALID_ARGUMENT, "{}: index {}, rank {} has weights 0..{}", fn, index, rank,
                    r->weights.size() - 1);
     const WeightSpec& w = r->weights[index];
     dp_weight_info i{};
@@ -327,9 +327,9 @@ dp_status* dp_bundle_get_weight(const dp_bundle* b, int32_t rank, int32_t index,
 }
 
 dp_status* dp_bundle_query_validity(const dp_bundle* b, const dp_device_desc* device, int32_t rank) {
-  return guarded(__func__, [&]() -> Status {
-    if (!b) return null_arg(__func__, "bundle");
-    if (rank < -1) return error(DP_ERR_INVALID_ARGUMENT, "{}: rank {}, expected >= 0 or -1", __func__, rank);
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!b) return null_arg(fn, "bundle");
+    if (rank < -1) return error(DP_ERR_INVALID_ARGUMENT, "{}: rank {}, expected >= 0 or -1", fn, rank);
     if (rank != -1) DP_RETURN_IF_ERROR(check_rank(*b, rank));
     if (!device) {
       for (const std::string& t : b->deploy.targets) DP_RETURN_IF_ERROR(check_kernels(*b, t));
@@ -337,7 +337,7 @@ dp_status* dp_bundle_query_validity(const dp_bundle* b, const dp_device_desc* de
     }
     dp_device_desc d;
     dp_device_desc_init(&d);
-    DP_RETURN_IF_ERROR(read_versioned(__func__, "dp_device_desc", device, &d));
+    DP_RETURN_IF_ERROR(read_versioned(fn, "dp_device_desc", device, &d));
     d.arch[sizeof(d.arch) - 1] = 0;
     d.name[sizeof(d.name) - 1] = 0;
     std::string target;
@@ -349,17 +349,17 @@ dp_status* dp_bundle_query_validity(const dp_bundle* b, const dp_device_desc* de
 // ---- Sessions -----------------------------------------------------------------------------------------
 
 dp_status* dp_session_create(dp_bundle* b, const dp_session_options* options, dp_session** out) {
-  return guarded(__func__, [&]() -> Status {
-    if (!out) return null_arg(__func__, "out");
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!out) return null_arg(fn, "out");
     *out = nullptr;
-    if (!b) return null_arg(__func__, "bundle");
+    if (!b) return null_arg(fn, "bundle");
     dp_session_options o;
     dp_session_options_init(&o);
-    if (options) DP_RETURN_IF_ERROR(read_versioned(__func__, "dp_session_options", options, &o));
+    if (options) DP_RETURN_IF_ERROR(read_versioned(fn, "dp_session_options", options, &o));
     dp_device_desc desc;
     if (o.device_desc) {
       dp_device_desc_init(&desc);
-      DP_RETURN_IF_ERROR(read_versioned(__func__, "dp_device_desc", o.device_desc, &desc));
+      DP_RETURN_IF_ERROR(read_versioned(fn, "dp_device_desc", o.device_desc, &desc));
       desc.arch[sizeof(desc.arch) - 1] = 0;
       desc.name[sizeof(desc.name) - 1] = 0;
       o.device_desc = &desc;
@@ -382,53 +382,53 @@ void dp_session_destroy(dp_session* s) {
 }
 
 dp_status* dp_session_bind_weight(dp_session* s, const char* name, const dp_tensor* t) {
-  return guarded(__func__, [&]() -> Status {
-    if (!s) return null_arg(__func__, "session");
-    if (!name) return null_arg(__func__, "name");
-    if (!t) return null_arg(__func__, "tensor");
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
+    if (!name) return null_arg(fn, "name");
+    if (!t) return null_arg(fn, "tensor");
     return s->bind_weight(name, *t);
   });
 }
 
 dp_status* dp_session_bind_expert_weights(dp_session* s, const char* group, const uint64_t* data, int32_t count,
                                           const dp_tensor* expert) {
-  return guarded(__func__, [&]() -> Status {
-    if (!s) return null_arg(__func__, "session");
-    if (!group) return null_arg(__func__, "group");
-    if (!data) return null_arg(__func__, "data");
-    if (!expert) return null_arg(__func__, "expert");
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
+    if (!group) return null_arg(fn, "group");
+    if (!data) return null_arg(fn, "data");
+    if (!expert) return null_arg(fn, "expert");
     return s->bind_experts(group, data, count, *expert);
   });
 }
 
 dp_status* dp_session_finalize_weights(dp_session* s) {
-  return guarded(__func__, [&]() -> Status { return s ? s->finalize_weights() : null_arg(__func__, "session"); });
+  return guarded(__func__, [&](const char* fn) -> Status { return s ? s->finalize_weights() : null_arg(fn, "session"); });
 }
 
 dp_status* dp_session_load_kernels(dp_session* s) {
-  return guarded(__func__, [&]() -> Status { return s ? s->load_kernels() : null_arg(__func__, "session"); });
+  return guarded(__func__, [&](const char* fn) -> Status { return s ? s->load_kernels() : null_arg(fn, "session"); });
 }
 
 dp_status* dp_session_bind_kv(dp_session* s, int32_t layer, int32_t kind, const dp_tensor* t) {
-  return guarded(__func__, [&]() -> Status {
-    if (!s) return null_arg(__func__, "session");
-    if (!t) return null_arg(__func__, "tensor");
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
+    if (!t) return null_arg(fn, "tensor");
     return s->bind_kv(layer, kind, *t);
   });
 }
 
 dp_status* dp_session_release_kv(dp_session* s) {
-  return guarded(__func__, [&]() -> Status {
-    if (!s) return null_arg(__func__, "session");
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
     s->release_kv();
     return ok();
   });
 }
 
 dp_status* dp_session_kv_layout(const dp_session* s, int32_t layer, int32_t kind, int64_t count, dp_tensor* out) {
-  return guarded(__func__, [&]() -> Status {
-    if (!s) return null_arg(__func__, "session");
-    if (!out) return null_arg(__func__, "out");
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
+    if (!out) return null_arg(fn, "out");
     return s->kv_layout(layer, kind, count, out);
   });
 }
@@ -436,13 +436,13 @@ dp_status* dp_session_kv_layout(const dp_session* s, int32_t layer, int32_t kind
 // ---- Planning -----------------------------------------------------------------------------------------
 
 dp_status* dp_plan(dp_session* s, const dp_step_desc* desc, dp_plan_result* out) {
-  return guarded(__func__, [&]() -> Status {
-    if (!s) return null_arg(__func__, "session");
-    if (!desc) return null_arg(__func__, "desc");
-    DP_RETURN_IF_ERROR(check_out(__func__, "out", out));
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
+    if (!desc) return null_arg(fn, "desc");
+    DP_RETURN_IF_ERROR(check_out(fn, "out", out));
     dp_step_desc d;
     dp_step_desc_init(&d);
-    DP_RETURN_IF_ERROR(read_versioned(__func__, "dp_step_desc", desc, &d));
+    DP_RETURN_IF_ERROR(read_versioned(fn, "dp_step_desc", desc, &d));
     return s->plan(d, out);
   });
 }
@@ -472,12 +472,12 @@ int32_t dp_agree(const int32_t* reasons, int32_t n, int32_t* refusing_rank) {
 }
 
 dp_status* dp_after_step(dp_session* s) {
-  return guarded(__func__, [&]() -> Status { return s ? s->after_step() : null_arg(__func__, "session"); });
+  return guarded(__func__, [&](const char* fn) -> Status { return s ? s->after_step() : null_arg(fn, "session"); });
 }
 
 dp_status* dp_session_error_flag(const dp_session* s, uint64_t* device_address, uint32_t* value) {
-  return guarded(__func__, [&]() -> Status {
-    if (!s) return null_arg(__func__, "session");
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
     if (device_address) *device_address = s->flag_device;
     if (value) *value = *static_cast<volatile const uint32_t*>(s->flag_host);
     return ok();
@@ -485,8 +485,8 @@ dp_status* dp_session_error_flag(const dp_session* s, uint64_t* device_address, 
 }
 
 dp_status* dp_session_raise_error_flag(dp_session* s, uint32_t bits) {
-  return guarded(__func__, [&]() -> Status {
-    if (!s) return null_arg(__func__, "session");
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
     // The device may OR into the same word concurrently (system-scope atomics): match with a host atomic.
     __atomic_fetch_or(s->flag_host, bits, __ATOMIC_SEQ_CST);
     return ok();
@@ -496,38 +496,38 @@ dp_status* dp_session_raise_error_flag(dp_session* s, uint32_t bits) {
 // ---- Launch -------------------------------------------------------------------------------------------
 
 dp_status* dp_launch_layer(dp_session* s, const dp_step* step, int32_t layer, const dp_layer_io* io, dp_stream stream) {
-  return guarded(__func__, [&]() -> Status {
-    if (!s) return null_arg(__func__, "session");
-    if (!io) return null_arg(__func__, "io");
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
+    if (!io) return null_arg(fn, "io");
     dp_layer_io v;
     dp_layer_io_init(&v);
-    DP_RETURN_IF_ERROR(read_versioned(__func__, "dp_layer_io", io, &v));
+    DP_RETURN_IF_ERROR(read_versioned(fn, "dp_layer_io", io, &v));
     return s->launch_layer(step, layer, v, stream);
   });
 }
 
 dp_status* dp_launch_final_norm(dp_session* s, const dp_step* step, const dp_final_norm_io* io, dp_stream stream) {
-  return guarded(__func__, [&]() -> Status {
-    if (!s) return null_arg(__func__, "session");
-    if (!io) return null_arg(__func__, "io");
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
+    if (!io) return null_arg(fn, "io");
     dp_final_norm_io v;
     dp_final_norm_io_init(&v);
-    DP_RETURN_IF_ERROR(read_versioned(__func__, "dp_final_norm_io", io, &v));
+    DP_RETURN_IF_ERROR(read_versioned(fn, "dp_final_norm_io", io, &v));
     return s->launch_final_norm(step, v, stream);
   });
 }
 
 dp_status* dp_prefetch_fork(dp_session* s, int32_t point, int32_t layer, int32_t width, dp_stream stream,
                             int32_t* launched) {
-  return guarded(__func__, [&]() -> Status {
+  return guarded(__func__, [&](const char* fn) -> Status {
     if (launched) *launched = 0;
-    if (!s) return null_arg(__func__, "session");
+    if (!s) return null_arg(fn, "session");
     return s->prefetch_fork(point, layer, width, stream, launched);
   });
 }
 
 dp_status* dp_prefetch_join(dp_session* s, dp_stream stream) {
-  return guarded(__func__, [&]() -> Status { return s ? s->prefetch_join(stream) : null_arg(__func__, "session"); });
+  return guarded(__func__, [&](const char* fn) -> Status { return s ? s->prefetch_join(stream) : null_arg(fn, "session"); });
 }
 
 }  // extern "C"

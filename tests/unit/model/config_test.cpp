@@ -100,6 +100,7 @@ TEST(Config, KimiK3TextConfigPrefixLatentMoeAndMxfp4) {
   EXPECT_EQ(m.find(l3 + "self_attn.g_proj.weight")->shape, (std::vector<int64_t>{12288, 7168}));
   ASSERT_NE(m.find("language_model.lm_head.weight"), nullptr);
   ASSERT_NE(m.find("language_model.model.output_attn_res_proj.weight"), nullptr);
+  EXPECT_TRUE(m.layers[0].attn_res_push);
   EXPECT_TRUE(m.layers[12].attn_res_push);
   EXPECT_FALSE(m.layers[13].attn_res_push);
 }

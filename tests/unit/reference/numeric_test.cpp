@@ -1,4 +1,6 @@
 // Scalar numerics of the CPU reference: bf16 rounding, decoders, MXFP4, activations.
+#include "reference/numeric.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -6,7 +8,6 @@
 #include <limits>
 #include <random>
 
-#include "reference/numeric.h"
 #include "../test_util.h"
 
 namespace dp::ref {
@@ -22,8 +23,8 @@ uint16_t float_to_bf16_bits(float f) {
 
 TEST(RefNumeric, Bf16RoundingTiesToEven) {
   EXPECT_EQ(round_bf16(1.0), 1.0);
-  EXPECT_EQ(round_bf16(1.0 + std::ldexp(1.0, -8)), 1.0);                          // tie -> even (1.0)
-  EXPECT_EQ(round_bf16(1.0 + 3 * std::ldexp(1.0, -8)), 1.0 + std::ldexp(1.0, -6));  // tie -> even
+  EXPECT_EQ(round_bf16(1.0 + std::ldexp(1.0, -8)), 1.0);                                // tie -> even (1.0)
+  EXPECT_EQ(round_bf16(1.0 + 3 * std::ldexp(1.0, -8)), 1.0 + std::ldexp(1.0, -6));      // tie -> even
   EXPECT_EQ(round_bf16(1.0 + std::ldexp(1.0, -8) + 1e-12), 1.0 + std::ldexp(1.0, -7));  // above the tie
   EXPECT_EQ(round_bf16(-3.0), -3.0);
   EXPECT_EQ(round_bf16(0.0), 0.0);

@@ -249,7 +249,8 @@ TEST_F(CApiTest, OpenErrorsCarryTheirCodes) {
   write_text(d / "manifest.json", m);
   DP_EXPECT_STATUS(dp_bundle_open(d.c_str(), nullptr, &b), DP_ERR_FORMAT_VERSION, "2.0", "supported: 1.0 to 1.0");
   m.replace(m.find("\"major\":2"), 9, "\"major\":1");
-  m.replace(m.find("\"hidden_size\":"), 14, "\"hidden_sizX\":");
+  const std::string field = "\"hidden_size\":256,";
+  m.erase(m.find(field), field.size());
   write_text(d / "manifest.json", m);
   DP_EXPECT_STATUS(dp_bundle_open(d.c_str(), nullptr, &b), DP_ERR_FORMAT, "missing field model.hidden_size");
   fs::remove_all(d);

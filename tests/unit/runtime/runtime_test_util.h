@@ -70,7 +70,7 @@ struct Bundles {
   fs::path dir;      // the work directory
   fs::path model;    // synth --preset kimi-linear-tiny --seed 0
   fs::path tiny;     // .dpk: default deploy (sm_90a + gfx942, widths 1-8, TP 1), with fingerprints
-  fs::path tiny_dir; // the same as a directory
+  fs::path tiny_dir; // the same bundle as a directory (the archive extracted)
   fs::path spec;     // .dpk: sm_90a, widths 1,2,4, one speculative token, conv ds/float32, kv fp8/16
   fs::path tp2;      // .dpk: sm_90a, TP 2 (ranks 0 and 1), widths 1-4
   fs::path multi;    // .dpk: sm_80, sm_90, sm_90a, width 1
@@ -79,13 +79,21 @@ struct Bundles {
 
 inline Bundles ensure_bundles() {
   Bundles b;
-  b.dir = DP_RT_TEST_WORK;
+  // DECODEPACK_TEST_WORK: bundles built elsewhere (e.g. copied to a GPU machine without the compiler's
+  // dependencies); used as they are, never rebuilt.
+  const char* prebuilt = std::getenv("DECODEPACK_TEST_WORK");
+  b.dir = prebuilt && *prebuilt ? fs::path(prebuilt) : fs::path(DP_RT_TEST_WORK);
   b.model = b.dir / "model";
   b.tiny = b.dir / "tiny.dpk";
   b.tiny_dir = b.dir / "tiny-dir";
   b.spec = b.dir / "spec.dpk";
   b.tp2 = b.dir / "tp2.dpk";
   b.multi = b.dir / "multi.dpk";
+  if (prebuilt && *prebuilt) {
+    for (const fs::path& p : {b.tiny, b.tiny_dir, b.spec, b.tp2, b.multi})
+      if (!fs::exists(p)) b.error = "DECODEPACK_TEST_WORK=" + b.dir.string() + " lacks " + p.filename().string();
+    return b;
+  }
   fs::create_directories(b.dir);
 
   const int lock = ::open((b.dir / ".lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
@@ -93,7 +101,7 @@ inline Bundles ensure_bundles() {
   struct stat st {};
   ::stat(DP_CLI_PATH, &st);
   const std::string stamp = std::string(DP_CLI_PATH) + " " + std::to_string(st.st_size) + " " +
-                            std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + " v1\n";
+                            std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + " v2\n";
   const fs::path stamp_file = b.dir / "stamp";
   if (!fs::exists(stamp_file) || read_text(stamp_file) != stamp) {
     fs::remove(stamp_file);
@@ -105,7 +113,6 @@ inline Bundles ensure_bundles() {
     std::vector<std::vector<std::string>> steps = {
         {"synth", "--preset", "kimi-linear-tiny", "--seed", "0", "-o", b.model.string()},
         {"build", "--model", b.model.string(), "-o", b.tiny.string(), "--cache-dir", cache.string(), "-j", "2"},
-        {"build", "--model", b.model.string(), "-o", b.tiny_dir.string(), "--cache-dir", cache.string(), "-j", "2"},
         {"build", "--model", b.model.string(), "--no-weights", "-o", b.spec.string(), "--cache-dir", cache.string(),
          "-j", "2", "--deploy",
          deploy("spec.json", R"({"targets": ["sm_90a"], "widths": [1, 2, 4], "num_speculative_tokens": 1,
@@ -124,6 +131,15 @@ inline Bundles ensure_bundles() {
         b.error = "decodepack " + args[0] + " failed (exit " + std::to_string(rc) + "):\n" + read_text(log);
         break;
       }
+    }
+    // The directory form of the same bundle: the archive's members, extracted (the CLI's directory
+    // output is tested with the compiler; here both forms must hold identical bytes).
+    if (b.error.empty()) {
+      fs::remove_all(b.tiny_dir);
+      fs::create_directories(b.tiny_dir);
+      const std::string cmd = "tar -xf " + quote(b.tiny.string()) + " -C " + quote(b.tiny_dir.string()) + " > " +
+                              quote(log.string()) + " 2>&1";
+      if (std::system(cmd.c_str()) != 0) b.error = "tar -xf failed:\n" + read_text(log);
     }
     if (b.error.empty()) write_text(stamp_file, stamp);
   }

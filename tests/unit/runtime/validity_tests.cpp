@@ -135,8 +135,10 @@ TEST_F(ValidityTest, KernelResourcesAgainstDeviceLimits) {
   DP_EXPECT_STATUS(dp_bundle_query_validity(tiny_, &d, 0), DP_ERR_DEVICE_LIMITS, "block dimension x is 64", "allows 32");
   d = device("sm_90");
   d.max_grid_dim[0] = 4;
-  DP_EXPECT_STATUS(dp_bundle_query_validity(tiny_, &d, 0), DP_ERR_DEVICE_LIMITS, "kernel rmsnorm_w5_h256.sm_90a",
-                   "grid dimension x is 5", "allows 4");
+  DP_EXPECT_STATUS(dp_bundle_query_validity(tiny_, &d, 0), DP_ERR_DEVICE_LIMITS, "kernel prefetch_b32.sm_90a",
+                   "grid dimension x is 32", "allows 4");
+  d.max_grid_dim[0] = 7;  // the prefetch tables' grids are 8 and 32
+  DP_EXPECT_STATUS(dp_bundle_query_validity(tiny_, &d, 0), DP_ERR_DEVICE_LIMITS, "grid dimension x is 32");
   d = device("sm_90");
   d.max_registers_per_block = 64;
   DP_EXPECT_STATUS(dp_bundle_query_validity(tiny_, &d, 0), DP_ERR_DEVICE_LIMITS, "kernel prefetch_b32.sm_90a",

@@ -1,0 +1,351 @@
+// moe.h: the MoE block of a decode step (model-family.md 3c) in three launches after the router GEMM,
+// plus the dense MLP's gate/up:
+//
+//   router logits   gemm.h, fp32 output                        [T, E]
+//   dp_moe_route    sigmoid, correction bias (selection only), top-k, renormalise; the list of
+//                   distinct experts the step uses and which rows use each          (one block)
+//   dp_moe_up       gate/up + activation of every used expert and of the shared expert (one launch)
+//   dp_moe_down     down projection of every used expert, weighted sum, routed scaling, plus the
+//                   shared expert's down projection                                  (one launch)
+//   dp_mlp_up       the dense MLP's gate/up + activation (its down is a plain gemm.h launch)
+//
+// Only used experts' weights are read, each once per step however many rows chose it: the up kernel
+// gives each used expert its own blocks, and every block of the down kernel walks the used experts
+// for its slice of output features and sums them in registers in a fixed order (deterministic, no
+// atomics). Grids are sized for the most experts a step can use, U = min(E, T*KT); blocks beyond the
+// step's actual count leave at once.
+//
+// Expert weights are stacked by expert id: w1 (gate) and w3 (up) as [E, I, D], w2 (down) as [E, D, I]
+// (the per-expert checkpoint tensors experts.{e}.w1/w3/w2 placed one after the other). D is the width
+// the experts read and write (the hidden size; the latent width for K3 latent MoE).
+#pragma once
+
+#include "vendor.h"
+#include "gemm.h"
+
+// ---------------------------------------------------------------------------------------------------
+// Routing. One block of 256 threads; 32-lane group g takes rows g, g+8, ...; lane l holds the scores
+// of experts l, l+32, ... and the group finds the top-k by KT rounds of a group-wide arg-max (ties go
+// to the lower expert id, as in the reference). Scores are fp32; a NaN logit scores -inf, so whatever
+// the input, every chosen id is a valid expert.
+#define DP_MOE_ROUTE_THREADS 256
+
+template <int T, int E, int KT, int kRenorm>
+__device__ __forceinline__ void dp_moe_route(
+    const float* __restrict__ logits,     // [T, E] fp32 router logits
+    const float* __restrict__ bias,       // [E] fp32 e_score_correction_bias (selection only)
+    dp_i32* __restrict__ topk_ids,        // [T, KT] i32: chosen experts, by decreasing biased score
+    float* __restrict__ topk_weights,     // [T, KT] fp32: their sigmoid scores, renormalised when
+                                          //   kRenorm (routed_scaling is applied by dp_moe_down)
+    dp_i32* __restrict__ experts,         // [1 + U] i32: [0] = count of distinct experts used by any
+                                          //   row, [1 .. count] their ids ascending; U = min(E, T*KT)
+    dp_i32* __restrict__ expert_slots) {  // [U, T] i32: for used expert u < count and row t, the j
+                                          //   with topk_ids[t][j] == experts[1+u], or -1
+  constexpr int kPer = (E + DP_GROUP - 1) / DP_GROUP;  // scores per lane
+  constexpr int kGroups = DP_MOE_ROUTE_THREADS / DP_GROUP;
+  constexpr int kChunk = (E + DP_MOE_ROUTE_THREADS - 1) / DP_MOE_ROUTE_THREADS;  // experts per thread (scan)
+  constexpr int U = E < T * KT ? E : T * KT;
+  static_assert(kPer <= 32, "moe_route: at most 1024 experts");
+  static_assert(KT >= 1 && KT <= DP_GROUP && KT <= E, "moe_route: top-k must be 1..32 and at most E");
+  __shared__ dp_i32 chosen[T * KT];                 // [T, KT] i32 topk ids
+  __shared__ dp_i32 used[E];                        // [E] i32: 1 if any row chose the expert, then its rank
+  __shared__ dp_i32 scan[DP_MOE_ROUTE_THREADS];     // [256] i32 per-thread counts, prefix-summed
+
+  const int tid = (int)threadIdx.x, group = tid / DP_GROUP, lane = tid % DP_GROUP;
+  const float neg_inf = dp_bits_to_f32(0xff800000u);
+  for (int e = tid; e < E; e += DP_MOE_ROUTE_THREADS) used[e] = 0;
+
+  for (int t = group; t < T; t += kGroups) {
+    float sel[kPer], sc[kPer];  // [kPer] biased selection score, sigmoid score
+    dp_u32 taken = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = lane + DP_GROUP * i;
+      if (e < E) {
+        sc[i] = dp_sigmoid(logits[(dp_u64)t * E + e]);
+        sel[i] = sc[i] + bias[e];
+        if (!(sel[i] == sel[i])) sel[i] = neg_inf;  // NaN
+      } else {
+        sc[i] = 0.0f;
+        sel[i] = neg_inf;
+        taken |= 1u << i;
+      }
+    }
+    dp_i32 my_id = 0;     // lane j < KT keeps the j-th choice
+    float my_w = 0.0f;
+    float wsum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < KT; ++j) {
+      float best = neg_inf, bscore = 0.0f;
+      dp_i32 bidx = 0x7fffffff;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        const dp_i32 e = lane + DP_GROUP * i;
+        const bool free = !((taken >> i) & 1u);
+        if (free && (sel[i] > best || (sel[i] == best && e < bidx))) {
+          best = sel[i];
+          bidx = e;
+          bscore = sc[i];
+        }
+      }
+#pragma unroll
+      for (int m = DP_GROUP / 2; m > 0; m >>= 1) {
+        const float ob = dp_shfl_xor(best, m);
+        const dp_i32 oi = (dp_i32)dp_f32_to_bits(dp_shfl_xor(dp_bits_to_f32((dp_u32)bidx), m));
+        const float os = dp_shfl_xor(bscore, m);
+        if (ob > best || (ob == best && oi < bidx)) {
+          best = ob;
+          bidx = oi;
+          bscore = os;
+        }
+      }
+      if (bidx % DP_GROUP == lane) taken |= 1u << (bidx / DP_GROUP);
+      if (lane == j) {
+        my_id = bidx;
+        my_w = bscore;
+      }
+      wsum += bscore;
+    }
+    if (lane < KT) {
+      topk_ids[t * KT + lane] = my_id;
+      topk_weights[t * KT + lane] = kRenorm ? dp_div(my_w, wsum) : my_w;
+      chosen[t * KT + lane] = my_id;
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < T * KT; i += DP_MOE_ROUTE_THREADS) used[chosen[i]] = 1;
+  __syncthreads();
+
+  // Ranks of the used experts: per-thread counts over a contiguous chunk, then a block scan.
+  int cnt = 0;
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k) {
+    const int e = tid * kChunk + k;
+    if (e < E) cnt += used[e];
+  }
+  scan[tid] = cnt;
+  __syncthreads();
+  for (int d = 1; d < DP_MOE_ROUTE_THREADS; d <<= 1) {  // Hillis-Steele inclusive scan
+    const int add = tid >= d ? scan[tid - d] : 0;
+    __syncthreads();
+    scan[tid] += add;
+    __syncthreads();
+  }
+  int rank = scan[tid] - cnt;
+  const int count = scan[DP_MOE_ROUTE_THREADS - 1];
+  __syncthreads();  // used[] is rewritten with ranks below
+#pragma unroll
+  for (int k = 0; k < kChunk; ++k) {
+    const int e = tid * kChunk + k;
+    if (e < E && used[e]) {
+      experts[1 + rank] = e;
+      used[e] = rank + 1;  // rank + 1, so that 0 still means unused
+      ++rank;
+    }
+  }
+  if (tid == 0) experts[0] = count;
+  __syncthreads();
+  // expert_slots: every (used expert, row) entry, -1 or the row's top-k position of that expert.
+  for (int i = tid; i < count * T; i += DP_MOE_ROUTE_THREADS) {
+    const int u = i / T, t = i % T;
+    dp_i32 slot = -1;
+    for (int j = 0; j < KT; ++j) {
+      const dp_i32 e = chosen[t * KT + j];
+      if (used[e] == u + 1) slot = j;
+    }
+    expert_slots[i] = slot;
+  }
+  (void)U;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Gate/up tiles. A block computes RB = (8/S)*M intermediate features of one MLP (an expert or the
+// shared/dense MLP): each group streams M gate rows and the M up rows of the same features, so the
+// activation is applied in the block and only the activated product leaves it.
+template <int T, int D, int M, int S, int kAct>
+__device__ __forceinline__ void dp_gate_up_tile(const dp_bf16* const (&x)[T],    // [T] rows of [D] bf16, or null
+                                                const dp_bf16* __restrict__ wg,  // [Irows, D] bf16 gate rows
+                                                const dp_bf16* __restrict__ wu,  // [Irows, D] bf16 up rows
+                                                int Irows, int row0, float act_beta, float act_lbeta,
+                                                float* partial, float* result,   // smem
+                                                float* act_out) {                // smem [RB, T] fp32
+  typedef dp_gemm_geometry<D, 2 * M, S> G;
+  const int slot = (int)threadIdx.x / DP_GROUP / S;
+  const dp_bf16* w[2 * M];  // M gate rows then M up rows; rows past the matrix re-read row 0
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const int r = row0 + slot * M + m;
+    const dp_u64 off = (dp_u64)(r < Irows ? r : 0) * D;
+    w[m] = wg + off;
+    w[M + m] = wu + off;
+  }
+  dp_block_dot<T, D, 2 * M, S>(w, x, partial, result);
+  // result[(slot*2M + m)*T + t] holds gate (m < M) and up (m >= M) dot products.
+  for (int i = (int)threadIdx.x; i < (G::kRows / 2) * T; i += DP_GEMM_THREADS) {
+    const int t = i % T, m = (i / T) % M, sl = i / (T * M);
+    const float g = dp_round_bf16(result[(sl * 2 * M + m) * T + t]);
+    const float u = dp_round_bf16(result[(sl * 2 * M + M + m) * T + t]);
+    act_out[i] = dp_gated_act<kAct>(g, u, act_beta, act_lbeta);
+  }
+  __syncthreads();
+}
+
+// Routed + shared gate/up. Launch: grid = nS + U*nI blocks, block 256, where nI = ceil(I/RB) tiles of
+// one expert, nS = ceil(SI/RB) tiles of the shared expert (0 without one): shared tiles first, then
+// used expert u's tiles at nS + u*nI .. (u+1)*nI - 1.
+template <int T, int D, int I, int E, int KT, int SI, int kAct, int M, int S>
+__device__ __forceinline__ void dp_moe_up(
+    const dp_bf16* __restrict__ x,             // [T, D] bf16 post-attention-norm rows (or latent)
+    const dp_bf16* __restrict__ w1,            // [E, I, D] bf16 expert gate (w1) weights
+    const dp_bf16* __restrict__ w3,            // [E, I, D] bf16 expert up (w3) weights
+    const dp_bf16* __restrict__ shared_gate,   // [SI, D] bf16 shared expert gate_proj (null if SI == 0)
+    const dp_bf16* __restrict__ shared_up,     // [SI, D] bf16 shared expert up_proj
+    const dp_i32* __restrict__ experts,        // [1 + U] i32 from dp_moe_route
+    const dp_i32* __restrict__ expert_slots,   // [U, T] i32 from dp_moe_route
+    dp_bf16* __restrict__ h,                   // [T, KT, I] bf16: activated product of row t's j-th expert
+    dp_bf16* __restrict__ hs,                  // [T, SI] bf16: shared expert's activated product
+    float act_beta = 0.0f, float act_lbeta = 0.0f) {  // SiTU betas (kAct 1)
+  typedef dp_gemm_geometry<D, 2 * M, S> G;
+  constexpr int RB = G::kRows / 2;
+  constexpr int nI = (I + RB - 1) / RB;
+  constexpr int nS = (SI + RB - 1) / RB;
+  __shared__ float partial[DP_GEMM_GROUPS * 2 * M * T];  // [8, 2M, T] fp32
+  __shared__ float result[G::kRows * T];                 // [2*RB, T] fp32
+  __shared__ float act[RB * T];                          // [RB, T] fp32
+  __shared__ dp_i32 slot_of[T];                          // [T] i32 this expert's top-k position per row
+
+  int b = (int)blockIdx.x;
+  const dp_bf16* xr[T];
+  if (b < nS) {
+#pragma unroll
+    for (int t = 0; t < T; ++t) xr[t] = x + (dp_u64)t * D;
+    const int row0 = b * RB;
+    dp_gate_up_tile<T, D, M, S, kAct>(xr, shared_gate, shared_up, SI, row0, act_beta, act_lbeta, partial, result,
+                                      act);
+    for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
+      const int t = i % T, r = row0 + i / T;
+      if (r < SI) hs[(dp_u64)t * SI + r] = dp_f32_to_bf16(act[i]);
+    }
+    return;
+  }
+  b -= nS;
+  const int u = b / nI, tile = b % nI;
+  if (u >= experts[0]) return;  // fewer experts used than the grid allows for
+  const dp_i32 e = experts[1 + u];
+  if ((int)threadIdx.x < T) slot_of[threadIdx.x] = expert_slots[u * T + threadIdx.x];
+  __syncthreads();
+#pragma unroll
+  for (int t = 0; t < T; ++t) xr[t] = slot_of[t] >= 0 ? x + (dp_u64)t * D : nullptr;  // rows that chose e
+  const int row0 = tile * RB;
+  const dp_u64 eoff = (dp_u64)e * I * D;
+  dp_gate_up_tile<T, D, M, S, kAct>(xr, w1 + eoff, w3 + eoff, I, row0, act_beta, act_lbeta, partial, result, act);
+  for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
+    const int t = i % T, r = row0 + i / T;
+    const int j = slot_of[t];
+    if (r < I && j >= 0) h[((dp_u64)t * KT + j) * I + r] = dp_f32_to_bf16(act[i]);
+  }
+}
+
+// Dense MLP gate/up: h = act(gate x, up x). Launch: grid ceil(I/RB), block 256.
+template <int T, int D, int I, int kAct, int M, int S>
+__device__ __forceinline__ void dp_mlp_up(const dp_bf16* __restrict__ x,       // [T, D] bf16
+                                          const dp_bf16* __restrict__ w_gate,  // [I, D] bf16 gate_proj
+                                          const dp_bf16* __restrict__ w_up,    // [I, D] bf16 up_proj
+                                          dp_bf16* __restrict__ h,             // [T, I] bf16
+                                          float act_beta = 0.0f, float act_lbeta = 0.0f) {
+  typedef dp_gemm_geometry<D, 2 * M, S> G;
+  constexpr int RB = G::kRows / 2;
+  __shared__ float partial[DP_GEMM_GROUPS * 2 * M * T];  // [8, 2M, T] fp32
+  __shared__ float result[G::kRows * T];                 // [2*RB, T] fp32
+  __shared__ float act[RB * T];                          // [RB, T] fp32
+  const dp_bf16* xr[T];
+#pragma unroll
+  for (int t = 0; t < T; ++t) xr[t] = x + (dp_u64)t * D;
+  const int row0 = (int)blockIdx.x * RB;
+  dp_gate_up_tile<T, D, M, S, kAct>(xr, w_gate, w_up, I, row0, act_beta, act_lbeta, partial, result, act);
+  for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
+    const int t = i % T, r = row0 + i / T;
+    if (r < I) h[(dp_u64)t * I + r] = dp_f32_to_bf16(act[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Down + weighted sum + shared expert:
+//   out[t, n] = routed_scaling * sum_j topk_weights[t, j] * (W2[ids[t, j]] h[t, j])[n] + (W2s hs[t])[n]
+// Launch: grid ceil(D/RB) blocks (RB = 8*M output features each), block 256. Each group owns M output
+// features and walks the used experts in order; the expert's rows are read once for all the rows
+// that chose it (rows that did not are masked out of the FMAs).
+template <int T, int D, int I, int E, int KT, int SI, int M>
+__device__ __forceinline__ void dp_moe_down(
+    const dp_bf16* __restrict__ h,             // [T, KT, I] bf16 from dp_moe_up
+    const dp_bf16* __restrict__ hs,            // [T, SI] bf16 from dp_moe_up (null if SI == 0)
+    const dp_bf16* __restrict__ w2,            // [E, D, I] bf16 expert down (w2) weights
+    const dp_bf16* __restrict__ shared_down,   // [D, SI] bf16 shared expert down_proj (null if SI == 0)
+    const dp_i32* __restrict__ experts,        // [1 + U] i32 from dp_moe_route
+    const dp_i32* __restrict__ expert_slots,   // [U, T] i32 from dp_moe_route
+    const float* __restrict__ topk_weights,    // [T, KT] fp32 from dp_moe_route
+    dp_bf16* __restrict__ out,                 // [T, D] bf16: the FFN output (next layer's hidden)
+    float routed_scaling) {
+  static_assert(I % 8 == 0 && SI % 8 == 0 && D % 8 == 0, "moe_down: widths must be multiples of 8");
+  constexpr int kItersI = (I / 8 + DP_GROUP - 1) / DP_GROUP;
+  constexpr int kItersS = (SI / 8 + DP_GROUP - 1) / DP_GROUP;
+  constexpr int RB = DP_GEMM_GROUPS * M;
+  const int group = (int)threadIdx.x / DP_GROUP, lane = (int)threadIdx.x % DP_GROUP;
+  const int row0 = (int)blockIdx.x * RB + group * M;
+  const int count = experts[0];
+
+  float acc[M][T];  // [M, T] fp32 lane partials of the routed sum
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[m][t] = 0.0f;
+  const dp_bf16* w[M];
+  for (int u = 0; u < count; ++u) {
+    const dp_i32 e = experts[1 + u];
+    const dp_bf16* xr[T];
+    float wt[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      const dp_i32 j = expert_slots[u * T + t];
+      xr[t] = j >= 0 ? h + ((dp_u64)t * KT + j) * I : nullptr;
+      wt[t] = j >= 0 ? topk_weights[t * KT + j] : 0.0f;
+    }
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const int r = row0 + m;
+      w[m] = w2 + ((dp_u64)e * D + (r < D ? r : 0)) * I;
+    }
+    float tmp[M][T];  // [M, T] fp32 this expert's lane partials
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int t = 0; t < T; ++t) tmp[m][t] = 0.0f;
+    dp_dot_rows<T, M, kItersI>(w, xr, 0, I / 8, lane, tmp);
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int t = 0; t < T; ++t) acc[m][t] += wt[t] * tmp[m][t];
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int t = 0; t < T; ++t) acc[m][t] *= routed_scaling;
+  if (SI > 0) {
+    const dp_bf16* xr[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) xr[t] = hs + (dp_u64)t * SI;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const int r = row0 + m;
+      w[m] = shared_down + (dp_u64)(r < D ? r : 0) * SI;
+    }
+    dp_dot_rows<T, M, kItersS>(w, xr, 0, SI / 8, lane, acc);
+  }
+  dp_group_reduce<T, M>(acc);
+  // Lane (m*T + t) % 32 writes output (row0 + m, t).
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int t = 0; t < T; ++t)
+      if (lane == (m * T + t) % DP_GROUP && row0 + m < D) out[(dp_u64)t * D + row0 + m] = dp_f32_to_bf16(acc[m][t]);
+}

@@ -1,0 +1,105 @@
+#include "cases.h"
+
+#include <fmt/format.h>
+
+namespace dp::gpucheck {
+
+const std::vector<ModelShape>& model_shapes() {
+  static const std::vector<ModelShape> shapes = [] {
+    std::vector<ModelShape> v;
+    // manifests/presets/kimi-linear-tiny.json
+    ModelShape tiny;
+    tiny.name = "kimi-linear-tiny";
+    tiny.hidden = 256;
+    tiny.heads = 2;
+    tiny.experts = 16;
+    tiny.top_k = 4;
+    tiny.inter = 128;
+    tiny.shared = 128;
+    tiny.routed_scaling = 2.446;
+    tiny.dense_inter = 512;
+    v.push_back(tiny);
+    // manifests/presets/kimi-k3-tiny.json (its experts run in the 128-wide latent; here the expert
+    // kernels are checked at the hidden width, the same code with D = 256).
+    ModelShape k3 = tiny;
+    k3.name = "kimi-k3-tiny";
+    k3.g_rank = 0;
+    k3.safe_gate = true;
+    k3.onorm_f32 = true;
+    k3.shared = 256;
+    k3.routed_scaling = 1.0;
+    k3.situ = true;
+    v.push_back(k3);
+    // Kimi-Linear-48B-A3B (model-family.md 1), TP 1.
+    ModelShape big;
+    big.name = "kimi-linear-48b";
+    big.hidden = 2304;
+    big.heads = 32;
+    big.experts = 256;
+    big.top_k = 8;
+    big.inter = 1024;
+    big.shared = 1024;
+    big.routed_scaling = 2.446;
+    big.dense_inter = 9216;
+    v.push_back(big);
+    return v;
+  }();
+  return shapes;
+}
+
+std::string Case::name() const { return fmt::format("{} w{} q{}", model->name, width, q); }
+
+std::vector<Case> all_cases() {
+  const auto& m = model_shapes();
+  std::vector<Case> v;
+  for (int64_t q : {1, 2})
+    for (int64_t w = 1; w <= 8; ++w) v.push_back({&m[0], w, q});  // every width, tiny Kimi-Linear
+  for (int64_t q : {1, 2})
+    for (int64_t w : {1, 3, 8}) v.push_back({&m[1], w, q});  // K3 variants of every op
+  v.push_back({&m[2], 8, 2});                              // one 48B-shaped case, the most rows
+  return v;
+}
+
+std::vector<codegen::KernelInstance> CaseKernels::all() const {
+  return {rmsnorm, in_proj, kda, o_proj, router, route, moe_up, moe_down, mlp_up, mlp_down};
+}
+
+CaseKernels kernels_of(const Case& c, const std::string& target) {
+  const ModelShape& m = *c.model;
+  const int64_t T = c.rows(), H = m.hidden, P = m.proj_size();
+  auto gemm = [&](int64_t k, std::vector<int64_t> n, bool f32) {
+    codegen::KernelInstance i{"gemm", {{"W", T}, {"K", k}, {"F", f32 ? 1 : 0}}, target};
+    const char* keys[6] = {"NA", "NB", "NC", "ND", "NE", "NF"};
+    for (size_t s = 0; s < 6; ++s) i.params[keys[s]] = s < n.size() ? n[s] : 0;
+    return i;
+  };
+  CaseKernels k;
+  k.rmsnorm = {"rmsnorm", {{"W", T}, {"H", H}}, target};
+  k.in_proj = gemm(H, {P, P, P, m.f_rank, m.g_rank > 0 ? m.g_rank : P, m.heads}, false);
+  k.kda = {"kda_step",
+           {{"W", c.width},
+            {"Q", c.q},
+            {"NH", m.heads},
+            {"D", m.head_dim},
+            {"CV", m.conv},
+            {"FR", m.f_rank},
+            {"GR", m.g_rank},
+            {"SG", m.safe_gate ? 1 : 0},
+            {"ON", m.onorm_f32 ? 1 : 0}},
+           target};
+  k.o_proj = gemm(P, {H}, false);
+  k.router = gemm(H, {m.experts}, true);
+  k.route = {"moe_route", {{"W", T}, {"E", m.experts}, {"K", m.top_k}, {"RN", 1}}, target};
+  const int64_t act = m.situ ? 1 : 0;
+  k.moe_up = {"moe_up",
+              {{"W", T}, {"D", H}, {"I", m.inter}, {"E", m.experts}, {"K", m.top_k}, {"S", m.shared}, {"ACT", act}},
+              target};
+  k.moe_down = {"moe_down",
+                {{"W", T}, {"D", H}, {"I", m.inter}, {"E", m.experts}, {"K", m.top_k}, {"S", m.shared}},
+                target};
+  k.mlp_up = {"mlp_up", {{"W", T}, {"D", H}, {"I", m.dense_inter}, {"ACT", act}}, target};
+  k.mlp_down = gemm(m.dense_inter, {H}, false);
+  return k;
+}
+
+}  // namespace dp::gpucheck

@@ -1,0 +1,64 @@
+// The GPU kernel checks: which model shapes, widths and rows per request are checked, and the kernel
+// instances each case needs. Shared by dp_kernel_build (compiles them here, no GPU) and dp_kernel_check
+// (runs them on the GPU machine against the float64 reference).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "codegen/kernel.h"
+
+namespace dp::gpucheck {
+
+// The numbers of one model that the decode kernels see (one TP=1 rank).
+struct ModelShape {
+  std::string name;
+  int64_t hidden = 0;
+  // KDA
+  int64_t heads = 0, head_dim = 128, conv = 4, f_rank = 128, g_rank = 128;  // g_rank 0: full-rank gate (K3)
+  bool safe_gate = false;      // K3: alpha = lower_bound * sigmoid(...)
+  double lower_bound = -5.0;
+  bool onorm_f32 = false;      // K3 keeps o_norm in fp32
+  // MoE
+  int64_t experts = 0, top_k = 0, inter = 0, shared = 0;  // shared: shared-expert width
+  double routed_scaling = 1.0;
+  // dense MLP
+  int64_t dense_inter = 0;
+  bool situ = false;
+  double situ_beta = 4.0, situ_linear_beta = 25.0;
+
+  int64_t proj_size() const { return heads * head_dim; }  // P
+  int64_t proj_cols() const {                             // columns of the stacked KDA projections
+    return 3 * proj_size() + f_rank + (g_rank > 0 ? g_rank : proj_size()) + heads;
+  }
+};
+
+struct Case {
+  const ModelShape* model = nullptr;
+  int64_t width = 1;  // requests
+  int64_t q = 1;      // rows per request
+  int64_t rows() const { return width * q; }
+  std::string name() const;  // "kimi-linear-tiny w3 q2"
+};
+
+const std::vector<ModelShape>& model_shapes();
+std::vector<Case> all_cases();
+
+// The kernels of one case, named after their role in a layer program.
+struct CaseKernels {
+  codegen::KernelInstance rmsnorm;     // fused add + RMSNorm over the step's rows
+  codegen::KernelInstance in_proj;     // gemm: KDA q | k | v | f_a | g_a (g) | b
+  codegen::KernelInstance kda;         // kda_step
+  codegen::KernelInstance o_proj;      // gemm: [H, P]
+  codegen::KernelInstance router;      // gemm, fp32 out: [E, H]
+  codegen::KernelInstance route;       // moe_route
+  codegen::KernelInstance moe_up;      // moe_up (routed + shared)
+  codegen::KernelInstance moe_down;    // moe_down (routed + shared)
+  codegen::KernelInstance mlp_up;      // dense gate/up
+  codegen::KernelInstance mlp_down;    // gemm: [H, I_dense]
+  std::vector<codegen::KernelInstance> all() const;
+};
+CaseKernels kernels_of(const Case& c, const std::string& target);
+
+}  // namespace dp::gpucheck

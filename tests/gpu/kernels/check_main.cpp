@@ -1,0 +1,798 @@
+// dp_kernel_check CUBIN_DIR [--out FILE] [--only SUBSTRING] [--time]
+//
+// Runs every decode-layer kernel of every case in cases.cpp on the GPU (CUDA driver API, the cubins
+// dp_kernel_build made) and compares it with the float64 CPU reference:
+//   * dp::ref (compiler/reference/ops.h) supplies the math of each op: linear, fused add + RMSNorm,
+//     the KDA conv step, gate, L2 norm, delta rule and gated RMSNorm, the router, silu/SiTU, and the
+//     bf16/fp32 rounding at vLLM's storage points. This file only lays out the inputs the way each
+//     kernel takes them and walks requests, draft positions and experts as kda.h / moe.h document.
+//   * Expert matrices are not converted to double (a 48B layer holds 3.6 GB of them): their dot
+//     products are taken in double straight from the bf16 words (dot_bf16 below), the same sums.
+// Every check draws fresh random non-zero inputs, poisons the outputs (all bytes 0xFF: NaN for bf16
+// and fp32, -1 for i32) and fails on NaN. Tolerances: ||gpu - ref|| / ||ref|| < 1e-2 for bf16 outputs,
+// < 1e-4 for the fp32 KDA state and fp32 router logits; state slots the step must not write, and the
+// conv states, are compared bit for bit.
+//
+// The routed experts' weights are uploaded only for the experts the step routes to; every other
+// expert's weights are NaN on the device, so a kernel that reads an expert it should not use fails.
+#include <cuda.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cases.h"
+#include "codegen/kernel.h"
+#include "common/error.h"
+#include "reference/numeric.h"
+#include "reference/ops.h"
+
+namespace dp::gpucheck {
+namespace {
+
+namespace fs = std::filesystem;
+using codegen::KernelInstance;
+using ref::Mat;
+
+// ---- CUDA driver -----------------------------------------------------------------------------------
+
+void cu_check(CUresult r, const char* what) {
+  if (r == CUDA_SUCCESS) return;
+  const char* name = nullptr;
+  const char* msg = nullptr;
+  cuGetErrorName(r, &name);
+  cuGetErrorString(r, &msg);
+  fail(Errc::device, "{} failed: {} ({})", what, name ? name : "?", msg ? msg : "");
+}
+#define CU(call) cu_check((call), #call)
+
+struct DevBuf {
+  CUdeviceptr ptr = 0;
+  size_t bytes = 0;
+  DevBuf() = default;
+  explicit DevBuf(size_t n) : bytes(n) { CU(cuMemAlloc(&ptr, std::max<size_t>(n, 16))); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  DevBuf(DevBuf&& o) noexcept : ptr(o.ptr), bytes(o.bytes) { o.ptr = 0; }
+  DevBuf& operator=(DevBuf&& o) noexcept {
+    std::swap(ptr, o.ptr);
+    std::swap(bytes, o.bytes);
+    return *this;
+  }
+  ~DevBuf() {
+    if (ptr) cuMemFree(ptr);
+  }
+  void poison() { CU(cuMemsetD8(ptr, 0xFF, bytes)); }
+  template <class T>
+  void upload(const std::vector<T>& v, size_t offset_bytes = 0) {
+    CU(cuMemcpyHtoD(ptr + offset_bytes, v.data(), v.size() * sizeof(T)));
+  }
+  template <class T>
+  std::vector<T> download() const {
+    std::vector<T> v(bytes / sizeof(T));
+    CU(cuMemcpyDtoH(v.data(), ptr, bytes));
+    return v;
+  }
+};
+template <class T>
+DevBuf device_copy(const std::vector<T>& v) {
+  DevBuf b(v.size() * sizeof(T));
+  b.upload(v);
+  return b;
+}
+
+// One kernel argument: a device pointer (0 = null) or an fp32 scalar.
+struct Arg {
+  CUdeviceptr ptr = 0;
+  float f = 0.0f;
+  bool is_f32 = false;
+  Arg(const DevBuf& b) : ptr(b.ptr) {}  // NOLINT: buffers convert implicitly
+  Arg(CUdeviceptr p) : ptr(p) {}        // NOLINT
+  Arg(float v) : f(v), is_f32(true) {}  // NOLINT
+};
+
+class Kernels {
+ public:
+  explicit Kernels(fs::path dir) : dir_(std::move(dir)) {}
+  ~Kernels() {
+    for (auto& [k, m] : modules_) cuModuleUnload(m.first);
+  }
+
+  // Launches k with arguments by parameter name (every non-nullable parameter must be given), then
+  // synchronises so that a fault is attributed to this launch. Returns the kernel time in ms.
+  float launch(const KernelInstance& k, const std::map<std::string, Arg>& args, int repeat = 1) {
+    CUfunction f = function(k);
+    const codegen::KernelSignature sig = codegen::kernel_signature(k);
+    std::vector<CUdeviceptr> ptrs(sig.params.size());
+    std::vector<float> floats(sig.params.size());
+    std::vector<void*> pack;
+    for (size_t i = 0; i < sig.params.size(); ++i) {
+      const codegen::KernelParam& p = sig.params[i];
+      auto it = args.find(p.name);
+      if (it == args.end()) {
+        if (p.kind == codegen::KernelParam::Kind::pointer && p.nullable) {
+          ptrs[i] = 0;
+          pack.push_back(&ptrs[i]);
+          continue;
+        }
+        fail(Errc::internal, "{}: no value for parameter {}", codegen::kernel_name(k), p.name);
+      }
+      if (p.kind == codegen::KernelParam::Kind::f32) {
+        if (!it->second.is_f32) fail(Errc::internal, "{}: parameter {} wants an f32", codegen::kernel_name(k), p.name);
+        floats[i] = it->second.f;
+        pack.push_back(&floats[i]);
+      } else {
+        ptrs[i] = it->second.ptr;
+        pack.push_back(&ptrs[i]);
+      }
+    }
+    for (const auto& [name, v] : args) {
+      bool known = false;
+      for (const auto& p : sig.params) known |= p.name == name;
+      if (!known) fail(Errc::internal, "{}: no parameter named {}", codegen::kernel_name(k), name);
+    }
+    const codegen::LaunchShape s = codegen::launch_shape(k);
+    CUevent start, stop;
+    CU(cuEventCreate(&start, CU_EVENT_DEFAULT));
+    CU(cuEventCreate(&stop, CU_EVENT_DEFAULT));
+    CU(cuEventRecord(start, nullptr));
+    for (int r = 0; r < repeat; ++r)
+      CU(cuLaunchKernel(f, s.grid[0], s.grid[1], s.grid[2], s.block[0], s.block[1], s.block[2],
+                        s.dynamic_shared_bytes, nullptr, pack.data(), nullptr));
+    CU(cuEventRecord(stop, nullptr));
+    const CUresult r = cuCtxSynchronize();
+    if (r != CUDA_SUCCESS) cu_check(r, ("running " + codegen::kernel_name(k)).c_str());
+    float ms = 0;
+    CU(cuEventElapsedTime(&ms, start, stop));
+    cuEventDestroy(start);
+    cuEventDestroy(stop);
+    return ms / static_cast<float>(repeat);
+  }
+
+ private:
+  CUfunction function(const KernelInstance& k) {
+    const std::string key = codegen::instance_key(k);
+    auto it = modules_.find(key);
+    if (it == modules_.end()) {
+      const fs::path file = dir_ / (key + ".cubin");
+      std::ifstream in(file, std::ios::binary);
+      if (!in) fail(Errc::io, "{}: missing (run dp_kernel_build first)", file.string());
+      std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      CUmodule m;
+      CU(cuModuleLoadData(&m, bytes.data()));
+      CUfunction f;
+      CU(cuModuleGetFunction(&f, m, codegen::kernel_name(k).c_str()));
+      it = modules_.emplace(key, std::make_pair(m, f)).first;
+    }
+    return it->second.second;
+  }
+  fs::path dir_;
+  std::map<std::string, std::pair<CUmodule, CUfunction>> modules_;
+};
+
+// ---- random data and conversions -------------------------------------------------------------------
+
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 0x1234567ull) {}
+  uint64_t next() {  // splitmix64
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  double uniform(double lo, double hi) { return lo + (hi - lo) * static_cast<double>(next() >> 11) * 0x1.0p-53; }
+  int64_t below(int64_t n) { return static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
+};
+
+inline float bf16_to_f32(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t to_bf16(double x) { return ref::double_to_bf16_bits(x); }
+
+// Uniform in [lo, hi], never exactly zero, rounded to bf16.
+std::vector<uint16_t> rand_bf16(size_t n, Rng& rng, double lo, double hi) {
+  std::vector<uint16_t> v(n);
+  for (auto& e : v) {
+    double x = rng.uniform(lo, hi);
+    if (x == 0) x = hi;
+    e = to_bf16(x);
+  }
+  return v;
+}
+std::vector<float> rand_f32(size_t n, Rng& rng, double lo, double hi) {
+  std::vector<float> v(n);
+  for (auto& e : v) e = static_cast<float>(rng.uniform(lo, hi));
+  return v;
+}
+std::vector<double> to_double(const std::vector<uint16_t>& v) {
+  std::vector<double> d(v.size());
+  for (size_t i = 0; i < v.size(); ++i) d[i] = bf16_to_f32(v[i]);
+  return d;
+}
+std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+Mat to_mat(const std::vector<uint16_t>& v, int64_t rows, int64_t cols) {
+  Mat m(rows, cols);
+  m.v = to_double(v);
+  return m;
+}
+std::vector<double> cat(std::initializer_list<const std::vector<double>*> parts) {
+  std::vector<double> out;
+  for (auto* p : parts) out.insert(out.end(), p->begin(), p->end());
+  return out;
+}
+
+// Exact double dot product of a bf16 row with a double vector (the expert matrices stay bf16).
+double dot_bf16(const uint16_t* w, const double* x, int64_t n) {
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(bf16_to_f32(w[i])) * x[i];
+  return s;
+}
+
+// ---- results ------------------------------------------------------------------------------------------
+
+struct Result {
+  std::string case_name, check;
+  double value = 0, limit = 0;
+  bool pass = false;
+  std::string note;
+};
+
+class Report {
+ public:
+  void add(const std::string& c, const std::string& check, double value, double limit, std::string note = {}) {
+    Result r{c, check, value, limit, value < limit && !std::isnan(value), std::move(note)};
+    std::printf("  %-8s %-28s %.3e (limit %.0e)%s%s\n", r.pass ? "ok" : "FAIL", check.c_str(), value, limit,
+                r.note.empty() ? "" : "  ", r.note.c_str());
+    std::fflush(stdout);
+    results_.push_back(std::move(r));
+  }
+  // A count that must be zero (unwritten outputs, touched state, wrong ids).
+  void zero(const std::string& c, const std::string& check, int64_t count, std::string note = {}) {
+    add(c, check, static_cast<double>(count), 0.5, std::move(note));
+  }
+  const std::vector<Result>& results() const { return results_; }
+  int failures() const {
+    int n = 0;
+    for (const Result& r : results_) n += !r.pass;
+    return n;
+  }
+
+ private:
+  std::vector<Result> results_;
+};
+
+double rel(const std::vector<double>& gpu, const std::vector<double>& expect) { return ref::rel_error(gpu, expect); }
+
+std::vector<double> bf16_out(const DevBuf& b) { return to_double(b.download<uint16_t>()); }
+std::vector<double> f32_out(const DevBuf& b) { return to_double(b.download<float>()); }
+
+constexpr double kBf16Tol = 1e-2, kF32Tol = 1e-4;
+
+// Reference of a bf16 GEMM output: x W^T in double, rounded to bf16 (Rounding::linear).
+std::vector<double> linear_bf16(const Mat& x, const std::vector<double>& w, int64_t out, int64_t in, bool round = true) {
+  Mat y = ref::linear(x, w, out, in);
+  ref::round_bf16_if(round, y);
+  return y.v;
+}
+
+double act(const ModelShape& m, double g, double u) {
+  return m.situ ? ref::situ(g, u, m.situ_beta, m.situ_linear_beta) : ref::silu(g) * u;
+}
+
+// ---- checks ---------------------------------------------------------------------------------------------
+
+struct Ctx {
+  Kernels& kernels;
+  Report& report;
+  bool time = false;
+};
+
+void check_rmsnorm(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
+  const int64_t T = c.rows(), H = c.model->hidden;
+  for (bool with_residual : {true, false}) {
+    Rng rng(seed + with_residual);
+    auto hidden = rand_bf16(T * H, rng, -2, 2), residual = rand_bf16(T * H, rng, -2, 2);
+    auto weight = rand_bf16(H, rng, 0.5, 1.5);
+    DevBuf dh = device_copy(hidden), dr = device_copy(residual), dw = device_copy(weight);
+    DevBuf out(T * H * 2), rout(T * H * 2);
+    out.poison();
+    rout.poison();
+    ctx.kernels.launch(k.rmsnorm, {{"hidden", dh},
+                                   {"residual", with_residual ? dr.ptr : CUdeviceptr(0)},
+                                   {"weight", dw},
+                                   {"out", out},
+                                   {"residual_out", rout},
+                                   {"eps", 1e-5f}});
+    Mat mh = to_mat(hidden, T, H), mr = to_mat(residual, T, H);
+    ref::AddNorm e = ref::fused_add_rms_norm(mh, with_residual ? &mr : nullptr, to_double(weight), 1e-5,
+                                             ref::Rounding::vllm());
+    const std::string tag = with_residual ? "rmsnorm" : "rmsnorm (layer 0)";
+    ctx.report.add(c.name(), tag + " out", rel(bf16_out(out), e.x.v), kBf16Tol);
+    ctx.report.add(c.name(), tag + " residual", rel(bf16_out(rout), e.residual.v), 1e-6);
+  }
+}
+
+// A gemm launch over the given segments with random inputs, against linear() per segment.
+void check_gemm(Ctx& ctx, const Case& c, const KernelInstance& k, const std::string& tag, uint64_t seed) {
+  const int64_t T = c.rows(), K = k.params.at("K");
+  const bool f32 = k.params.at("F") != 0;
+  Rng rng(seed);
+  auto x = rand_bf16(T * K, rng, -1, 1);
+  const Mat mx = to_mat(x, T, K);
+  const double a = std::sqrt(3.0 / static_cast<double>(K)) * 1.5;
+  std::vector<DevBuf> ws;
+  std::vector<std::vector<double>> expect_seg;
+  int64_t ntot = 0;
+  for (const char* key : {"NA", "NB", "NC", "ND", "NE", "NF"}) {
+    const int64_t n = k.params.at(key);
+    if (!n) break;
+    auto w = rand_bf16(n * K, rng, -a, a);
+    ws.push_back(device_copy(w));
+    expect_seg.push_back(linear_bf16(mx, to_double(w), n, K, !f32));
+    ntot += n;
+  }
+  DevBuf out(T * ntot * (f32 ? 4 : 2));
+  out.poison();
+  DevBuf dx = device_copy(x);
+  std::map<std::string, Arg> args{{"x", dx}, {"out", out}};
+  const char* names[6] = {"w0", "w1", "w2", "w3", "w4", "w5"};
+  for (size_t i = 0; i < ws.size(); ++i) args.emplace(names[i], Arg(ws[i]));
+  ctx.kernels.launch(k, args);
+  // Reassemble the expected [T, ntot] row layout: segment outputs side by side.
+  std::vector<double> expect(static_cast<size_t>(T * ntot));
+  int64_t col = 0;
+  for (const auto& seg : expect_seg) {
+    const int64_t n = static_cast<int64_t>(seg.size()) / T;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < n; ++j) expect[t * ntot + col + j] = seg[t * n + j];
+    col += n;
+  }
+  ctx.report.add(c.name(), "gemm " + tag, rel(f32 ? f32_out(out) : bf16_out(out), expect), f32 ? kF32Tol : kBf16Tol);
+}
+
+// KDA step: fresh projections, weights and states; the reference walks requests and draft positions
+// exactly as compiler/reference/layer.cpp kda_mixer does (ConvSpecLayout::per_slot).
+void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
+  const ModelShape& m = *c.model;
+  const int64_t W = c.width, Q = c.q, T = c.rows(), NH = m.heads, D = m.head_dim, P = m.proj_size();
+  const int64_t CK = m.conv, CH = CK - 1, FR = m.f_rank, GR = m.g_rank, NP = m.proj_cols();
+  const int64_t GW = GR > 0 ? GR : P, fa_col = 3 * P, g_col = 3 * P + FR, b_col = 3 * P + FR + GW;
+  Rng rng(seed);
+
+  // Projections: q | k | v | f_a | g_a (g) | b.
+  std::vector<uint16_t> proj(T * NP);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < NP; ++j) {
+      const double span = j < 3 * P ? 2.0 : j < g_col ? 1.0 : 3.0;
+      double v = rng.uniform(-span, span);
+      proj[t * NP + j] = to_bf16(v == 0 ? span : v);
+    }
+  const double afr = std::sqrt(3.0 / FR);
+  auto w_fb = rand_bf16(P * FR, rng, -afr, afr);
+  auto w_gb = rand_bf16(GR > 0 ? P * GR : 8, rng, -afr, afr);
+  auto cq = rand_f32(P * CK, rng, -0.6, 0.6), ck = rand_f32(P * CK, rng, -0.6, 0.6), cv = rand_f32(P * CK, rng, -0.6, 0.6);
+  auto dt_bias = rand_f32(P, rng, -3, -1);
+  auto a_log = rand_f32(NH, rng, -1, 1.5);
+  auto onorm_bf = rand_bf16(D, rng, 0.5, 1.5);
+  auto onorm_f = rand_f32(D, rng, 0.5, 1.5);
+
+  // Slots: a random permutation of 1..W*Q; one padded request (all slots 0) when W >= 3; for Q > 1 the
+  // last request's draft slot 1 is 0 when W >= 4 (not written); two spare slots that nobody uses.
+  const int64_t num_slots = 1 + W * Q + 2;
+  std::vector<int32_t> perm(W * Q);
+  for (int64_t i = 0; i < W * Q; ++i) perm[i] = static_cast<int32_t>(1 + i);
+  for (int64_t i = W * Q - 1; i > 0; --i) std::swap(perm[i], perm[rng.below(i + 1)]);
+  std::vector<int32_t> slots = perm;
+  if (W >= 3)
+    for (int64_t i = 0; i < Q; ++i) slots[1 * Q + i] = 0;
+  if (Q > 1 && W >= 4) slots[(W - 1) * Q + 1] = 0;
+  std::vector<int32_t> accepted(W, 1);
+  if (Q > 1)
+    for (int64_t r = 0; r < W; ++r) accepted[r] = static_cast<int32_t>(1 + rng.below(Q));
+  if (Q > 1 && W >= 4) accepted[W - 1] = 1;  // reads slot 0's position... of its own, non-zero slot
+
+  auto state0 = rand_f32(num_slots * NH * D * D, rng, -1, 1);
+  auto convq0 = rand_bf16(num_slots * CH * P, rng, -2, 2), convk0 = rand_bf16(num_slots * CH * P, rng, -2, 2),
+       convv0 = rand_bf16(num_slots * CH * P, rng, -2, 2);
+
+  DevBuf d_proj = device_copy(proj), d_fb = device_copy(w_fb), d_gb = device_copy(w_gb);
+  DevBuf d_cq = device_copy(cq), d_ck = device_copy(ck), d_cv = device_copy(cv), d_dt = device_copy(dt_bias);
+  DevBuf d_alog = device_copy(a_log), d_on = m.onorm_f32 ? device_copy(onorm_f) : device_copy(onorm_bf);
+  DevBuf d_state = device_copy(state0), d_convq = device_copy(convq0), d_convk = device_copy(convk0),
+         d_convv = device_copy(convv0);
+  DevBuf d_slots = device_copy(slots), d_acc = device_copy(accepted);
+  DevBuf out(T * P * 2);
+  out.poison();
+  std::map<std::string, Arg> args{
+      {"proj", d_proj},   {"w_fb", d_fb},       {"conv_wq", d_cq},    {"conv_wk", d_ck},    {"conv_wv", d_cv},
+      {"dt_bias", d_dt},  {"a_log", d_alog},    {"o_norm", d_on},     {"state", d_state},   {"conv_q", d_convq},
+      {"conv_k", d_convk}, {"conv_v", d_convv}, {"slots", d_slots},   {"out", out},         {"lower_bound", -5.0f},
+      {"onorm_eps", 1e-5f}};
+  if (GR > 0) args.emplace("w_gb", Arg(d_gb));
+  if (Q > 1) args.emplace("num_accepted", Arg(d_acc));
+  const float ms = ctx.kernels.launch(k.kda, args);
+
+  // ---- reference ----
+  std::vector<double> state = to_double(state0);
+  std::vector<double> conv[3] = {to_double(convq0), to_double(convk0), to_double(convv0)};
+  const std::vector<float>* taps[3] = {&cq, &ck, &cv};
+  std::vector<double> expect(T * P, 0.0);
+  std::vector<bool> written(num_slots, false);
+  const std::vector<double> onorm = m.onorm_f32 ? to_double(onorm_f) : to_double(onorm_bf);
+  const double qscale = 1.0 / std::sqrt(static_cast<double>(D));
+  std::optional<double> lb;
+  if (m.safe_gate) lb = m.lower_bound;
+  for (int64_t r = 0; r < W; ++r) {
+    if (slots[r * Q] == 0) continue;  // padded: zero rows, no state traffic
+    const int64_t read_slot = slots[r * Q + accepted[r] - 1];
+    std::vector<std::vector<double>> hist[3];
+    for (int w3 = 0; w3 < 3; ++w3) {
+      hist[w3].resize(P);
+      for (int64_t ch = 0; ch < P; ++ch)
+        for (int64_t i = 0; i < CH; ++i) hist[w3][ch].push_back(conv[w3][(read_slot * CH + i) * P + ch]);
+    }
+    std::vector<std::vector<double>> S(NH);
+    for (int64_t j = 0; j < NH; ++j)
+      S[j].assign(state.begin() + (read_slot * NH + j) * D * D, state.begin() + (read_slot * NH + j + 1) * D * D);
+    for (int64_t i = 0; i < Q; ++i) {
+      const int64_t t = r * Q + i, ws = slots[r * Q + i];
+      std::vector<double> y[3];
+      for (int w3 = 0; w3 < 3; ++w3) {
+        y[w3].resize(P);
+        for (int64_t ch = 0; ch < P; ++ch) {
+          const double xn = bf16_to_f32(proj[t * NP + w3 * P + ch]);
+          std::vector<double> tp(taps[w3]->begin() + ch * CK, taps[w3]->begin() + (ch + 1) * CK);
+          y[w3][ch] = ref::round_bf16(ref::kda_conv_step(hist[w3][ch], xn, tp));
+          hist[w3][ch].erase(hist[w3][ch].begin());
+          hist[w3][ch].push_back(xn);
+          if (ws != 0)
+            for (int64_t h = 0; h < CH; ++h) conv[w3][(ws * CH + h) * P + ch] = hist[w3][ch][h];
+        }
+      }
+      for (int64_t j = 0; j < NH; ++j) {
+        std::vector<double> qv(y[0].begin() + j * D, y[0].begin() + (j + 1) * D);
+        std::vector<double> kv(y[1].begin() + j * D, y[1].begin() + (j + 1) * D);
+        std::vector<double> vv(y[2].begin() + j * D, y[2].begin() + (j + 1) * D);
+        ref::l2_normalize(qv, 1e-6, qscale);
+        ref::l2_normalize(kv, 1e-6, 1.0);
+        std::vector<double> alpha(D), g(D), o(D), og(D);
+        for (int64_t cc = 0; cc < D; ++cc) {
+          const int64_t ch = j * D + cc;
+          double f = 0;
+          for (int64_t rr = 0; rr < FR; ++rr) f += bf16_to_f32(w_fb[ch * FR + rr]) * bf16_to_f32(proj[t * NP + fa_col + rr]);
+          alpha[cc] = ref::kda_alpha(ref::round_bf16(f), dt_bias[ch], a_log[j], lb);
+          if (GR > 0) {
+            double gg = 0;
+            for (int64_t rr = 0; rr < GR; ++rr)
+              gg += bf16_to_f32(w_gb[ch * GR + rr]) * bf16_to_f32(proj[t * NP + g_col + rr]);
+            g[cc] = ref::round_bf16(gg);
+          } else {
+            g[cc] = bf16_to_f32(proj[t * NP + g_col + ch]);
+          }
+        }
+        const double beta = ref::sigmoid(bf16_to_f32(proj[t * NP + b_col + j]));
+        ref::kda_delta_step(S[j], qv, kv, vv, alpha, beta, o);
+        for (double& e : S[j]) e = ref::round_fp32(e);
+        if (ws != 0) {
+          std::copy(S[j].begin(), S[j].end(), state.begin() + (ws * NH + j) * D * D);
+          written[ws] = true;
+        }
+        ref::round_bf16_if(true, o);
+        ref::gated_rms_norm(o, g, onorm, 1e-5, og);
+        for (int64_t cc = 0; cc < D; ++cc) expect[t * P + j * D + cc] = ref::round_bf16(og[cc]);
+      }
+    }
+  }
+
+  ctx.report.add(c.name(), "kda_step out", rel(bf16_out(out), expect), kBf16Tol,
+                 ctx.time ? fmt::format("{:.1f} us", ms * 1e3) : std::string());
+  // State: written slots within 1e-4; every other slot untouched, bit for bit.
+  const std::vector<float> gpu_state = d_state.download<float>();
+  std::vector<double> got, want;
+  int64_t touched = 0;
+  for (int64_t s = 0; s < num_slots; ++s)
+    for (int64_t e = 0; e < NH * D * D; ++e) {
+      const size_t i = static_cast<size_t>(s * NH * D * D + e);
+      if (written[s]) {
+        got.push_back(gpu_state[i]);
+        want.push_back(state[i]);
+      } else if (std::memcmp(&gpu_state[i], &state0[i], 4) != 0) {
+        ++touched;
+      }
+    }
+  ctx.report.add(c.name(), "kda_step state (written)", ref::rel_error(got, want), kF32Tol);
+  ctx.report.zero(c.name(), "kda_step state (others)", touched, "values changed in slots the step must not write");
+  const DevBuf* dconv[3] = {&d_convq, &d_convk, &d_convv};
+  int64_t conv_bad = 0;
+  for (int w3 = 0; w3 < 3; ++w3) {
+    const std::vector<uint16_t> g = dconv[w3]->download<uint16_t>();
+    for (size_t i = 0; i < g.size(); ++i) conv_bad += to_bf16(conv[w3][i]) != g[i];
+  }
+  ctx.report.zero(c.name(), "kda_step conv states", conv_bad, "elements differing from the reference");
+}
+
+// Router logits -> moe_route -> moe_up -> moe_down, each checked on its own (inputs: the previous
+// GPU outputs) and the whole chain against the reference from x.
+void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
+  const ModelShape& m = *c.model;
+  const int64_t T = c.rows(), H = m.hidden, E = m.experts, KT = m.top_k, I = m.inter, S = m.shared;
+  const int64_t U = std::min(E, T * KT);
+  Rng rng(seed);
+  auto x = rand_bf16(T * H, rng, -1, 1);
+  const Mat mx = to_mat(x, T, H);
+  const double ah = std::sqrt(3.0 / H);
+  auto wr = rand_bf16(E * H, rng, -2 * ah, 2 * ah);
+  auto bias = rand_f32(E, rng, -0.1, 0.1);
+  DevBuf dx = device_copy(x), dwr = device_copy(wr), dbias = device_copy(bias);
+  DevBuf logits(T * E * 4);
+  logits.poison();
+  ctx.kernels.launch(k.router, {{"x", dx}, {"out", logits}, {"w0", dwr}});
+  const std::vector<double> gl = f32_out(logits);
+  ctx.report.add(c.name(), "gemm router (fp32)", rel(gl, linear_bf16(mx, to_double(wr), E, H, false)), kF32Tol);
+
+  // ---- route ----
+  DevBuf ids(T * KT * 4), tw(T * KT * 4), experts((1 + U) * 4), eslots(U * T * 4);
+  for (DevBuf* b : {&ids, &tw, &experts, &eslots}) b->poison();
+  const float route_ms = ctx.kernels.launch(
+      k.route, {{"logits", logits}, {"bias", dbias}, {"topk_ids", ids}, {"topk_weights", tw}, {"experts", experts},
+                {"expert_slots", eslots}});
+  const std::vector<int32_t> gid = ids.download<int32_t>();
+  const std::vector<float> gw = tw.download<float>();
+  const std::vector<int32_t> gex = experts.download<int32_t>();
+  const std::vector<int32_t> gsl = eslots.download<int32_t>();
+  model::MoeConfig cfg;
+  cfg.num_experts = E;
+  cfg.top_k = KT;
+  cfg.renormalize = true;
+  const std::vector<double> bias_d = to_double(bias);
+  int64_t bad_ids = 0, near_ties = 0;
+  std::vector<double> w_got, w_want;  // weights: GPU vs reference over the GPU's choice
+  std::set<int32_t> used;
+  for (int64_t t = 0; t < T; ++t) {
+    std::span<const double> lt(gl.data() + t * E, E);
+    const ref::Routing rt = ref::route(lt, bias_d, cfg);
+    std::vector<int32_t> mine(gid.begin() + t * KT, gid.begin() + (t + 1) * KT);
+    bool valid = true;
+    for (int32_t e : mine) valid &= e >= 0 && e < E;
+    if (!valid || std::set<int32_t>(mine.begin(), mine.end()).size() != static_cast<size_t>(KT)) {
+      bad_ids += KT;
+      continue;
+    }
+    std::vector<int64_t> want_ids(rt.experts.begin(), rt.experts.end());
+    std::vector<int64_t> got_ids(mine.begin(), mine.end());
+    if (got_ids != want_ids) {
+      // Accept only a choice whose every expert scores within 1e-6 of the reference's k-th score
+      // (fp32 vs float64 sigmoid on a near-tie), and say so.
+      const double kth = ref::sigmoid(lt[want_ids.back()]) + bias_d[want_ids.back()];
+      bool tie = true;
+      for (int32_t e : mine) tie &= ref::sigmoid(lt[e]) + bias_d[e] >= kth - 1e-6;
+      if (tie) ++near_ties;
+      else bad_ids += KT;
+    }
+    double sum = 0;
+    for (int32_t e : mine) sum += ref::sigmoid(lt[e]);
+    for (int64_t j = 0; j < KT; ++j) {
+      w_got.push_back(gw[t * KT + j]);
+      w_want.push_back(ref::sigmoid(lt[mine[j]]) / sum);
+      used.insert(mine[j]);
+    }
+  }
+  ctx.report.zero(c.name(), "moe_route top-k ids", bad_ids,
+                  near_ties ? fmt::format("{} rows differ only on a near-tie", near_ties) : std::string());
+  ctx.report.add(c.name(), "moe_route weights", ref::rel_error(w_got, w_want), 1e-5,
+                 ctx.time ? fmt::format("{:.1f} us", route_ms * 1e3) : std::string());
+  int64_t table_bad = gex[0] != static_cast<int32_t>(used.size());
+  const std::vector<int32_t> used_v(used.begin(), used.end());
+  for (size_t u = 0; u < used_v.size() && !table_bad; ++u) {
+    table_bad += gex[1 + u] != used_v[u];
+    for (int64_t t = 0; t < T; ++t) {
+      int32_t want = -1;
+      for (int64_t j = 0; j < KT; ++j)
+        if (gid[t * KT + j] == used_v[u]) want = static_cast<int32_t>(j);
+      table_bad += gsl[u * T + t] != want;
+    }
+  }
+  ctx.report.zero(c.name(), "moe_route expert table", table_bad);
+  if (bad_ids || table_bad) return;  // the expert kernels would index garbage
+
+  // ---- weights: only routed experts get values; the rest stay NaN on the device ----
+  const double ai = std::sqrt(3.0 / I), as = std::sqrt(3.0 / std::max<int64_t>(S, 8));
+  DevBuf w1(E * I * H * 2), w3(E * I * H * 2), w2(E * H * I * 2);
+  for (DevBuf* b : {&w1, &w3, &w2}) b->poison();
+  std::map<int32_t, std::vector<uint16_t>> h1, h3, h2;  // host copies of the routed experts
+  for (int32_t e : used_v) {
+    Rng er(seed * 1000 + static_cast<uint64_t>(e));
+    h1[e] = rand_bf16(I * H, er, -ah, ah);
+    h3[e] = rand_bf16(I * H, er, -ah, ah);
+    h2[e] = rand_bf16(H * I, er, -ai, ai);
+    w1.upload(h1[e], static_cast<size_t>(e) * I * H * 2);
+    w3.upload(h3[e], static_cast<size_t>(e) * I * H * 2);
+    w2.upload(h2[e], static_cast<size_t>(e) * H * I * 2);
+  }
+  auto sg = rand_bf16(S * H, rng, -ah, ah), su = rand_bf16(S * H, rng, -ah, ah), sd = rand_bf16(H * S, rng, -as, as);
+  DevBuf dsg = device_copy(sg), dsu = device_copy(su), dsd = device_copy(sd);
+
+  // ---- moe_up ----
+  DevBuf h(T * KT * I * 2), hs(T * S * 2);
+  h.poison();
+  hs.poison();
+  std::map<std::string, Arg> up_args{{"x", dx},           {"w1", w1},        {"w3", w3},
+                                     {"shared_gate", dsg}, {"shared_up", dsu}, {"experts", experts},
+                                     {"expert_slots", eslots}, {"h", h},      {"hs", hs}};
+  if (m.situ) {
+    up_args.emplace("act_beta", Arg(static_cast<float>(m.situ_beta)));
+    up_args.emplace("act_linear_beta", Arg(static_cast<float>(m.situ_linear_beta)));
+  }
+  const float up_ms = ctx.kernels.launch(k.moe_up, up_args);
+  std::vector<double> h_ref(T * KT * I), hs_ref(T * S);
+  for (int64_t t = 0; t < T; ++t) {
+    const double* xt = mx.v.data() + t * H;
+    for (int64_t j = 0; j < KT; ++j) {
+      const int32_t e = gid[t * KT + j];
+      for (int64_t i = 0; i < I; ++i) {
+        const double g = ref::round_bf16(dot_bf16(h1[e].data() + i * H, xt, H));
+        const double u = ref::round_bf16(dot_bf16(h3[e].data() + i * H, xt, H));
+        h_ref[(t * KT + j) * I + i] = ref::round_bf16(act(m, g, u));
+      }
+    }
+    for (int64_t i = 0; i < S; ++i) {
+      const double g = ref::round_bf16(dot_bf16(sg.data() + i * H, xt, H));
+      const double u = ref::round_bf16(dot_bf16(su.data() + i * H, xt, H));
+      hs_ref[t * S + i] = ref::round_bf16(act(m, g, u));
+    }
+  }
+  const std::vector<double> h_gpu = bf16_out(h), hs_gpu = bf16_out(hs);
+  ctx.report.add(c.name(), "moe_up routed", rel(h_gpu, h_ref), kBf16Tol,
+                 ctx.time ? fmt::format("{:.1f} us", up_ms * 1e3) : std::string());
+  ctx.report.add(c.name(), "moe_up shared", rel(hs_gpu, hs_ref), kBf16Tol);
+
+  // ---- moe_down (inputs: the GPU's h, hs and weights) ----
+  DevBuf out(T * H * 2);
+  out.poison();
+  const float down_ms = ctx.kernels.launch(
+      k.moe_down, {{"h", h},
+                   {"hs", hs},
+                   {"w2", w2},
+                   {"shared_down", dsd},
+                   {"experts", experts},
+                   {"expert_slots", eslots},
+                   {"topk_weights", tw},
+                   {"out", out},
+                   {"routed_scaling", static_cast<float>(m.routed_scaling)}});
+  // vLLM's rounding points: each weighted expert output, their sum, the scaled sum, the shared
+  // output and the final sum are bf16 tensors (Rounding::moe_weighted, moe_sum, linear, ffn_out).
+  auto down_ref = [&](const std::vector<double>& hh, const std::vector<double>& hhs, const std::vector<double>& wts) {
+    std::vector<double> o(T * H);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = 0; n < H; ++n) {
+        double acc = 0;
+        for (int64_t j = 0; j < KT; ++j) {
+          const int32_t e = gid[t * KT + j];
+          acc += ref::round_bf16(wts[t * KT + j] * dot_bf16(h2[e].data() + n * I, hh.data() + (t * KT + j) * I, I));
+        }
+        acc = ref::round_bf16(ref::round_bf16(acc) * m.routed_scaling);
+        const double sh = ref::round_bf16(dot_bf16(sd.data() + n * S, hhs.data() + t * S, S));
+        o[t * H + n] = ref::round_bf16(acc + sh);
+      }
+    return o;
+  };
+  const std::vector<double> gw_d(gw.begin(), gw.end());
+  const std::vector<double> out_gpu = bf16_out(out);
+  ctx.report.add(c.name(), "moe_down", rel(out_gpu, down_ref(h_gpu, hs_gpu, gw_d)), kBf16Tol,
+                 ctx.time ? fmt::format("{:.1f} us", down_ms * 1e3) : std::string());
+  ctx.report.add(c.name(), "moe chain (from x)", rel(out_gpu, down_ref(h_ref, hs_ref, w_want)), kBf16Tol,
+                 fmt::format("{} experts used", used_v.size()));
+}
+
+void check_mlp(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
+  const ModelShape& m = *c.model;
+  const int64_t T = c.rows(), H = m.hidden, I = m.dense_inter;
+  Rng rng(seed);
+  auto x = rand_bf16(T * H, rng, -1, 1);
+  const double ah = std::sqrt(3.0 / H), ai = std::sqrt(3.0 / I);
+  auto wg = rand_bf16(I * H, rng, -ah, ah), wu = rand_bf16(I * H, rng, -ah, ah), wd = rand_bf16(H * I, rng, -ai, ai);
+  DevBuf dx = device_copy(x), dwg = device_copy(wg), dwu = device_copy(wu), dwd = device_copy(wd);
+  DevBuf h(T * I * 2), out(T * H * 2);
+  h.poison();
+  out.poison();
+  std::map<std::string, Arg> args{{"x", dx}, {"w_gate", dwg}, {"w_up", dwu}, {"h", h}};
+  if (m.situ) {
+    args.emplace("act_beta", Arg(static_cast<float>(m.situ_beta)));
+    args.emplace("act_linear_beta", Arg(static_cast<float>(m.situ_linear_beta)));
+  }
+  const float up_ms = ctx.kernels.launch(k.mlp_up, args);
+  const Mat mx = to_mat(x, T, H);
+  const std::vector<double> g = linear_bf16(mx, to_double(wg), I, H), u = linear_bf16(mx, to_double(wu), I, H);
+  std::vector<double> h_ref(T * I);
+  for (size_t i = 0; i < h_ref.size(); ++i) h_ref[i] = ref::round_bf16(act(m, g[i], u[i]));
+  const std::vector<double> h_gpu = bf16_out(h);
+  ctx.report.add(c.name(), "mlp_up", rel(h_gpu, h_ref), kBf16Tol,
+                 ctx.time ? fmt::format("{:.1f} us", up_ms * 1e3) : std::string());
+  const float down_ms = ctx.kernels.launch(k.mlp_down, {{"x", h}, {"out", out}, {"w0", dwd}});
+  Mat mh(T, I), mhr(T, I);
+  mh.v = h_gpu;
+  mhr.v = h_ref;
+  const std::vector<double> out_gpu = bf16_out(out), wdd = to_double(wd);
+  ctx.report.add(c.name(), "gemm mlp down", rel(out_gpu, linear_bf16(mh, wdd, H, I)), kBf16Tol,
+                 ctx.time ? fmt::format("{:.1f} us", down_ms * 1e3) : std::string());
+  ctx.report.add(c.name(), "mlp chain (from x)", rel(out_gpu, linear_bf16(mhr, wdd, H, I)), kBf16Tol);
+}
+
+}  // namespace
+}  // namespace dp::gpucheck
+
+int main(int argc, char** argv) {
+  using namespace dp::gpucheck;
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: dp_kernel_check CUBIN_DIR [--out FILE] [--only SUBSTRING] [--time]\n");
+    return 2;
+  }
+  std::string out_file, only;
+  bool time = false;
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--out" && i + 1 < argc) out_file = argv[++i];
+    else if (a == "--only" && i + 1 < argc) only = argv[++i];
+    else if (a == "--time") time = true;
+    else {
+      std::fprintf(stderr, "dp_kernel_check: unknown argument %s\n", a.c_str());
+      return 2;
+    }
+  }
+  try {
+    CU(cuInit(0));
+    CUdevice dev;
+    CU(cuDeviceGet(&dev, 0));
+    char name[256] = {};
+    CU(cuDeviceGetName(name, sizeof name, dev));
+    CUcontext ctx;
+    CU(cuDevicePrimaryCtxRetain(&ctx, dev));
+    CU(cuCtxSetCurrent(ctx));
+    std::printf("device: %s\n", name);
+    Kernels kernels(argv[1]);
+    Report report;
+    Ctx c{kernels, report, time};
+    uint64_t seed = 1;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (const Case& cs : all_cases()) {
+      if (!only.empty() && cs.name().find(only) == std::string::npos) continue;
+      std::printf("%s\n", cs.name().c_str());
+      const CaseKernels k = kernels_of(cs, "sm_90a");
+      const bool timing = time && cs.model->name == "kimi-linear-48b";
+      c.time = timing;
+      check_rmsnorm(c, cs, k, seed += 10);
+      check_gemm(c, cs, k.in_proj, "kda in_proj (6 weights)", seed += 10);
+      check_gemm(c, cs, k.o_proj, "o_proj", seed += 10);
+      check_kda(c, cs, k, seed += 10);
+      check_moe(c, cs, k, seed += 10);
+      check_mlp(c, cs, k, seed += 10);
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("\n%zu checks, %d failed, %.1f s\n", report.results().size(), report.failures(), secs);
+    if (!out_file.empty()) {
+      std::ofstream f(out_file);
+      f << "device\t" << name << "\n";
+      for (const Result& r : report.results())
+        f << r.case_name << "\t" << r.check << "\t" << r.value << "\t" << r.limit << "\t" << (r.pass ? "ok" : "FAIL")
+          << "\t" << r.note << "\n";
+    }
+    return report.failures() ? 1 : 0;
+  } catch (const dp::Error& e) {
+    std::fprintf(stderr, "dp_kernel_check: %s\n", e.what());
+    return static_cast<int>(e.code());
+  }
+}

@@ -1,0 +1,313 @@
+"""Tests of the Python binding (runtime/python/decodepack) on a real bundle built by the decodepack CLI.
+
+Environment (set by ctest): DECODEPACK_LIBRARY (libdecodepack.so), DECODEPACK_CLI (the decodepack
+tool), PYTHONPATH (runtime/python), DECODEPACK_TEST_CACHE (compile cache kept between runs).
+Runs on a host without a GPU: sessions are host-only, except the test that expects the driver to be
+missing.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import unittest
+
+import decodepack as dp
+
+QPROJ = "model.layers.1.self_attn.q_proj.weight"
+W1 = "model.layers.1.block_sparse_moe.experts.{e}.w1.weight"
+
+
+def _cli(*args):
+    cli = os.environ["DECODEPACK_CLI"]
+    r = subprocess.run([cli, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if r.returncode != 0:
+        raise RuntimeError("decodepack %s failed (%d):\n%s" % (args[0], r.returncode, r.stdout))
+    return r.stdout
+
+
+def _bind_all(session, bundle, rank=0, base=0x7F0000000000):
+    addr = base
+    for w in bundle.weights(rank):
+        n = 1
+        for s in w.shape:
+            n *= s
+        size = (n * 4 + 255) // 256 * 256
+        if w.experts:
+            ptrs = [addr + e * size for e in range(w.experts)]
+            addr += w.experts * size
+            session.bind_expert_weights(w.name, ptrs, dtype=w.dtype, shape=w.shape)
+        else:
+            session.bind_weight(w.name, addr, dtype=w.dtype, shape=w.shape)
+            addr += size
+
+
+def _bind_kv(session, bundle, slots=32, blocks=16, base=0x7E0000000000):
+    addr = base
+    for l in range(bundle.info["num_layers"]):
+        kinds = ([dp.KV_KDA_STATE, dp.KV_CONV_Q, dp.KV_CONV_K, dp.KV_CONV_V] if bundle.layer(l)["mixer"] == "kda"
+                 else [dp.KV_MLA_LATENT])
+        for kind in kinds:
+            lay = session.kv_layout(l, kind, blocks if kind == dp.KV_MLA_LATENT else slots)
+            session.bind_kv(l, kind, addr, dtype=lay["dtype"], shape=lay["shape"], strides=lay["strides"])
+            addr += 1 << 32
+
+
+class BindingTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="dp-python-")
+        cache = os.environ.get("DECODEPACK_TEST_CACHE") or os.path.join(cls.tmp, "cache")
+        model = os.path.join(cls.tmp, "model")
+        _cli("synth", "--preset", "kimi-linear-tiny", "--seed", "0", "-o", model)
+        deploy = os.path.join(cls.tmp, "deploy.json")
+        with open(deploy, "w") as f:
+            json.dump({"targets": ["sm_90a"], "widths": [1, 2, 4]}, f)
+        cls.path = os.path.join(cls.tmp, "tiny.dpk")
+        _cli("build", "--model", model, "--deploy", deploy, "--no-weights", "-o", cls.path, "--cache-dir", cache,
+             "-j", "2")
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def setUp(self):
+        self.bundle = dp.Bundle(self.path)
+
+    def tearDown(self):
+        self.bundle.close()
+
+    def session(self, **kw):
+        kw.setdefault("device", None)
+        return dp.Session(self.bundle, **kw)
+
+    def ready_session(self):
+        s = self.session()
+        _bind_all(s, self.bundle)
+        s.finalize_weights()
+        _bind_kv(s, self.bundle)
+        return s
+
+    # ---- bundle -----------------------------------------------------------------------------------
+
+    def test_version(self):
+        major, minor, patch = (int(x) for x in dp.version().split("."))
+        self.assertGreaterEqual(major * 10000 + minor * 100 + patch, 100)
+
+    def test_info(self):
+        info = self.bundle.info
+        self.assertEqual(info["format_version"], (1, 0))
+        self.assertTrue(info["digest"].startswith("sha256:"))
+        self.assertEqual(info["widths"], [1, 2, 4])
+        self.assertEqual(info["targets"], ["sm_90a"])
+        self.assertEqual(info["q"], 1)
+        self.assertEqual(info["num_layers"], 4)
+        self.assertFalse(info["weights_fingerprinted"])
+        self.assertEqual(self.bundle.layer(3), {"index": 3, "mixer": "mla", "ffn": "moe", "class": "mla_moe"})
+        weights = {w.name: w for w in self.bundle.weights(0)}
+        self.assertEqual(len(weights), 86)
+        self.assertEqual(weights[W1].experts, 16)
+        self.assertEqual(weights[W1].shape, (128, 256))
+        self.assertEqual(weights[W1].dtype_name, "BF16")
+        self.assertEqual(weights["model.norm.weight"].layer, -1)
+
+    def test_open_errors(self):
+        with self.assertRaises(dp.DecodepackError) as e:
+            dp.Bundle(os.path.join(self.tmp, "missing.dpk"))
+        self.assertEqual(e.exception.code, dp.ERR_IO)
+        self.assertEqual(e.exception.code_name, "DP_ERR_IO")
+        self.assertIn("missing.dpk", e.exception.message)
+        bad = os.path.join(self.tmp, "bad.dpk")
+        with open(self.path, "rb") as f:
+            data = bytearray(f.read())
+        data[2000] ^= 0xFF  # inside the first code object
+        with open(bad, "wb") as f:
+            f.write(data)
+        with self.assertRaises(dp.DecodepackError) as e:
+            dp.Bundle(bad)
+        self.assertEqual(e.exception.code, dp.ERR_INTEGRITY, e.exception.message)
+
+    def test_validity(self):
+        self.bundle.query_validity()
+        self.bundle.query_validity(dp.device_desc("sm_90", driver_version=13000), rank=0)
+        with self.assertRaises(dp.DecodepackError) as e:
+            self.bundle.query_validity(dp.device_desc("sm_100", driver_version=13000))
+        self.assertEqual(e.exception.code, dp.ERR_TARGET)
+        self.assertIn("add sm_100a", e.exception.message)
+        with self.assertRaises(dp.DecodepackError) as e:
+            self.bundle.query_validity(dp.device_desc("sm_90", driver_version=12080))
+        self.assertEqual(e.exception.code, dp.ERR_DRIVER_VERSION)
+        with self.assertRaises(dp.DecodepackError) as e:
+            self.bundle.query_validity(dp.device_desc("sm_90", max_threads_per_block=32))
+        self.assertEqual(e.exception.code, dp.ERR_DEVICE_LIMITS)
+        with self.assertRaises(dp.DecodepackError) as e:
+            self.bundle.query_validity(rank=1)
+        self.assertEqual(e.exception.code, dp.ERR_RANK)
+
+    def test_no_driver(self):
+        try:
+            dp.device_count()
+            self.skipTest("this host has a CUDA driver")
+        except dp.DecodepackError as e:
+            self.assertEqual(e.code, dp.ERR_DRIVER_UNAVAILABLE)
+            self.assertIn("libcuda.so.1", e.message)
+        with self.assertRaises(dp.DecodepackError) as e:
+            dp.Session(self.bundle, device=0)
+        self.assertEqual(e.exception.code, dp.ERR_DRIVER_UNAVAILABLE)
+
+    # ---- binding ----------------------------------------------------------------------------------
+
+    def test_bind_everything(self):
+        s = self.session()
+        self.assertEqual(s.target, "sm_90a")
+        _bind_all(s, self.bundle)
+        s.finalize_weights()
+
+    def test_binding_errors(self):
+        s = self.session()
+        cases = [
+            (("model.embed_tokens.weight", 0x1000, "BF16", (16, 256)), dp.ERR_UNKNOWN_TENSOR, "not a weight of rank 0"),
+            ((QPROJ, 0x1000, "F32", (256, 256)), dp.ERR_DTYPE, "dtype F32, expected BF16"),
+            ((QPROJ, 0x1000, "BF16", (256, 128)), dp.ERR_SHAPE, "shape [256, 128], expected [256, 256]"),
+            ((QPROJ, 0x1008, "BF16", (256, 256)), dp.ERR_ALIGNMENT, "not a multiple of 16 bytes"),
+            ((QPROJ, 0, "BF16", (256, 256)), dp.ERR_INVALID_ARGUMENT, "data address is 0"),
+            ((W1, 0x1000, "BF16", (128, 256)), dp.ERR_INVALID_ARGUMENT, "is an expert group"),
+        ]
+        for (name, addr, dtype, shape), code, fragment in cases:
+            with self.subTest(name=name, code=code):
+                with self.assertRaises(dp.DecodepackError) as e:
+                    s.bind_weight(name, addr, dtype=dtype, shape=shape)
+                self.assertEqual(e.exception.code, code, e.exception.message)
+                self.assertIn(fragment, e.exception.message)
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.bind_weight(QPROJ, 0x1000, dtype="BF16", shape=(256, 256), strides=(512, 1))
+        self.assertEqual(e.exception.code, dp.ERR_LAYOUT)
+
+    def test_rebinding_rules(self):
+        s = self.session()
+        s.bind_weight(QPROJ, 0x10000, dtype="BF16", shape=(256, 256))
+        s.bind_weight(QPROJ, 0x10000, dtype="BF16", shape=(256, 256))  # same address: accepted
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.bind_weight(QPROJ, 0x20000, dtype="BF16", shape=(256, 256))
+        self.assertEqual(e.exception.code, dp.ERR_REBIND)
+        self.assertIn("weight reloads are not supported", e.exception.message)
+
+    def test_expert_groups(self):
+        s = self.session()
+        ptrs = [0x100000 + e * 0x10000 for e in range(16)]
+        s.bind_expert_weights(W1, ptrs, dtype="BF16", shape=(128, 256))
+        s.bind_weight(W1.replace("{e}", "3"), ptrs[3], dtype="BF16", shape=(128, 256))
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.bind_expert_weights(W1, ptrs[:4], dtype="BF16", shape=(128, 256))
+        self.assertEqual(e.exception.code, dp.ERR_SHAPE)
+        self.assertIn("4 experts given, the rank holds 16", e.exception.message)
+
+    def test_finalize_names_missing(self):
+        s = self.session()
+        s.bind_weight(QPROJ, 0x10000, dtype="BF16", shape=(256, 256))
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.finalize_weights()
+        self.assertEqual(e.exception.code, dp.ERR_MISSING_TENSOR)
+        self.assertIn("85 of 86 weights are not bound", e.exception.message)
+
+    def test_kv(self):
+        s = self.session()
+        lay = s.kv_layout(0, dp.KV_KDA_STATE, 8)
+        self.assertEqual(lay["shape"], (8, 2, 128, 128))
+        self.assertEqual(lay["dtype"], dp.DTYPE_F32)
+        self.assertEqual(s.kv_layout(3, dp.KV_MLA_LATENT, 4)["shape"], (4, 64, 576))
+        s.bind_kv(3, dp.KV_MLA_LATENT, 0x10000, dtype="BF16", shape=(4, 64, 576))
+        s.bind_kv(3, dp.KV_MLA_LATENT, 0x10000, dtype="BF16", shape=(400, 64, 576))  # grew in place
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.bind_kv(3, dp.KV_MLA_LATENT, 0x20000, dtype="BF16", shape=(400, 64, 576))
+        self.assertEqual(e.exception.code, dp.ERR_REBIND)
+        s.release_kv()
+        s.bind_kv(3, dp.KV_MLA_LATENT, 0x20000, dtype="BF16", shape=(400, 64, 576))
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.bind_kv(3, dp.KV_KDA_STATE, 0x30000, dtype="F32", shape=(4, 2, 128, 128))
+        self.assertEqual(e.exception.code, dp.ERR_UNKNOWN_TENSOR)
+
+    # ---- planning ---------------------------------------------------------------------------------
+
+    def test_plan_cases(self):
+        s = self.session()
+        _bind_all(s, self.bundle)
+        s.finalize_weights()
+        self.assertEqual(s.plan(1, [1]).reason, dp.REASON_NO_KV)
+        _bind_kv(s, self.bundle)
+        cases = [
+            (dict(num_requests=1, query_lens=[1]), dp.REASON_NONE, 1),
+            (dict(num_requests=3, query_lens=[1, 1, 1], state_indices=[1, 2, 3], num_accepted=[1, 1, 1]),
+             dp.REASON_NONE, 4),
+            (dict(num_requests=4, query_lens=[1] * 4, state_indices=[5, 6, 0, 0], num_accepted=[1] * 4,
+                  graph_mode=dp.GRAPH_FULL), dp.REASON_NONE, 4),
+            (dict(num_requests=5, query_lens=[1] * 5), dp.REASON_TOO_MANY_REQUESTS, 0),
+            (dict(num_requests=2, query_lens=[1, 1], graph_mode=dp.GRAPH_PIECEWISE), dp.REASON_PIECEWISE, 0),
+            (dict(num_requests=2, query_lens=[1, 1], pp_stage_input=True), dp.REASON_PP_STAGE_INPUT, 0),
+            (dict(num_requests=2, query_lens=[1, 7]), dp.REASON_NOT_UNIFORM, 0),
+            (dict(num_requests=2, query_lens=[1, 1], state_indices=[1, 99]), dp.REASON_BAD_METADATA, 0),
+        ]
+        for kw, reason, width in cases:
+            with self.subTest(**{k: str(v) for k, v in kw.items()}):
+                p = s.plan(**kw)
+                self.assertEqual(p.reason, reason, p.message)
+                self.assertEqual(p.width, width)
+                if reason == dp.REASON_NONE:
+                    self.assertTrue(p.step)
+                    self.assertEqual(p.rows, width)
+                    self.assertFalse(p.layer_kernel(0))  # no layer programs in bundles yet
+                else:
+                    self.assertFalse(p.step)
+                    self.assertTrue(p.message)
+
+    def test_agree(self):
+        self.assertEqual(dp.agree([0, 0, 0, 0]), (dp.REASON_NONE, -1))
+        self.assertEqual(dp.agree([0, dp.REASON_NOT_UNIFORM, dp.REASON_NO_KV, 0]), (dp.REASON_NOT_UNIFORM, 1))
+        self.assertEqual(dp.agree([])[0], dp.REASON_INVALID)
+
+    def test_after_step_and_error_flag(self):
+        s = self.ready_session()
+        self.assertEqual(s.error_flag(), (0, 0))
+        s.after_step()
+        s.raise_error_flag(dp.FLAG_WAIT_TIMEOUT | (3 << 16))
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.after_step()
+        self.assertEqual(e.exception.code, dp.ERR_ABORTED)
+        self.assertIn("first in layer 2", e.exception.message)
+        with self.assertRaises(dp.DecodepackError):
+            s.plan(1, [1])
+
+    def test_launch_on_host_only_session(self):
+        s = self.ready_session()
+        p = s.plan(2, [1, 1])
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.launch_layer(p, 0, hidden=0x1000, out=0x1000, residual_out=0x2000)
+        self.assertEqual(e.exception.code, dp.ERR_NO_KERNEL)
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.launch_final_norm(p, hidden=0x1000, out=0x1000, residual_out=0x2000)
+        self.assertEqual(e.exception.code, dp.ERR_NO_DEVICE)
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.prefetch_fork(dp.PREFETCH_NEXT_ATTENTION, 1, 2)
+        self.assertEqual(e.exception.code, dp.ERR_NO_DEVICE)
+
+    def test_torch_tensors(self):
+        try:
+            import torch
+        except ImportError:
+            self.skipTest("PyTorch is not installed")
+        s = self.session()
+        q = torch.empty(256, 256, dtype=torch.bfloat16)
+        s.bind_weight(QPROJ, q)  # a host-only session records the address without reading it
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.bind_weight("model.layers.1.self_attn.k_proj.weight", torch.empty(256, 256, dtype=torch.float32))
+        self.assertEqual(e.exception.code, dp.ERR_DTYPE)
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.bind_weight("model.layers.1.self_attn.v_proj.weight", torch.empty(256, 512, dtype=torch.bfloat16)[:, ::2])
+        self.assertEqual(e.exception.code, dp.ERR_LAYOUT)
+        w13 = torch.empty(16, 256, 256, dtype=torch.bfloat16)  # vLLM's stacked [E, 2I, H]
+        s.bind_expert_weights(W1, w13[:, :128, :])
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,52 @@
+# ctest (label install): installs libdecodepack's runtime component into a temporary prefix, then builds
+# and runs a tiny consumer with find_package(decodepack) and, separately, with pkg-config.
+# Inputs: BUILD_DIR, SOURCE_DIR (this directory), WORK_DIR, BUNDLE (optional, a .dpk to open).
+cmake_minimum_required(VERSION 3.25)
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "failed (${rc}): ${ARGN}\n${out}\n${err}")
+  endif()
+  set(LAST_OUTPUT "${out}" PARENT_SCOPE)
+endfunction()
+
+file(REMOVE_RECURSE ${WORK_DIR})
+set(prefix ${WORK_DIR}/prefix)
+run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix} --component runtime)
+
+# What was installed: the library (no GPU library among its dependencies), headers, package files.
+file(GLOB_RECURSE libs ${prefix}/lib*/libdecodepack.so*)
+file(GLOB_RECURSE pcs ${prefix}/*/decodepack.pc)
+file(GLOB_RECURSE configs ${prefix}/*/decodepackConfig.cmake)
+if(NOT libs OR NOT pcs OR NOT configs OR NOT EXISTS ${prefix}/include/decodepack/decodepack.h
+   OR NOT EXISTS ${prefix}/include/decodepack/decodepack.hpp)
+  message(FATAL_ERROR "incomplete install in ${prefix}: libs '${libs}', pc '${pcs}', config '${configs}'")
+endif()
+list(GET libs 0 lib)
+run(readelf -d ${lib})
+if(LAST_OUTPUT MATCHES "libcuda|libamdhip64|libcudart")
+  message(FATAL_ERROR "${lib} links a GPU library:\n${LAST_OUTPUT}")
+endif()
+get_filename_component(libdir ${lib} DIRECTORY)
+
+# 1. find_package
+run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/consumer -B ${WORK_DIR}/cmake-build -DCMAKE_PREFIX_PATH=${prefix}
+    -DCMAKE_BUILD_TYPE=Release)
+run(${CMAKE_COMMAND} --build ${WORK_DIR}/cmake-build)
+run(${WORK_DIR}/cmake-build/consumer_c ${BUNDLE})
+message(STATUS "find_package consumer: ${LAST_OUTPUT}")
+run(${WORK_DIR}/cmake-build/consumer_cpp)
+
+# 2. pkg-config (a plain compiler line, as a Makefile would write it)
+get_filename_component(pcdir ${pcs} DIRECTORY)
+set(ENV{PKG_CONFIG_PATH} ${pcdir})
+run(pkg-config --cflags --libs decodepack)
+string(STRIP "${LAST_OUTPUT}" flags)
+separate_arguments(flags UNIX_COMMAND "${flags}")
+run(pkg-config --modversion decodepack)
+message(STATUS "pkg-config decodepack ${LAST_OUTPUT}")
+run(cc -std=c99 -Wall -Wextra -pedantic -Werror ${SOURCE_DIR}/consumer/consumer.c ${flags} -o ${WORK_DIR}/consumer_pc)
+set(ENV{LD_LIBRARY_PATH} ${libdir})
+run(${WORK_DIR}/consumer_pc ${BUNDLE})
+message(STATUS "pkg-config consumer: ${LAST_OUTPUT}")
+file(REMOVE_RECURSE ${WORK_DIR})
