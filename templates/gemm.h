@@ -19,6 +19,16 @@
 
 #include "vendor.h"
 
+// Launch bounds of the decode ops' entry points: blocks of at most n threads, and on NVIDIA at least one
+// resident block per SM. Without the second number ptxas may cap registers to fit more blocks and
+// spill a few values to local memory instead (seen: 12 bytes at 64 registers, where 71 fit without);
+// these kernels are bounded by memory, not by occupancy beyond one or two blocks.
+#if DP_VENDOR_NVIDIA
+#define DP_KERNEL_BOUNDS(n) __launch_bounds__(n, 1)
+#else
+#define DP_KERNEL_BOUNDS(n) DP_LAUNCH_BOUNDS(n)
+#endif
+
 #define DP_GROUP 32          // lanes of a work group
 #define DP_GEMM_THREADS 256  // threads of every GEMM-shaped block (8 groups)
 #define DP_GEMM_GROUPS (DP_GEMM_THREADS / DP_GROUP)

@@ -19,6 +19,9 @@
 //   of position num_accepted[r]-1) and writes its own state, recurrent and conv, to slots[r][i]
 //   (reference ConvSpecLayout::per_slot; for Q = 1 this is vLLM's read-modify-write of one slot).
 //
+// Alignment: weight rows (w_fb, w_gb) are read with 16-byte loads: their base pointers must be 16-byte
+// aligned (FR and GR are multiples of 8). proj, the states and out need only their element alignment.
+//
 // Block: 4*D threads (512 for D = 128), one block per (head, request): grid (NH, W). The block keeps
 // the head's D x D state in registers, 32 fp32 values per thread: thread (group g, lane) holds column
 // v = lane + 32*(g % (D/32)) of rows [ks*D/4, (ks+1)*D/4), ks = g / (D/32). The state is read once,
@@ -69,7 +72,7 @@ __device__ __forceinline__ void dp_kda_step(
   constexpr int NP = 3 * P + FR + kGW + NH;
   constexpr int kFaCol = 3 * P, kGCol = 3 * P + FR, kBCol = 3 * P + FR + kGW;
   constexpr int CH = CK - 1;  // conv history length
-  static_assert(FR > 0 && FR % 8 == 0 && GR % 8 == 0, "kda: gate ranks must be multiples of 8");
+  static_assert(FR > 0 && FR % 8 == 0 && GR % 8 == 0 && FR + GR <= 2048, "kda: gate ranks: multiples of 8, at most 2048 together");
   static_assert(CK >= 2 && CK <= 8, "kda: conv kernel 2..8");
 
   __shared__ float qs[D];            // [D] conv'd q (bf16 values), raw (before the L2 norm)
@@ -80,6 +83,7 @@ __device__ __forceinline__ void dp_kda_step(
   __shared__ float red[4][D];        // [4, D] k-slice partials of S^T k
   __shared__ float red2[4][D];       // [4, D] k-slice partials of S^T q
   __shared__ float sums[3][G::kThreads / DP_GROUP];  // per-group partial sums of q^2, k^2, o^2
+  __shared__ float gate_in[FR + GR];  // [FR + GR] f_a and g_a of the current row (fp32 copies)
   __shared__ float beta_s;
 
   const int j = (int)blockIdx.x;   // head
@@ -127,6 +131,10 @@ __device__ __forceinline__ void dp_kda_step(
     const int t = r * Q + i;
     const dp_i32 write_slot = slots[r * Q + i];
     const dp_bf16* row = proj + (dp_u64)t * NP;  // [NP] bf16
+    // f_a and g_a through shared memory: every forget/output-gate thread reads all of them, and proj
+    // rows are only 2-byte aligned (NP need not be a multiple of 8), so no 16-byte loads from proj.
+    for (int e = tid; e < FR + GR; e += G::kThreads) gate_in[e] = dp_bf16_to_f32(row[kFaCol + e]);
+    __syncthreads();
 
     // ---- Phase A: conv + SiLU (q, k, v), forget gate (k threads), output gate, beta ----
     float sq = 0.0f;
@@ -154,11 +162,10 @@ __device__ __forceinline__ void dp_kda_step(
       float f = 0.0f;
 #pragma unroll 4
       for (int v = 0; v < FR / 8; ++v) {
-        float a[8], b[8];
+        float a[8];
         dp_unpack8_bf16(dp_load16(wr + 8 * v), a);
-        dp_unpack8_bf16(dp_load16(row + kFaCol + 8 * v), b);
 #pragma unroll
-        for (int k = 0; k < 8; ++k) f += a[k] * b[k];
+        for (int k = 0; k < 8; ++k) f += a[k] * gate_in[8 * v + k];
       }
       const float z = dp_round_bf16(f) + dt_bias[ch];
       float alpha;
@@ -177,11 +184,10 @@ __device__ __forceinline__ void dp_kda_step(
         g = 0.0f;
 #pragma unroll 4
         for (int v = 0; v < GR / 8; ++v) {
-          float a[8], b[8];
+          float a[8];
           dp_unpack8_bf16(dp_load16(wr + 8 * v), a);
-          dp_unpack8_bf16(dp_load16(row + kGCol + 8 * v), b);
 #pragma unroll
-          for (int k = 0; k < 8; ++k) g += a[k] * b[k];
+          for (int k = 0; k < 8; ++k) g += a[k] * gate_in[FR + 8 * v + k];
         }
         g = dp_round_bf16(g);
       } else {

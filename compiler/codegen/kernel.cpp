@@ -42,6 +42,8 @@ struct OpSpec {
   std::function<std::vector<ArgSpec>(const Params&)> args;
   std::function<LaunchShape(const Params&)> launch;
   std::function<uint32_t(const Params&)> block_threads;
+  // The launch-bounds macro of the entry point (vendor.h, or the op header's own).
+  const char* bounds = "DP_LAUNCH_BOUNDS";
 };
 
 // rmsnorm block size: enough threads that each holds at most a few 16-byte vectors of the row in
@@ -190,6 +192,7 @@ const std::vector<OpSpec>& ops() {
             return s;
           },
           [](const Params&) { return kGemmThreads; },
+          "DP_KERNEL_BOUNDS",
       },
       {
           // KDA recurrent step: conv + gates + L2 norm + gated delta rule + gated RMSNorm, all heads.
@@ -201,8 +204,8 @@ const std::vector<OpSpec>& ops() {
            {"NH", "nh", 1, 1024, "KDA heads on this rank"},
            {"D", "d", 64, 256, "head dim (64, 128, 192 or 256)"},
            {"CV", "cv", 2, 8, "short conv kernel size"},
-           {"FR", "fr", 8, 4096, "forget gate rank (f_a rows), a multiple of 8"},
-           {"GR", "gr", 0, 4096, "output gate rank (g_a rows); 0: full-rank g_proj (K3)"},
+           {"FR", "fr", 8, 1024, "forget gate rank (f_a rows), a multiple of 8"},
+           {"GR", "gr", 0, 1024, "output gate rank (g_a rows); 0: full-rank g_proj (K3)"},
            {"SG", "sg", 0, 1, "1: K3 safe gate (lower_bound * sigmoid), 0: softplus gate"},
            {"ON", "on", 0, 1, "1: o_norm weight is fp32, 0: bf16"}},
           [](const Params& p, const std::string& who) {
@@ -258,6 +261,7 @@ const std::vector<OpSpec>& ops() {
             return s;
           },
           [](const Params& p) { return static_cast<uint32_t>(4 * p.at("D")); },
+          "DP_KERNEL_BOUNDS",
       },
       {
           // MoE routing: sigmoid, correction bias, top-k, renormalise; the step's used-expert list.
@@ -291,6 +295,7 @@ const std::vector<OpSpec>& ops() {
             return s;
           },
           [](const Params&) { return uint32_t{256}; },
+          "DP_KERNEL_BOUNDS",
       },
       {
           // Gate/up + activation of every used routed expert and of the shared expert, one launch.
@@ -343,6 +348,7 @@ const std::vector<OpSpec>& ops() {
             return s;
           },
           [](const Params&) { return kGemmThreads; },
+          "DP_KERNEL_BOUNDS",
       },
       {
           // Down projection of every used expert, weighted sum, routed scaling, plus the shared expert.
@@ -386,6 +392,7 @@ const std::vector<OpSpec>& ops() {
             return s;
           },
           [](const Params&) { return kGemmThreads; },
+          "DP_KERNEL_BOUNDS",
       },
       {
           // Dense MLP gate/up + activation (its down projection is a gemm).
@@ -420,6 +427,7 @@ const std::vector<OpSpec>& ops() {
             return s;
           },
           [](const Params&) { return kGemmThreads; },
+          "DP_KERNEL_BOUNDS",
       },
       {
           "prefetch",
@@ -603,7 +611,7 @@ std::string generate_source(const KernelInstance& k) {
                    launch.grid_is_default ? " by default" : "", sig.bytes);
   s += "#include \"vendor.h\"\n";
   s += fmt::format("#include \"{}\"\n\n", op.header);
-  s += fmt::format("extern \"C\" __global__ DP_LAUNCH_BOUNDS({}) void {}(\n", op.block_threads(k.params), name);
+  s += fmt::format("extern \"C\" __global__ {}({}) void {}(\n", op.bounds, op.block_threads(k.params), name);
   for (size_t i = 0; i < sig.params.size(); ++i) {
     const KernelParam& p = sig.params[i];
     std::string decl = fmt::format("    {} {}{}", p.c_type, p.name, i + 1 < sig.params.size() ? "," : ") {");

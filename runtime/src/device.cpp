@@ -18,7 +18,14 @@ class CudaDevice final : public Device {
   // cuCtxGetStreamPriorityRange's "greatest" (numerically lowest) priority, for critical launches.
   void set_greatest_priority(int p) { greatest_priority_ = p; }
 
-  Status enter() override { return check(api_->cuCtxPushCurrent(ctx_), "cuCtxPushCurrent"); }
+  Status enter(bool* pushed) override {
+    CUcontext current = nullptr;
+    *pushed = false;
+    if (api_->cuCtxGetCurrent(&current) == CUDA_SUCCESS && current == ctx_) return ok();
+    DP_RETURN_IF_ERROR(check(api_->cuCtxPushCurrent(ctx_), "cuCtxPushCurrent"));
+    *pushed = true;
+    return ok();
+  }
   void leave() override {
     CUcontext popped = nullptr;
     api_->cuCtxPopCurrent(&popped);

@@ -41,8 +41,10 @@ class Device {
   virtual ~Device() = default;
   const dp_device_desc& desc() const { return desc_; }
 
-  // Make the device's context current on this thread until leave() (nestable, push/pop).
-  virtual Status enter() = 0;
+  // Makes the device's context current on this thread until leave(). *pushed says whether a context
+  // had to be pushed (leave() pops it): a host such as PyTorch already has the device's primary
+  // context current, and then the launch path makes no context call at all.
+  virtual Status enter(bool* pushed) = 0;
   virtual void leave() = 0;
 
   virtual Status load_module(std::span<const uint8_t> image, const std::string& what, void** module) = 0;
@@ -79,9 +81,9 @@ Result<std::unique_ptr<Device>> open_device(int32_t vendor, int32_t ordinal);
 // RAII enter/leave; `status()` says whether entering worked.
 class DeviceScope {
  public:
-  explicit DeviceScope(Device* d) : d_(d), st_(d ? d->enter() : Status()) {}
+  explicit DeviceScope(Device* d) : d_(d), st_(d ? d->enter(&pushed_) : Status()) {}
   ~DeviceScope() {
-    if (d_ && st_.ok()) d_->leave();
+    if (d_ && st_.ok() && pushed_) d_->leave();
   }
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;
@@ -89,6 +91,7 @@ class DeviceScope {
 
  private:
   Device* d_;
+  bool pushed_ = false;
   Status st_;
 };
 

@@ -74,6 +74,7 @@ Result<const CudaApi*> cuda_api() {
       {"cuDevicePrimaryCtxRelease_v2", slot(a.cuDevicePrimaryCtxRelease), true},
       {"cuCtxPushCurrent_v2", slot(a.cuCtxPushCurrent), true},
       {"cuCtxPopCurrent_v2", slot(a.cuCtxPopCurrent), true},
+      {"cuCtxGetCurrent", slot(a.cuCtxGetCurrent), true},
       {"cuCtxGetStreamPriorityRange", slot(a.cuCtxGetStreamPriorityRange), true},
       {"cuModuleLoadData", slot(a.cuModuleLoadData), true},
       {"cuModuleUnload", slot(a.cuModuleUnload), true},

@@ -29,6 +29,7 @@ struct CudaApi {
   R (*cuDevicePrimaryCtxRelease)(cu::CUdevice);  // _v2
   R (*cuCtxPushCurrent)(cu::CUcontext);          // _v2
   R (*cuCtxPopCurrent)(cu::CUcontext*);          // _v2
+  R (*cuCtxGetCurrent)(cu::CUcontext*);
   R (*cuCtxGetStreamPriorityRange)(int*, int*);
   R (*cuModuleLoadData)(cu::CUmodule*, const void*);
   R (*cuModuleUnload)(cu::CUmodule);

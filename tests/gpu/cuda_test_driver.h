@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <string>
+#include <type_traits>
 
 namespace dp::gputest {
 
@@ -34,6 +35,13 @@ struct Cu {
   decltype(&::cuGraphLaunch) GraphLaunch = nullptr;
   decltype(&::cuGraphExecDestroy) GraphExecDestroy = nullptr;
   decltype(&::cuGraphDestroy) GraphDestroy = nullptr;
+  decltype(&::cuModuleLoadData) ModuleLoadData = nullptr;
+  decltype(&::cuModuleGetFunction) ModuleGetFunction = nullptr;
+  decltype(&::cuLaunchKernel) LaunchKernel = nullptr;
+  decltype(&::cuEventCreate) EventCreate = nullptr;
+  decltype(&::cuEventRecord) EventRecord = nullptr;
+  decltype(&::cuStreamWaitEvent) StreamWaitEvent = nullptr;
+  decltype(&::cuCtxGetCurrent) CtxGetCurrent = nullptr;
 
   CUcontext ctx = nullptr;
   std::string why_not;  // non-empty: no usable GPU here (the reason, printed by the skip)
@@ -76,6 +84,13 @@ struct Cu {
     sym(GraphLaunch, "cuGraphLaunch");
     sym(GraphExecDestroy, "cuGraphExecDestroy");
     sym(GraphDestroy, "cuGraphDestroy");
+    sym(ModuleLoadData, "cuModuleLoadData");
+    sym(ModuleGetFunction, "cuModuleGetFunction");
+    sym(LaunchKernel, "cuLaunchKernel");
+    sym(EventCreate, "cuEventCreate");
+    sym(EventRecord, "cuEventRecord");
+    sym(StreamWaitEvent, "cuStreamWaitEvent");
+    sym(CtxGetCurrent, "cuCtxGetCurrent");
     if (!all) return false;
     if (CUresult r = Init(0); r != CUDA_SUCCESS) {
       why_not = "cuInit failed: " + name(r) + " (no GPU visible?)";

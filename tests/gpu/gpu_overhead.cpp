@@ -4,6 +4,10 @@
 // the same path with more kernels), the prefetch fork/join pair, and dp_plan + launch together, per
 // width. Prints a table and one JSON line per width; `--json FILE` also writes them to FILE.
 //
+// Baselines, measured the same way: the same rmsnorm code object launched straight through the driver
+// (cuLaunchKernel with the same parameter block), and a bare fork/join (event record, stream wait,
+// prefetch-sized launch, record, wait) through the driver: the library's own cost is the difference.
+//
 // Timing: wall clock around N calls (std::chrono::steady_clock), the median of R repetitions, in
 // microseconds per call. Launch timings include the driver's enqueue; the stream is synchronised
 // between repetitions so that the queue never fills.
@@ -66,9 +70,23 @@ int main(int argc, char** argv) {
   dp_device_query(DP_VENDOR_CUDA, 0, &dev);
   std::printf("libdecodepack %s on %s (%s, driver %d); %d calls x %d repetitions, median, microseconds per call\n",
               dp_version_string(), dev.name, dev.arch, dev.driver_version, kCalls, kReps);
-  std::printf("%5s %10s %14s %16s %16s %14s\n", "width", "dp_plan", "launch(norm)", "fork+join(crit)",
-              "fork+join(next)", "plan+launch");
+  std::printf("%5s %10s %14s %14s %16s %16s %14s %14s\n", "width", "dp_plan", "launch(norm)", "raw launch",
+              "fork+join(crit)", "fork+join(next)", "raw fork+join", "plan+launch");
+  CUevent ev_fork = nullptr, ev_join = nullptr;
+  CUstream side = nullptr;
+  cu().EventCreate(&ev_fork, CU_EVENT_DISABLE_TIMING);
+  cu().EventCreate(&ev_join, CU_EVENT_DISABLE_TIMING);
+  cu().StreamCreate(&side, CU_STREAM_NON_BLOCKING);
 
+  // What the library adds around each launch: one cuCtxGetCurrent (no push/pop when the host already
+  // has the device's context current, as here and under PyTorch), and the C boundary itself.
+  {
+    CUcontext c = nullptr;
+    const double get_us = median_us(stream, [&] { cu().CtxGetCurrent(&c); });
+    uint32_t v = 0;
+    const double abi_us = median_us(stream, [&] { dp_status_free(dp_session_error_flag(ds.s, nullptr, &v)); });
+    std::printf("cuCtxGetCurrent %.3f us; a trivial dp_ call (dp_session_error_flag) %.3f us\n", get_us, abi_us);
+  }
   std::vector<std::string> lines;
   bool failed = false;
   for (int32_t w : ds.widths) {
@@ -111,6 +129,32 @@ int main(int argc, char** argv) {
     };
     const double plan_us = median_us(stream, [&] { checked(dp_plan(ds.s, &d, &r)); });
     const double launch_us = median_us(stream, [&] { checked(dp_launch_final_norm(ds.s, r.step, &io, stream)); });
+    // The same code object, launched straight through the driver.
+    const std::string cubin = dp::rttest::read_text(bundles.tiny_dir / "kernels/sm_90a" /
+                                                    ("rmsnorm_w" + std::to_string(r.rows) + "_h256.sm_90a.cubin"));
+    CUmodule mod = nullptr;
+    CUfunction fn = nullptr;
+    if (cu().ModuleLoadData(&mod, cubin.data()) != CUDA_SUCCESS ||
+        cu().ModuleGetFunction(&fn, mod, ("rmsnorm_w" + std::to_string(r.rows) + "_h256").c_str()) != CUDA_SUCCESS) {
+      std::fprintf(stderr, "width %d: cannot load the rmsnorm code object directly\n", w);
+      return 1;
+    }
+    struct {
+      CUdeviceptr hidden, residual, weight, out, residual_out;
+      float eps;
+    } params{h, res, h, h, res, ds.eps};
+    size_t param_bytes = 44;
+    void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, &params, CU_LAUNCH_PARAM_BUFFER_SIZE, &param_bytes, CU_LAUNCH_PARAM_END};
+    const double raw_us = median_us(stream, [&] {
+      if (cu().LaunchKernel(fn, r.rows, 1, 1, 64, 1, 1, 0, stream, nullptr, extra) != CUDA_SUCCESS) failed = true;
+    });
+    const double raw_fork_us = median_us(stream, [&] {
+      cu().EventRecord(ev_fork, stream);
+      cu().StreamWaitEvent(side, ev_fork, 0);
+      cu().LaunchKernel(fn, r.rows, 1, 1, 64, 1, 1, 0, side, nullptr, extra);
+      cu().EventRecord(ev_join, side);
+      cu().StreamWaitEvent(stream, ev_join, 0);
+    });
     const bool has_critical = w >= 3;  // oproj_down tables exist from width 3
     const double crit_us = has_critical ? median_us(stream, [&] {
       checked(dp_prefetch_fork(ds.s, DP_PREFETCH_OPROJ_DOWN, 1, w, stream, nullptr));
@@ -124,13 +168,14 @@ int main(int argc, char** argv) {
       checked(dp_plan(ds.s, &d, &r));
       checked(dp_launch_final_norm(ds.s, r.step, &io, stream));
     });
-    std::printf("%5d %10.3f %14.3f %16.3f %16.3f %14.3f\n", w, plan_us, launch_us, crit_us, next_us, both_us);
-    char line[512];
+    std::printf("%5d %10.3f %14.3f %14.3f %16.3f %16.3f %14.3f %14.3f\n", w, plan_us, launch_us, raw_us, crit_us,
+                next_us, raw_fork_us, both_us);
+    char line[768];
     std::snprintf(line, sizeof(line),
                   "{\"width\": %d, \"device\": \"%s\", \"plan_us\": %.4f, \"launch_final_norm_us\": %.4f, "
                   "\"prefetch_fork_join_critical_us\": %.4f, \"prefetch_fork_join_next_attention_us\": %.4f, "
-                  "\"plan_plus_launch_us\": %.4f}",
-                  w, dev.name, plan_us, launch_us, crit_us, next_us, both_us);
+                  "\"plan_plus_launch_us\": %.4f, \"raw_driver_launch_us\": %.4f, \"raw_fork_join_us\": %.4f}",
+                  w, dev.name, plan_us, launch_us, crit_us, next_us, both_us, raw_us, raw_fork_us);
     lines.push_back(line);
   }
   for (const std::string& l : lines) std::printf("%s\n", l.c_str());

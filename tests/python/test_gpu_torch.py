@@ -100,16 +100,11 @@ class TorchGpuTest(unittest.TestCase):
                 # Captured by torch, replayed with new inputs copied into the captured buffers.
                 hh2, rr2 = h.clone(), r.clone()
                 graph = torch.cuda.CUDAGraph()
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    with torch.cuda.graph(graph):
-                        s = torch.cuda.current_stream()
-                        self.session.prefetch_fork(dp.PREFETCH_NEXT_ATTENTION, 1, plan.width, stream=s)
-                        self.session.launch_final_norm(plan, hidden=hh2, residual=rr2, out=hh2, residual_out=rr2,
-                                                       stream=s)
-                        self.session.prefetch_join(stream=s)
-                torch.cuda.current_stream().wait_stream(side)
+                with torch.cuda.graph(graph):  # torch's capture stream, global capture mode
+                    s = torch.cuda.current_stream()
+                    self.assertTrue(self.session.prefetch_fork(dp.PREFETCH_NEXT_ATTENTION, 1, plan.width, stream=s))
+                    self.session.launch_final_norm(plan, hidden=hh2, residual=rr2, out=hh2, residual_out=rr2, stream=s)
+                    self.session.prefetch_join(stream=s)
                 h3 = torch.randn_like(h.float()).to(torch.bfloat16)
                 r3 = torch.randn_like(r.float()).to(torch.bfloat16)
                 hh2.copy_(h3)

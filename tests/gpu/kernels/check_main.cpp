@@ -25,6 +25,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -275,7 +276,20 @@ class Report {
   std::vector<Result> results_;
 };
 
-double rel(const std::vector<double>& gpu, const std::vector<double>& expect) { return ref::rel_error(gpu, expect); }
+// ||a - b|| / ||b||; NaN anywhere (an unwritten, poisoned output) or a size mismatch gives +inf. The same
+// measure as dp::ref::rel_error (layer.h), which lives with the layer reference this tool does not link.
+double rel_error(const std::vector<double>& a, const std::vector<double>& b) {
+  if (a.size() != b.size()) return std::numeric_limits<double>::infinity();
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::isnan(a[i]) || std::isnan(b[i])) return std::numeric_limits<double>::infinity();
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  if (den == 0) return num == 0 ? 0.0 : std::numeric_limits<double>::infinity();
+  return std::sqrt(num / den);
+}
+double rel(const std::vector<double>& gpu, const std::vector<double>& expect) { return rel_error(gpu, expect); }
 
 std::vector<double> bf16_out(const DevBuf& b) { return to_double(b.download<uint16_t>()); }
 std::vector<double> f32_out(const DevBuf& b) { return to_double(b.download<float>()); }
@@ -514,7 +528,7 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
         ++touched;
       }
     }
-  ctx.report.add(c.name(), "kda_step state (written)", ref::rel_error(got, want), kF32Tol);
+  ctx.report.add(c.name(), "kda_step state (written)", rel_error(got, want), kF32Tol);
   ctx.report.zero(c.name(), "kda_step state (others)", touched, "values changed in slots the step must not write");
   const DevBuf* dconv[3] = {&d_convq, &d_convk, &d_convv};
   int64_t conv_bad = 0;
@@ -593,7 +607,7 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   }
   ctx.report.zero(c.name(), "moe_route top-k ids", bad_ids,
                   near_ties ? fmt::format("{} rows differ only on a near-tie", near_ties) : std::string());
-  ctx.report.add(c.name(), "moe_route weights", ref::rel_error(w_got, w_want), 1e-5,
+  ctx.report.add(c.name(), "moe_route weights", rel_error(w_got, w_want), 1e-5,
                  ctx.time ? fmt::format("{:.1f} us", route_ms * 1e3) : std::string());
   int64_t table_bad = gex[0] != static_cast<int32_t>(used.size());
   const std::vector<int32_t> used_v(used.begin(), used.end());
