@@ -72,7 +72,8 @@ __device__ __forceinline__ void dp_kda_step(
   constexpr int NP = 3 * P + FR + kGW + NH;
   constexpr int kFaCol = 3 * P, kGCol = 3 * P + FR, kBCol = 3 * P + FR + kGW;
   constexpr int CH = CK - 1;  // conv history length
-  static_assert(FR > 0 && FR % 8 == 0 && GR % 8 == 0 && FR + GR <= 2048, "kda: gate ranks: multiples of 8, at most 2048 together");
+  static_assert(FR > 0 && FR % 8 == 0 && GR % 8 == 0 && FR + GR <= 2048,
+                "kda: gate ranks must be multiples of 8, at most 2048 together");
   static_assert(CK >= 2 && CK <= 8, "kda: conv kernel 2..8");
 
   __shared__ float qs[D];            // [D] conv'd q (bf16 values), raw (before the L2 norm)

@@ -134,6 +134,14 @@ std::string shape(std::initializer_list<int64_t> d, const char* dtype) {
   return s + "] " + dtype;
 }
 
+// MLA split-KV attention: (row, head) pairs per block, at most one per 32-lane group of the 256 threads.
+int64_t mla_heads_per_block(int64_t q, int64_t n) {
+  int64_t hb = std::max<int64_t>(1, 8 / q);
+  while (hb > 1 && n % hb != 0) --hb;
+  return std::min(hb, n);
+}
+constexpr int64_t kMlaAbsorbCols = 512;  // latent columns per mla_prep absorb block
+
 std::string dims(const Params& p, std::initializer_list<const char*> keys, const char* dtype) {
   std::string s = "[";
   for (const char* k : keys) {
@@ -221,7 +229,7 @@ const std::vector<OpSpec>& ops() {
           [](const Params& p) {
             const int64_t W = p.at("W"), Q = p.at("Q"), NH = p.at("NH"), D = p.at("D"), P = NH * D;
             const int64_t NP = 3 * P + p.at("FR") + (p.at("GR") > 0 ? p.at("GR") : P) + NH;
-            const std::string gate = p.at("GR") > 0 ? "g_a" : "g";
+            const std::string conv_shape = fmt::format("[slots, {}, {}] bf16", p.at("CV") - 1, P);
             return std::vector<ArgSpec>{
                 {"proj", KernelParam::Kind::pointer, "const dp_bf16*", shape({W * Q, NP}, "bf16"),
                  "projections, columns q | k | v | f_a | g_a (g when GR = 0) | b"},
@@ -238,12 +246,9 @@ const std::vector<OpSpec>& ops() {
                  "o_norm.weight"},
                 {"state", KernelParam::Kind::pointer, "float*", fmt::format("[slots, {}, {}, {}] fp32", NH, D, D),
                  "recurrent state S[k][v], updated in place"},
-                {"conv_q", KernelParam::Kind::pointer, "dp_bf16*", fmt::format("[slots, {}, {}] bf16", p.at("CV") - 1, P),
-                 "q conv state, updated in place"},
-                {"conv_k", KernelParam::Kind::pointer, "dp_bf16*", fmt::format("[slots, {}, {}] bf16", p.at("CV") - 1, P),
-                 "k conv state"},
-                {"conv_v", KernelParam::Kind::pointer, "dp_bf16*", fmt::format("[slots, {}, {}] bf16", p.at("CV") - 1, P),
-                 "v conv state"},
+                {"conv_q", KernelParam::Kind::pointer, "dp_bf16*", conv_shape, "q conv state, updated in place"},
+                {"conv_k", KernelParam::Kind::pointer, "dp_bf16*", conv_shape, "k conv state"},
+                {"conv_v", KernelParam::Kind::pointer, "dp_bf16*", conv_shape, "v conv state"},
                 {"slots", KernelParam::Kind::pointer, "const dp_i32*", shape({W, Q}, "i32"),
                  "state slot per draft position; slots[r][0] = 0 marks a padded request"},
                 {"num_accepted", KernelParam::Kind::pointer, "const dp_i32*", shape({W}, "i32"),
@@ -409,10 +414,12 @@ const std::vector<OpSpec>& ops() {
           },
           [](const Params& p) {
             std::vector<ArgSpec> a{
-                {"x", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"W", "D"}, "bf16"), "post-attention-norm rows"},
+                {"x", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"W", "D"}, "bf16"),
+                 "post-attention-norm rows"},
                 {"w_gate", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"I", "D"}, "bf16"), "gate_proj"},
                 {"w_up", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"I", "D"}, "bf16"), "up_proj"},
-                {"h", KernelParam::Kind::pointer, "dp_bf16*", dims(p, {"W", "I"}, "bf16"), "activations (down_proj input)"},
+                {"h", KernelParam::Kind::pointer, "dp_bf16*", dims(p, {"W", "I"}, "bf16"),
+                 "activations (down_proj input)"},
             };
             if (p.at("ACT")) {
               a.push_back({"act_beta", KernelParam::Kind::f32, "float", "", "SiTU beta"});
@@ -427,6 +434,163 @@ const std::vector<OpSpec>& ops() {
             return s;
           },
           [](const Params&) { return kGemmThreads; },
+          "DP_KERNEL_BOUNDS",
+      },
+      {
+          // MLA: kv_a_layernorm + latent-cache write, absorbed query q_nope . W_UK_T (+ q_pe).
+          "mla_prep",
+          "mla.h",
+          "dp_mla_prep",
+          {{"W", "w", 1, kMaxGemmRows, "requests"},
+           {"Q", "q", 1, 8, "rows per request"},
+           {"N", "n", 1, 1024, "MLA heads on this rank"},
+           {"L", "l", 64, 4096, "kv_lora_rank, a multiple of 64"},
+           {"R", "r", 0, 1024, "qk_rope_head_dim (unrotated: NoPE), even"},
+           {"PN", "pn", 8, 1024, "qk_nope_head_dim, a multiple of 8"},
+           {"V", "v", 8, 1024, "v_head_dim"}},
+          [](const Params& p, const std::string& who) {
+            if (p.at("W") * p.at("Q") > kMaxGemmRows)
+              fail(Errc::input, "{}: W x Q = {} rows exceed {} (the absorbed query keeps every row in registers)",
+                   who, p.at("W") * p.at("Q"), kMaxGemmRows);
+            if (p.at("L") % 64 != 0 || p.at("R") % 2 != 0 || p.at("PN") % 8 != 0 || (p.at("L") + p.at("R")) % 8 != 0)
+              fail(Errc::input, "{}: L = {} (multiple of 64), R = {} (even, L + R a multiple of 8), PN = {} "
+                   "(multiple of 8) do not fit the templates", who, p.at("L"), p.at("R"), p.at("PN"));
+          },
+          [](const Params& p) {
+            return std::vector<int64_t>{p.at("W") * p.at("Q"), p.at("Q"), p.at("N"), p.at("L"),
+                                        p.at("R"),             p.at("PN"), p.at("V")};
+          },
+          [](const Params& p) {
+            const int64_t T = p.at("W") * p.at("Q"), N = p.at("N"), L = p.at("L"), R = p.at("R");
+            return std::vector<ArgSpec>{
+                {"q", KernelParam::Kind::pointer, "const dp_bf16*", fmt::format("[{}, stride_q] bf16", T),
+                 "q rows, head n at n*(PN+R): [nope | pe]"},
+                {"stride_q", KernelParam::Kind::u32, "dp_u32", "", "elements between q rows"},
+                {"kv", KernelParam::Kind::pointer, "const dp_bf16*", fmt::format("[{}, stride_kv] bf16", T),
+                 "kv_a_proj_with_mqa rows [c | k_pe]"},
+                {"stride_kv", KernelParam::Kind::u32, "dp_u32", "", "elements between kv rows"},
+                {"kv_norm_w", KernelParam::Kind::pointer, "const dp_bf16*", shape({L}, "bf16"), "kv_a_layernorm"},
+                {"kv_b", KernelParam::Kind::pointer, "const dp_bf16*",
+                 shape({N * (p.at("PN") + p.at("V")), L}, "bf16"), "kv_b_proj"},
+                {"seq_lens", KernelParam::Kind::pointer, "const dp_i32*", shape({p.at("W")}, "i32"),
+                 "tokens per request incl. the new ones; 0 = padded"},
+                {"slot_mapping", KernelParam::Kind::pointer, "const dp_i64*", shape({T}, "i64"),
+                 "cache slot of each new token, -1 = none"},
+                {"cache", KernelParam::Kind::pointer, "dp_bf16*", fmt::format("[slots, {}] bf16", L + R),
+                 "latent cache [blocks, block_size, L+R], written at slot_mapping"},
+                {"q_abs", KernelParam::Kind::pointer, "dp_bf16*", shape({T, N, L + R}, "bf16"),
+                 "absorbed query [q_lat | q_pe]"},
+                {"eps", KernelParam::Kind::f32, "float", "", "kv_a_layernorm epsilon"},
+            };
+          },
+          [](const Params& p) {
+            LaunchShape s;
+            s.grid[0] = static_cast<uint32_t>(p.at("W") * p.at("Q") +
+                                              p.at("N") * ((p.at("L") + kMlaAbsorbCols - 1) / kMlaAbsorbCols));
+            s.block[0] = 256;
+            return s;
+          },
+          [](const Params&) { return uint32_t{256}; },
+          "DP_KERNEL_BOUNDS",
+      },
+      {
+          // MLA split-KV attention over the paged latent cache: per-split (max, sum, o_lat) partials.
+          "mla_attn",
+          "mla.h",
+          "dp_mla_attn",
+          {{"W", "w", 1, 4096, "requests"},
+           {"Q", "q", 1, 8, "rows per request"},
+           {"N", "n", 1, 1024, "MLA heads on this rank"},
+           {"L", "l", 64, 1024, "kv_lora_rank, a multiple of 64"},
+           {"R", "r", 0, 1024, "qk_rope_head_dim"},
+           {"BS", "bs", 1, 1 << 16, "cache block size (tokens)"},
+           {"NS", "ns", 1, 256, "KV splits per request"}},
+          [](const Params& p, const std::string& who) {
+            if (p.at("L") % 64 != 0 || (p.at("L") + p.at("R")) % 8 != 0)
+              fail(Errc::input, "{}: L = {} must be a multiple of 64 and L + R = {} a multiple of 8", who, p.at("L"),
+                   p.at("L") + p.at("R"));
+            // The staged tile (32 rows) and the block's queries share 48 KiB of static shared memory.
+            const int64_t words = (p.at("L") + p.at("R")) / 2;
+            const int64_t pairs = p.at("Q") * mla_heads_per_block(p.at("Q"), p.at("N"));
+            if ((32 * (words + 1) + pairs * words) * 4 > 48 * 1024)
+              fail(Errc::input, "{}: a cache row of L + R = {} values is too wide for the attention tile (at most "
+                   "{} with Q = {})", who, p.at("L") + p.at("R"), 2 * (48 * 1024 / 4 - 32) / (32 + pairs), p.at("Q"));
+          },
+          [](const Params& p) {
+            return std::vector<int64_t>{p.at("W"),  p.at("Q"),  p.at("N"), p.at("L"),
+                                        p.at("R"),  p.at("BS"), p.at("NS"), mla_heads_per_block(p.at("Q"), p.at("N"))};
+          },
+          [](const Params& p) {
+            const int64_t W = p.at("W"), Q = p.at("Q"), N = p.at("N"), L = p.at("L"), NS = p.at("NS");
+            return std::vector<ArgSpec>{
+                {"q_abs", KernelParam::Kind::pointer, "const dp_bf16*", shape({W * Q, N, L + p.at("R")}, "bf16"),
+                 "from mla_prep"},
+                {"cache", KernelParam::Kind::pointer, "const dp_bf16*",
+                 fmt::format("[blocks, {}, {}] bf16", p.at("BS"), L + p.at("R")), "latent cache"},
+                {"block_table", KernelParam::Kind::pointer, "const dp_i32*", fmt::format("[{}, stride_bt] i32", W),
+                 "physical block of each logical block"},
+                {"stride_bt", KernelParam::Kind::u32, "dp_u32", "", "elements between block-table rows"},
+                {"seq_lens", KernelParam::Kind::pointer, "const dp_i32*", shape({W}, "i32"), "0 = padded request"},
+                {"part_o", KernelParam::Kind::pointer, "float*", shape({W, NS, Q, N, L}, "fp32"),
+                 "unnormalised o_lat per split"},
+                {"part_ml", KernelParam::Kind::pointer, "float*", shape({W, NS, Q, N, 2}, "fp32"),
+                 "running max and sum per split"},
+                {"scale", KernelParam::Kind::f32, "float", "", "softmax scale (qk_nope + qk_rope)^-1/2"},
+            };
+          },
+          [](const Params& p) {
+            LaunchShape s;
+            s.grid[0] = static_cast<uint32_t>(p.at("N") / mla_heads_per_block(p.at("Q"), p.at("N")));
+            s.grid[1] = static_cast<uint32_t>(p.at("NS"));
+            s.grid[2] = static_cast<uint32_t>(p.at("W"));
+            s.block[0] = 256;
+            return s;
+          },
+          [](const Params&) { return uint32_t{256}; },
+          "DP_KERNEL_BOUNDS",
+      },
+      {
+          // MLA: merge the splits, o_lat . W_UV per head, K3 output gate.
+          "mla_combine",
+          "mla.h",
+          "dp_mla_combine",
+          {{"W", "w", 1, 4096, "requests"},
+           {"Q", "q", 1, 8, "rows per request"},
+           {"N", "n", 1, 1024, "MLA heads on this rank"},
+           {"L", "l", 8, 4096, "kv_lora_rank"},
+           {"PN", "pn", 8, 1024, "qk_nope_head_dim"},
+           {"V", "v", 8, 1024, "v_head_dim"},
+           {"NS", "ns", 1, 256, "KV splits per request"},
+           {"OG", "og", 0, 1, "1: K3 output gate sigmoid(g_proj x)"}},
+          [](const Params& p, const std::string& who) { check_multiple_of_8(p, who, {"L"}); },
+          [](const Params& p) {
+            return std::vector<int64_t>{p.at("W"),  p.at("Q"), p.at("N"),  p.at("L"),
+                                        p.at("PN"), p.at("V"), p.at("NS"), p.at("OG")};
+          },
+          [](const Params& p) {
+            const int64_t W = p.at("W"), Q = p.at("Q"), N = p.at("N"), L = p.at("L"), NS = p.at("NS");
+            return std::vector<ArgSpec>{
+                {"part_o", KernelParam::Kind::pointer, "const float*", shape({W, NS, Q, N, L}, "fp32"),
+                 "from mla_attn"},
+                {"part_ml", KernelParam::Kind::pointer, "const float*", shape({W, NS, Q, N, 2}, "fp32"),
+                 "from mla_attn"},
+                {"seq_lens", KernelParam::Kind::pointer, "const dp_i32*", shape({W}, "i32"), "0 = padded request"},
+                {"kv_b", KernelParam::Kind::pointer, "const dp_bf16*",
+                 shape({N * (p.at("PN") + p.at("V")), L}, "bf16"), "kv_b_proj (W_UV rows)"},
+                {"gate", KernelParam::Kind::pointer, "const dp_bf16*", fmt::format("[{}, stride_g] bf16", W * Q),
+                 "K3 g_proj output, head n at n*V (null when OG = 0)", true},
+                {"stride_g", KernelParam::Kind::u32, "dp_u32", "", "elements between gate rows"},
+                {"out", KernelParam::Kind::pointer, "dp_bf16*", shape({W * Q, N * p.at("V")}, "bf16"),
+                 "o_proj input"},
+            };
+          },
+          [](const Params& p) {
+            LaunchShape s;
+            s.grid[0] = static_cast<uint32_t>(p.at("N"));
+            s.block[0] = 256;
+            return s;
+          },
+          [](const Params&) { return uint32_t{256}; },
           "DP_KERNEL_BOUNDS",
       },
       {

@@ -405,6 +405,10 @@ dp_status* dp_session_finalize_weights(dp_session* s) {
   return guarded(__func__, [&](const char* fn) -> Status { return s ? s->finalize_weights() : null_arg(fn, "session"); });
 }
 
+dp_status* dp_session_verify_weights(dp_session* s) {
+  return guarded(__func__, [&](const char* fn) -> Status { return s ? s->verify_weights() : null_arg(fn, "session"); });
+}
+
 dp_status* dp_session_load_kernels(dp_session* s) {
   return guarded(__func__, [&](const char* fn) -> Status { return s ? s->load_kernels() : null_arg(fn, "session"); });
 }

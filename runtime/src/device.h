@@ -1,6 +1,6 @@
 // One GPU as a session uses it: the few driver operations a session needs, behind an interface so that
-// the session is written once for every vendor. The CUDA implementation is complete; the HIP one is
-// not in this version (open_device answers DP_ERR_NOT_SUPPORTED).
+// the session is written once for every vendor. The CUDA implementation is complete; for HIP this
+// version only describes devices (query_device), and open_device answers DP_ERR_NOT_SUPPORTED.
 #pragma once
 
 #include <cstdint>
@@ -55,6 +55,7 @@ class Device {
   virtual Status alloc(size_t bytes, const std::string& what, uint64_t* out) = 0;
   virtual void free(uint64_t ptr) = 0;
   virtual Status upload(uint64_t dst, const void* src, size_t bytes, const std::string& what) = 0;
+  virtual Status download(void* dst, uint64_t src, size_t bytes, const std::string& what) = 0;
   // Page-locked host memory mapped into the device's address space.
   virtual Status alloc_mapped(size_t bytes, const std::string& what, void** host, uint64_t* device) = 0;
   virtual void free_mapped(void* host) = 0;

@@ -91,6 +91,7 @@ Result<const CudaApi*> cuda_api() {
       {"cuMemAlloc_v2", slot(a.cuMemAlloc), true},
       {"cuMemFree_v2", slot(a.cuMemFree), true},
       {"cuMemcpyHtoD_v2", slot(a.cuMemcpyHtoD), true},
+      {"cuMemcpyDtoH_v2", slot(a.cuMemcpyDtoH), true},
       {"cuMemHostAlloc", slot(a.cuMemHostAlloc), true},
       {"cuMemFreeHost", slot(a.cuMemFreeHost), true},
       {"cuMemHostGetDevicePointer_v2", slot(a.cuMemHostGetDevicePointer), true},
@@ -117,8 +118,12 @@ Result<const HipApi*> hip_api() {
       {"hipDriverGetVersion", slot(a.hipDriverGetVersion), true},
       {"hipGetDeviceCount", slot(a.hipGetDeviceCount), true},
       {"hipDeviceGetName", slot(a.hipDeviceGetName), true},
+      {"hipGetDevicePropertiesR0600", slot(a.hipGetDeviceProperties), false},
+      {"hipGetDeviceProperties", slot(a.hipGetDevicePropertiesLegacy), false},
   };
   DP_RETURN_IF_ERROR(open_library("DECODEPACK_HIP_LIBRARY", "libamdhip64.so", a.library, symbols, "HIP"));
+  if (!a.hipGetDeviceProperties)  // ROCm 5: the unversioned name, whose struct has the same gcnArchName field
+    a.hipGetDeviceProperties = a.hipGetDevicePropertiesLegacy;
   if (int r = a.hipInit(0); r != 0)
     return error(DP_ERR_DRIVER, "hipInit failed: {} ({})", a.hipGetErrorName(r), r);
   api = a;

@@ -47,6 +47,7 @@ struct CudaApi {
   R (*cuMemAlloc)(cu::CUdeviceptr*, size_t);     // _v2
   R (*cuMemFree)(cu::CUdeviceptr);               // _v2
   R (*cuMemcpyHtoD)(cu::CUdeviceptr, const void*, size_t);  // _v2
+  R (*cuMemcpyDtoH)(void*, cu::CUdeviceptr, size_t);        // _v2
   R (*cuMemHostAlloc)(void**, size_t, unsigned);
   R (*cuMemFreeHost)(void*);
   R (*cuMemHostGetDevicePointer)(cu::CUdeviceptr*, void*, unsigned);  // _v2
@@ -71,6 +72,10 @@ struct HipApi {
   R (*hipDriverGetVersion)(int*);
   R (*hipGetDeviceCount)(int*);
   R (*hipDeviceGetName)(char*, int, int);
+  // hipGetDevicePropertiesR0600 (ROCm 6+; hipGetDeviceProperties before): fills a hipDeviceProp_t,
+  // used only for its gcnArchName (see device.cpp). Optional: nullptr when neither is exported.
+  R (*hipGetDeviceProperties)(void*, int);
+  R (*hipGetDevicePropertiesLegacy)(void*, int);  // "hipGetDeviceProperties" (ROCm 5 layout), optional
 };
 
 Result<const HipApi*> hip_api();

@@ -12,7 +12,9 @@
 //               mla_latent (addresses) with kda_state_stride, conv_stride, mla_block_stride (u32,
 //               elements between slots/blocks). Layer programs that need weights will add their
 //               parameter names here together with the kernels (the kernel issue); until then a layer
-//               kernel with another parameter is refused at validation with DP_ERR_NOT_SUPPORTED.
+//               program with another parameter is not run: that layer runs on the host, and
+//               dp_launch_layer's DP_ERR_NO_KERNEL names the parameter. (Another parameter of a
+//               final_norm or prefetch kernel is refused at validation: DP_ERR_NOT_SUPPORTED.)
 #pragma once
 
 #include <optional>

@@ -81,41 +81,25 @@ Result<dp_session*> dp_session::create(dp_bundle* b, const dp_session_options& o
   auto s = std::make_unique<dp_session>();
   s->options = o;
   s->ordinal = o.device;
-  auto pick_named = [&](const char* t) -> Status {
-    if (std::find(d.targets.begin(), d.targets.end(), t) == d.targets.end())
-      return error(DP_ERR_TARGET, "{}: session options: target {} is not one of the bundle's targets ({})",
-                   b->reader.label(), t, fmt::join(d.targets, ", "));
-    s->target = t;
-    return ok();
-  };
+  const std::string asked = o.target ? o.target : "";
   if (o.device == DP_DEVICE_NONE) {
-    if (o.target && *o.target) DP_RETURN_IF_ERROR(pick_named(o.target));
     if (o.device_desc) {
-      std::string chosen;
-      DP_RETURN_IF_ERROR(check_device(*b, *o.device_desc, -1, &chosen));
-      if (s->target.empty()) s->target = chosen;
-      std::string why;
-      if (!target_runs_on(s->target, o.device_desc->arch, &why))
-        return error(DP_ERR_TARGET, "{}: session options: target {} does not run on {}: {}", b->reader.label(),
-                     s->target, device_label(*o.device_desc, -1), why);
+      DP_RETURN_IF_ERROR(check_device(*b, *o.device_desc, -1, &s->target, asked));
+    } else if (!asked.empty()) {
+      if (std::find(d.targets.begin(), d.targets.end(), asked) == d.targets.end())
+        return error(DP_ERR_TARGET, "{}: session options: target {} is not one of the bundle's targets ({})",
+                     b->reader.label(), asked, fmt::join(d.targets, ", "));
+      s->target = asked;
+    } else {
+      s->target = d.targets.front();
     }
-    if (s->target.empty()) s->target = d.targets.front();
   } else {
     if (o.device < 0) return error(DP_ERR_INVALID_ARGUMENT, "session options: device {}, expected an ordinal >= 0 or "
                                    "DP_DEVICE_NONE ({})", o.device, DP_DEVICE_NONE);
     auto dev = open_device(o.vendor, o.device);
     if (!dev.ok()) return dev.status();
     s->device = std::move(*dev);
-    std::string chosen;
-    DP_RETURN_IF_ERROR(check_device(*b, s->device->desc(), o.device, &chosen));
-    s->target = chosen;
-    if (o.target && *o.target) {
-      DP_RETURN_IF_ERROR(pick_named(o.target));
-      std::string why;
-      if (!target_runs_on(s->target, s->device->desc().arch, &why))
-        return error(DP_ERR_TARGET, "{}: session options: target {} does not run on {}: {}", b->reader.label(),
-                     s->target, device_label(s->device->desc(), o.device), why);
-    }
+    DP_RETURN_IF_ERROR(check_device(*b, s->device->desc(), o.device, &s->target, asked));
   }
   DP_RETURN_IF_ERROR(check_kernels(*b, s->target));
 
@@ -134,9 +118,22 @@ Result<dp_session*> dp_session::create(dp_bundle* b, const dp_session_options& o
     step->q = d.q;
     step->index = i;
     step->layer_program.assign(m.layers.size(), 0);
-    for (const format::LayerEntry& l : m.layers)
-      for (const format::KernelEntry& k : m.kernels)
-        if (k.target == s->target && k.width == d.widths[i] && k.role == "layer:" + l.cls) step->layer_program[l.index] = 1;
+    step->why_not.assign(m.layers.size(), "the bundle has no program for this layer class at this width");
+    for (const format::LayerEntry& l : m.layers) {
+      std::string unsupported;
+      bool any = false;
+      for (const format::KernelEntry& k : m.kernels) {
+        if (k.target != s->target || k.width != d.widths[i] || k.role != "layer:" + l.cls) continue;
+        any = true;
+        for (const format::KernelParamEntry& p : k.params)
+          if (unsupported.empty() && !param_source(k.role, p.name, p.kind))
+            unsupported = fmt::format("the bundle's program (kernel {}) takes parameter {} ({}), which libdecodepack {} "
+                                      "cannot supply (a newer libdecodepack runs it)", k.key, p.name, p.kind,
+                                      dp_version_string());
+      }
+      if (any && unsupported.empty()) step->layer_program[l.index] = 1;
+      if (!unsupported.empty()) step->why_not[l.index] = unsupported;
+    }
     s->steps.push_back(std::move(step));
   }
   s->flag_host = &s->host_flag_storage;
@@ -344,12 +341,37 @@ Status dp_session::finalize_weights() {
   return ok();
 }
 
-uint64_t dp_session::weight_address(const std::string& name, uint64_t* span) const {
-  auto it = weights->by_name.find(name);
-  if (it == weights->by_name.end()) return 0;
-  const WeightBinding& b = bindings[it->second];
-  if (span) *span = span_bytes(b.desc);
-  return b.data[0];
+Status dp_session::verify_weights() {
+  if (!device)
+    return error(DP_ERR_NO_DEVICE, "{}: dp_session_verify_weights reads the weights from the device; this session is "
+                 "host-only", label());
+  if (!finalized) return error(DP_ERR_STATE, "{}: dp_session_verify_weights before dp_session_finalize_weights", label());
+  if (!bundle->manifest().weights_fingerprinted)
+    return error(DP_ERR_NOT_SUPPORTED, "{}: the bundle carries no weight fingerprints (it was built without reading the "
+                 "weights, e.g. --no-weights)", bundle->reader.label());
+  DeviceScope scope(device.get());
+  DP_RETURN_IF_ERROR(scope.status());
+  std::vector<std::string> differ;
+  size_t shards = 0;
+  std::vector<uint8_t> host;
+  for (size_t i = 0; i < bindings.size(); ++i) {
+    const format::WeightEntry& w = *weights->weights[i].entry;
+    const WeightBinding& b = bindings[i];
+    // Bound weights are dense (checked at bind), so the shard's bytes in fingerprint order (row-major,
+    // little-endian, in the bound dtype: bundle-format.md section 4) are the device bytes as they lie.
+    host.resize(span_bytes(b.desc));
+    for (size_t e = 0; e < b.data.size(); ++e, ++shards) {
+      DP_RETURN_IF_ERROR(device->download(host.data(), b.data[e], host.size(), "weight " + w.name));
+      if (format::sha256_hex(host) != w.sha256[e])
+        differ.push_back(w.experts ? fmt::format("{} (expert {})", w.name, e) : w.name);
+    }
+  }
+  if (differ.empty()) return ok();
+  const size_t shown = std::min<size_t>(differ.size(), 8);
+  return error(DP_ERR_INTEGRITY, "{}: {} of {} weight shards differ from the bundle's fingerprints (not the weights the "
+               "bundle was built from, or not this rank's shards): {}{}", label(), differ.size(), shards,
+               fmt::join(differ.begin(), differ.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
+               differ.size() > shown ? fmt::format(", and {} more", differ.size() - shown) : std::string());
 }
 
 // ---- Kernels ------------------------------------------------------------------------------------------
@@ -420,7 +442,6 @@ Status dp_session::load_kernel(const format::KernelEntry& k, int32_t layer, Load
       default: out->call_slots.push_back({p.offset, p.size, src, p.nullable, p.name});
     }
   }
-  (void)layer;
   return ok();
 }
 
@@ -521,7 +542,8 @@ Status dp_session::load_kernels() {
     }
     for (const format::LayerEntry& l : m.layers)
       for (const format::KernelEntry& k : m.kernels)  // the program's kernels, in kernel-table order
-        if (k.target == target && k.width == d.widths[i] && k.role == "layer:" + l.cls) {
+        if (steps[i]->layer_program[l.index] && k.target == target && k.width == d.widths[i] &&
+            k.role == "layer:" + l.cls) {
           LoadedKernel lk;
           DP_RETURN_IF_ERROR(load_kernel(k, l.index, &lk));
           layer_programs[i][l.index].push_back(std::move(lk));
@@ -730,8 +752,9 @@ Status dp_session::launch_layer(const dp_step* step, int32_t layer, const dp_lay
   if (layer < 0 || static_cast<size_t>(layer) >= m.layers.size())
     return error(DP_ERR_INVALID_ARGUMENT, "{}: dp_launch_layer: layer {}, expected 0..{}", label(), layer, m.layers.size() - 1);
   if (!step->layer_program[layer])
-    return error(DP_ERR_NO_KERNEL, "{}: layer {} ({}): the bundle has no program for width {} on {}; the host runs its own "
-                 "layer (dp_step_layer_kernel returns 0)", label(), layer, m.layers[layer].cls, step->width, target);
+    return error(DP_ERR_NO_KERNEL, "{}: layer {} ({}) at width {} on {}: {}; the host runs its own layer "
+                 "(dp_step_layer_kernel returns 0)", label(), layer, m.layers[layer].cls, step->width, target,
+                 step->why_not[layer]);
   if (!device) return error(DP_ERR_NO_DEVICE, "{}: dp_launch_layer on a host-only session", label());
   if (!loaded) return error(DP_ERR_STATE, "{}: dp_launch_layer before dp_session_load_kernels", label());
   static const char* what = "dp_launch_layer";

@@ -65,6 +65,7 @@ struct dp_step {
   int32_t width = 0, q = 1;
   size_t index = 0;                     // into the session's widths
   std::vector<uint8_t> layer_program;   // per layer: 1 if the bundle has its program at this width
+  std::vector<std::string> why_not;     // per layer without one: why (for dp_launch_layer's message)
 };
 
 struct dp_session {
@@ -106,6 +107,7 @@ struct dp_session {
   dp::rt::Status bind_weight(const std::string& name, const dp_tensor& t);
   dp::rt::Status bind_experts(const std::string& group, const uint64_t* data, int32_t count, const dp_tensor& t);
   dp::rt::Status finalize_weights();
+  dp::rt::Status verify_weights();
   dp::rt::Status load_kernels();
   dp::rt::Status bind_kv(int32_t layer, int32_t kind, const dp_tensor& t);
   void release_kv();
@@ -122,8 +124,9 @@ struct dp_session {
   std::string label() const;
   dp::rt::Status check_tensor(const std::string& what, const dp_tensor& t, dp_dtype dtype,
                               const std::vector<int64_t>& shape, bool lead_free, dp_code shape_code) const;
+  // `layer`: the decoder layer a layer program's kernel is loaded for (-1 otherwise); the per-layer
+  // weight parameters of layer programs will be packed from it.
   dp::rt::Status load_kernel(const dp::format::KernelEntry& k, int32_t layer, dp::rt::LoadedKernel* out);
   dp::rt::Status build_prefetch_tables();
-  uint64_t weight_address(const std::string& name, uint64_t* span_bytes) const;
   const dp::format::KernelEntry* find_kernel(const std::string& role, int32_t width) const;
 };

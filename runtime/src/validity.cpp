@@ -53,10 +53,22 @@ Result<std::string> choose_target(const dp_bundle& b, const dp_device_desc& devi
                fmt::join(b.deploy.targets, ", "), reasons, suggested_target(device.arch));
 }
 
-Status check_device(const dp_bundle& b, const dp_device_desc& d, int32_t ordinal, std::string* target_out) {
-  auto chosen = choose_target(b, d, ordinal);
-  if (!chosen.ok()) return chosen.status();
-  const std::string target = *chosen;
+Status check_device(const dp_bundle& b, const dp_device_desc& d, int32_t ordinal, std::string* target_out,
+                    const std::string& forced) {
+  std::string target = forced;
+  if (target.empty()) {
+    auto chosen = choose_target(b, d, ordinal);
+    if (!chosen.ok()) return chosen.status();
+    target = *chosen;
+  } else {
+    if (std::find(b.deploy.targets.begin(), b.deploy.targets.end(), target) == b.deploy.targets.end())
+      return error(DP_ERR_TARGET, "{}: session options: target {} is not one of the bundle's targets ({})",
+                   b.reader.label(), target, fmt::join(b.deploy.targets, ", "));
+    std::string why;
+    if (!target_runs_on(target, d.arch, &why))
+      return error(DP_ERR_TARGET, "{}: session options: target {} does not run on {}: {}", b.reader.label(), target,
+                   device_label(d, ordinal), why);
+  }
   if (target_out) *target_out = target;
   const std::string who = device_label(d, ordinal);
   const format::Manifest& m = b.manifest();
@@ -126,7 +138,9 @@ Status check_kernels(const dp_bundle& b, const std::string& target) {
         return error(DP_ERR_FORMAT, "{}: kernel {}: parameter {} has kind \"{}\", size {}, offset {} (expected pointer/8, "
                      "u32/4 or f32/4 at an offset that is a multiple of its size)", b.reader.label(), k.key, p.name,
                      p.kind, p.size, p.offset);
-      if (!param_source(k.role, p.name, p.kind))
+      // A layer program whose parameters this runtime cannot supply is not an error: that layer runs on
+      // the host (dp_session_create marks it unavailable and dp_launch_layer says why).
+      if (!param_source(k.role, p.name, p.kind) && k.role.rfind("layer:", 0) != 0)
         return error(DP_ERR_NOT_SUPPORTED, "{}: kernel {} (role {}): parameter {} ({}) is not one libdecodepack {} can "
                      "supply: use a libdecodepack as new as the decodepack that built the bundle", b.reader.label(), k.key,
                      k.role, p.name, p.kind, dp_version_string());

@@ -16,8 +16,11 @@ Status check_rank(const dp_bundle& b, int32_t rank);
 // generic of the highest minor); DP_ERR_TARGET when none does, saying which target to add.
 Result<std::string> choose_target(const dp_bundle& b, const dp_device_desc& device, int32_t ordinal);
 
-// Target, driver version and every kernel of that target against the device limits.
-Status check_device(const dp_bundle& b, const dp_device_desc& device, int32_t ordinal, std::string* target);
+// Target, driver version and every kernel of that target against the device limits. The target is
+// `forced` when not empty (the host asked for it: it must be one of the bundle's and run on the
+// device), else choose_target's; it is returned in *target.
+Status check_device(const dp_bundle& b, const dp_device_desc& device, int32_t ordinal, std::string* target,
+                    const std::string& forced = {});
 
 // Checks the parts of the manifest a session relies on for `target` that the format library leaves
 // open: kernel parameter kinds and sizes, parameter names the runtime can supply per role.

@@ -70,14 +70,6 @@ int main(int argc, char** argv) {
   dp_device_query(DP_VENDOR_CUDA, 0, &dev);
   std::printf("libdecodepack %s on %s (%s, driver %d); %d calls x %d repetitions, median, microseconds per call\n",
               dp_version_string(), dev.name, dev.arch, dev.driver_version, kCalls, kReps);
-  std::printf("%5s %10s %14s %14s %16s %16s %14s %14s\n", "width", "dp_plan", "launch(norm)", "raw launch",
-              "fork+join(crit)", "fork+join(next)", "raw fork+join", "plan+launch");
-  CUevent ev_fork = nullptr, ev_join = nullptr;
-  CUstream side = nullptr;
-  cu().EventCreate(&ev_fork, CU_EVENT_DISABLE_TIMING);
-  cu().EventCreate(&ev_join, CU_EVENT_DISABLE_TIMING);
-  cu().StreamCreate(&side, CU_STREAM_NON_BLOCKING);
-
   // What the library adds around each launch: one cuCtxGetCurrent (no push/pop when the host already
   // has the device's context current, as here and under PyTorch), and the C boundary itself.
   {
@@ -87,6 +79,14 @@ int main(int argc, char** argv) {
     const double abi_us = median_us(stream, [&] { dp_status_free(dp_session_error_flag(ds.s, nullptr, &v)); });
     std::printf("cuCtxGetCurrent %.3f us; a trivial dp_ call (dp_session_error_flag) %.3f us\n", get_us, abi_us);
   }
+  std::printf("%5s %10s %14s %14s %16s %16s %14s %14s\n", "width", "dp_plan", "launch(norm)", "raw launch",
+              "fork+join(crit)", "fork+join(next)", "raw fork+join", "plan+launch");
+  CUevent ev_fork = nullptr, ev_join = nullptr;
+  CUstream side = nullptr;
+  cu().EventCreate(&ev_fork, CU_EVENT_DISABLE_TIMING);
+  cu().EventCreate(&ev_join, CU_EVENT_DISABLE_TIMING);
+  cu().StreamCreate(&side, CU_STREAM_NON_BLOCKING);
+
   std::vector<std::string> lines;
   bool failed = false;
   for (int32_t w : ds.widths) {

@@ -5,6 +5,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <fstream>
+#include <map>
+
+#include <nlohmann/json.hpp>
 #include <cstring>
 #include <random>
 #include <string>
@@ -61,6 +65,24 @@ inline std::vector<uint16_t> random_bf16(size_t n, std::mt19937& rng, float lo, 
   return v;
 }
 
+// The tensors of a safetensors checkpoint directory (every *.safetensors file): name -> raw bytes.
+inline std::map<std::string, std::string> read_checkpoint(const std::filesystem::path& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (e.path().extension() != ".safetensors") continue;
+    const std::string bytes = rttest::read_text(e.path());
+    uint64_t n = 0;
+    std::memcpy(&n, bytes.data(), 8);
+    const nlohmann::json header = nlohmann::json::parse(bytes.substr(8, n));
+    for (const auto& [name, t] : header.items()) {
+      if (name == "__metadata__") continue;
+      const uint64_t begin = t["data_offsets"][0], end = t["data_offsets"][1];
+      out[name] = bytes.substr(8 + n + begin, end - begin);
+    }
+  }
+  return out;
+}
+
 // A device session with everything bound and loaded; frees its allocations.
 class DeviceSession {
  public:
@@ -71,7 +93,9 @@ class DeviceSession {
   }
 
   // Returns "" or what failed.
-  std::string open(const std::string& bundle, uint32_t flags = 0, int64_t slots = 16, int64_t blocks = 16) {
+  // `checkpoint`: when given, every weight gets its checkpoint bytes (TP 1: the whole tensor).
+  std::string open(const std::string& bundle, uint32_t flags = 0, const std::map<std::string, std::string>* checkpoint = nullptr,
+                   int64_t slots = 16, int64_t blocks = 16) {
     std::mt19937 rng(1234);
     if (Outcome o = outcome(dp_bundle_open(bundle.c_str(), nullptr, &b)); !o.ok()) return o.message;
     dp_session_options opt;
@@ -95,11 +119,24 @@ class DeviceSession {
       for (int32_t d = 0; d < w.ndim; ++d) bytes *= static_cast<size_t>(w.shape[d]);
       dp_tensor t;
       dp_tensor_init(&t, 0, w.dtype, w.ndim, w.shape);
+      auto upload = [&](CUdeviceptr dst, std::string name) {
+        if (!checkpoint) return std::string();
+        auto it = checkpoint->find(name);
+        if (it == checkpoint->end() || it->second.size() != bytes) return "checkpoint lacks " + name + " of " + std::to_string(bytes) + " bytes";
+        cu().MemcpyHtoD(dst, it->second.data(), bytes);
+        return std::string();
+      };
       if (w.experts == 0) {
         t.data = alloc(bytes);
         if (std::string(w.name) == "model.norm.weight") {
           norm_weight = random_bf16(static_cast<size_t>(w.shape[0]), rng, 0.5f, 1.5f);
           cu().MemcpyHtoD(t.data, norm_weight.data(), bytes);
+        }
+        if (std::string e = upload(t.data, w.name); !e.empty()) return e;
+        bound[w.name] = t.data;
+        if (checkpoint && std::string(w.name) == "model.norm.weight") {
+          norm_weight.resize(static_cast<size_t>(w.shape[0]));
+          std::memcpy(norm_weight.data(), checkpoint->at(w.name).data(), bytes);
         }
         if (Outcome o = outcome(dp_session_bind_weight(s, w.name, &t)); !o.ok()) return o.message;
       } else {
@@ -107,7 +144,13 @@ class DeviceSession {
         const size_t stride = (bytes + 255) / 256 * 256;
         const CUdeviceptr base = alloc(stride * w.experts);
         std::vector<uint64_t> ptrs;
-        for (int32_t e = 0; e < w.experts; ++e) ptrs.push_back(base + e * stride);
+        for (int32_t e = 0; e < w.experts; ++e) {
+          ptrs.push_back(base + e * stride);
+          std::string name = w.name;
+          name.replace(name.find("{e}"), 3, std::to_string(e));
+          if (std::string err = upload(ptrs.back(), name); !err.empty()) return err;
+          bound[name] = ptrs.back();
+        }
         if (Outcome o = outcome(dp_session_bind_expert_weights(s, w.name, ptrs.data(), w.experts, &t)); !o.ok())
           return o.message;
       }
@@ -165,6 +208,7 @@ class DeviceSession {
   std::vector<int32_t> widths;
   std::vector<uint16_t> norm_weight;
   std::vector<CUdeviceptr> allocations;
+  std::map<std::string, CUdeviceptr> bound;  // weight (expert) name -> device address
   Outcome last_plan;
 };
 

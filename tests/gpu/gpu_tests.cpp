@@ -292,6 +292,38 @@ TEST_F(Gpu, ErrorFlagWrittenByTheDevice) {
   DP_EXPECT_STATUS(dp_after_step(ds.s), DP_ERR_ABORTED, "error flag 0x00030001", "first in layer 2");
 }
 
+TEST_F(Gpu, WeightsAgainstFingerprints) {
+  const auto checkpoint = read_checkpoint(bundles().model);
+  ASSERT_FALSE(checkpoint.empty()) << "no safetensors in " << bundles().model;
+  DeviceSession ds;
+  const std::string err = ds.open(bundles().tiny.string(), 0, &checkpoint);
+  ASSERT_TRUE(err.empty()) << err;
+  DP_EXPECT_OK(dp_session_verify_weights(ds.s));  // the checkpoint the bundle was built from
+  // One expert of one group altered on the device: named in the refusal.
+  const std::string victim = "model.layers.2.block_sparse_moe.experts.5.w2.weight";
+  ASSERT_EQ(ds.bound.count(victim), 1u);
+  CU_OK(cu().MemsetD8(ds.bound[victim], 0xAB, 16));
+  DP_EXPECT_STATUS(dp_session_verify_weights(ds.s), DP_ERR_INTEGRITY, "1 of 221 weight shards differ",
+                   "model.layers.2.block_sparse_moe.experts.{e}.w2.weight (expert 5)");
+  DeviceSession other;  // random weights (no checkpoint): everything differs but the final norm
+  const std::string err2 = other.open(bundles().tiny.string());
+  ASSERT_TRUE(err2.empty()) << err2;
+  DP_EXPECT_STATUS(dp_session_verify_weights(other.s), DP_ERR_INTEGRITY, "weight shards differ from the bundle's fingerprints",
+                   "model.layers.0.input_layernorm.weight", "and");
+  dp_bundle* nofp = nullptr;
+  DP_EXPECT_OK(dp_bundle_open(bundles().spec.c_str(), nullptr, &nofp));
+  dp_session_options o;
+  dp_session_options_init(&o);
+  o.num_speculative_tokens = 1;
+  dp_session* s = nullptr;
+  DP_EXPECT_OK(dp_session_create(nofp, &o, &s));
+  ASSERT_TRUE(rttest::bind_all_weights(nofp, s, 0).ok());
+  DP_EXPECT_OK(dp_session_finalize_weights(s));
+  DP_EXPECT_STATUS(dp_session_verify_weights(s), DP_ERR_NOT_SUPPORTED, "no weight fingerprints");
+  dp_session_destroy(s);
+  dp_bundle_close(nofp);
+}
+
 TEST_F(Gpu, LayerWithoutProgram) {
   DeviceSession ds;
   const std::string err = ds.open(bundles().tiny.string());

@@ -1,7 +1,8 @@
 """Tests of the Python binding (runtime/python/decodepack) on a real bundle built by the decodepack CLI.
 
 Environment (set by ctest): DECODEPACK_LIBRARY (libdecodepack.so), DECODEPACK_CLI (the decodepack
-tool), PYTHONPATH (runtime/python), DECODEPACK_TEST_CACHE (compile cache kept between runs).
+tool), PYTHONPATH (runtime/python), DECODEPACK_TEST_CACHE (compile cache kept between runs);
+DECODEPACK_PY_TEST_BUNDLE instead of the CLI: the bundle setUpClass would build, built elsewhere.
 Runs on a host without a GPU: sessions are host-only, except the test that expects the driver to be
 missing.
 """
@@ -58,6 +59,10 @@ class BindingTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = tempfile.mkdtemp(prefix="dp-python-")
+        # A copy built elsewhere with the same synth/build commands (a machine without the CLI).
+        cls.path = os.environ.get("DECODEPACK_PY_TEST_BUNDLE")
+        if cls.path:
+            return
         cache = os.environ.get("DECODEPACK_TEST_CACHE") or os.path.join(cls.tmp, "cache")
         model = os.path.join(cls.tmp, "model")
         _cli("synth", "--preset", "kimi-linear-tiny", "--seed", "0", "-o", model)

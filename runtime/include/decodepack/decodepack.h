@@ -18,6 +18,7 @@
  *   3. dp_session_bind_weight        every weight the bundle lists for the rank (device pointers)
  *      dp_session_bind_expert_weights  (expert groups: one call for all experts of a tensor)
  *      dp_session_finalize_weights   every weight bound? (missing ones are named)
+ *      dp_session_verify_weights     optional: the bound bytes against the bundle's fingerprints
  *   4. dp_session_load_kernels       every width's code objects, prefetch tables, workspace; call it
  *                                    BEFORE the host profiles memory or captures graphs
  *   5. dp_session_bind_kv            KDA recurrent + conv states and MLA latent caches, per layer;
@@ -63,7 +64,7 @@
  *   dp_session_options so;  dp_session_options_init(&so);
  *   so.device = 0;  so.rank = 0;  so.tensor_parallel = 1;
  *   dp_session* s;
- *   CHECK(dp_session_create(bundle, &so, &s));   // e.g. DP_ERR_TARGET: "... add sm_100a to deploy targets"
+ *   CHECK(dp_session_create(bundle, &so, &s));   // e.g. DP_ERR_TARGET: "... add sm_100a to the deploy config's \"targets\" ..."
  *
  *   dp_tensor t;   // one call per weight the bundle lists (dp_bundle_get_weight enumerates them)
  *   int64_t shape[1] = {256};
@@ -244,7 +245,10 @@ typedef struct dp_device_desc {
 
 DP_API void dp_device_desc_init(dp_device_desc* d);
 /* Asks the driver (dlopen'ed on first use) about device `ordinal`. DP_ERR_DRIVER_UNAVAILABLE on a host
- * without the vendor's driver library, DP_ERR_NO_DEVICE for an ordinal out of range. */
+ * without the vendor's driver library, DP_ERR_NO_DEVICE for an ordinal out of range. For DP_VENDOR_HIP
+ * only vendor, arch, name and driver_version are filled (limits stay 0: not checked); sessions on AMD
+ * devices are not implemented in this version (dp_session_create answers DP_ERR_NOT_SUPPORTED), while
+ * host-only sessions plan gfx targets. */
 DP_API dp_status* dp_device_query(int32_t vendor, int32_t ordinal, dp_device_desc* out);
 /* Number of devices of `vendor` (0 without a driver; the status says why). */
 DP_API dp_status* dp_device_count(int32_t vendor, int32_t* count);
@@ -387,6 +391,14 @@ DP_API dp_status* dp_session_bind_expert_weights(dp_session* session, const char
 /* Ends weight binding: DP_ERR_MISSING_TENSOR when any weight of the rank is unbound, naming them (the
  * first few and the count). Afterwards weights may only be re-bound at the same addresses. */
 DP_API dp_status* dp_session_finalize_weights(dp_session* session);
+
+/* Optional, after finalize: reads every bound weight back from the device and compares the SHA-256 of
+ * each shard (each expert of a group) with the bundle's fingerprints (bundle-format.md section 4), so a
+ * host can prove it bound the weights the bundle was built from, sharded for this rank. Copies all of
+ * the rank's weights to the host once: seconds for a real model, so not for every start.
+ * DP_ERR_INTEGRITY names the shards that differ; DP_ERR_NOT_SUPPORTED when the bundle has no
+ * fingerprints (built with --no-weights); DP_ERR_NO_DEVICE on a host-only session. */
+DP_API dp_status* dp_session_verify_weights(dp_session* session);
 
 /* ---- Kernels -------------------------------------------------------------------------------------- */
 

@@ -151,6 +151,8 @@ class Session {
     check(dp_session_bind_expert_weights(s_, group.c_str(), data.data(), static_cast<int32_t>(data.size()), &expert));
   }
   void finalize_weights() { check(dp_session_finalize_weights(s_)); }
+  void verify_weights() { check(dp_session_verify_weights(s_)); }
+  std::string target() const { return dp_session_target(s_); }
   void load_kernels() { check(dp_session_load_kernels(s_)); }
   void bind_kv(int32_t layer, dp_kv_kind kind, const dp_tensor& t) { check(dp_session_bind_kv(s_, layer, kind, &t)); }
   void release_kv() { check(dp_session_release_kv(s_)); }

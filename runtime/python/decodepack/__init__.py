@@ -181,6 +181,7 @@ def _declare(lib):
         "dp_session_bind_weight": (S, [_p, _cstr, ctypes.POINTER(_Tensor)]),
         "dp_session_bind_expert_weights": (S, [_p, _cstr, ctypes.POINTER(_u64), _i32, ctypes.POINTER(_Tensor)]),
         "dp_session_finalize_weights": (S, [_p]),
+        "dp_session_verify_weights": (S, [_p]),
         "dp_session_load_kernels": (S, [_p]),
         "dp_session_bind_kv": (S, [_p, _i32, _i32, ctypes.POINTER(_Tensor)]),
         "dp_session_release_kv": (S, [_p]),
@@ -548,6 +549,10 @@ class Session:
 
     def finalize_weights(self):
         _check(_lib().dp_session_finalize_weights(self._h))
+
+    def verify_weights(self):
+        """Reads the bound weights back and checks them against the bundle's fingerprints."""
+        _check(_lib().dp_session_verify_weights(self._h))
 
     def load_kernels(self):
         _check(_lib().dp_session_load_kernels(self._h))

@@ -35,8 +35,8 @@ int main(int argc, char** argv) {
                                     report.kernels.size(), target, report.toolchains.begin()->second);
     int bad = 0;
     for (const dp::backend::CompiledKernel& k : report.kernels) {
-      dp::write_file_atomic(out / k.file_name,
-                            std::string_view(reinterpret_cast<const char*>(k.code_object.data()), k.code_object.size()));
+      dp::write_file_atomic(out / k.file_name, std::string_view(reinterpret_cast<const char*>(k.code_object.data()),
+                                                                k.code_object.size()));
       usage += fmt::format("{} {} {} {} {}\n", k.key, k.usage.registers, k.usage.shared_bytes, k.usage.stack_bytes,
                            k.usage.spill_bytes);
       if (k.usage.spill_bytes || k.usage.stack_bytes || !k.warnings.empty()) {

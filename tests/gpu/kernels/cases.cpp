@@ -18,6 +18,10 @@ const std::vector<ModelShape>& model_shapes() {
     tiny.shared = 128;
     tiny.routed_scaling = 2.446;
     tiny.dense_inter = 512;
+    tiny.mla_heads = 2;
+    tiny.block_size = 16;
+    tiny.splits = 4;
+    tiny.max_context = 200;
     v.push_back(tiny);
     // manifests/presets/kimi-k3-tiny.json (its experts run in the 128-wide latent; here the expert
     // kernels are checked at the hidden width, the same code with D = 256).
@@ -29,6 +33,7 @@ const std::vector<ModelShape>& model_shapes() {
     k3.shared = 256;
     k3.routed_scaling = 1.0;
     k3.situ = true;
+    k3.mla_gate = true;
     v.push_back(k3);
     // Kimi-Linear-48B-A3B (model-family.md 1), TP 1.
     ModelShape big;
@@ -41,6 +46,10 @@ const std::vector<ModelShape>& model_shapes() {
     big.shared = 1024;
     big.routed_scaling = 2.446;
     big.dense_inter = 9216;
+    big.mla_heads = 32;
+    big.block_size = 64;
+    big.splits = 16;
+    big.max_context = 3000;
     v.push_back(big);
     return v;
   }();
@@ -56,12 +65,13 @@ std::vector<Case> all_cases() {
     for (int64_t w = 1; w <= 8; ++w) v.push_back({&m[0], w, q});  // every width, tiny Kimi-Linear
   for (int64_t q : {1, 2})
     for (int64_t w : {1, 3, 8}) v.push_back({&m[1], w, q});  // K3 variants of every op
-  v.push_back({&m[2], 8, 2});                              // one 48B-shaped case, the most rows
+  v.push_back({&m[2], 8, 2});                                // one 48B-shaped case, the most rows
   return v;
 }
 
 std::vector<codegen::KernelInstance> CaseKernels::all() const {
-  return {rmsnorm, in_proj, kda, o_proj, router, route, moe_up, moe_down, mlp_up, mlp_down};
+  return {rmsnorm,  in_proj, kda,      o_proj,   router,   route,      moe_up,
+          moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine};
 }
 
 CaseKernels kernels_of(const Case& c, const std::string& target) {
@@ -94,11 +104,33 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
   k.moe_up = {"moe_up",
               {{"W", T}, {"D", H}, {"I", m.inter}, {"E", m.experts}, {"K", m.top_k}, {"S", m.shared}, {"ACT", act}},
               target};
-  k.moe_down = {"moe_down",
-                {{"W", T}, {"D", H}, {"I", m.inter}, {"E", m.experts}, {"K", m.top_k}, {"S", m.shared}},
-                target};
+  k.moe_down = {
+      "moe_down", {{"W", T}, {"D", H}, {"I", m.inter}, {"E", m.experts}, {"K", m.top_k}, {"S", m.shared}}, target};
   k.mlp_up = {"mlp_up", {{"W", T}, {"D", H}, {"I", m.dense_inter}, {"ACT", act}}, target};
   k.mlp_down = gemm(m.dense_inter, {H}, false);
+  k.mla_prep = {
+      "mla_prep",
+      {{"W", c.width}, {"Q", c.q}, {"N", m.mla_heads}, {"L", m.lora}, {"R", m.rope}, {"PN", m.nope}, {"V", m.v_dim}},
+      target};
+  k.mla_attn = {"mla_attn",
+                {{"W", c.width},
+                 {"Q", c.q},
+                 {"N", m.mla_heads},
+                 {"L", m.lora},
+                 {"R", m.rope},
+                 {"BS", m.block_size},
+                 {"NS", m.splits}},
+                target};
+  k.mla_combine = {"mla_combine",
+                   {{"W", c.width},
+                    {"Q", c.q},
+                    {"N", m.mla_heads},
+                    {"L", m.lora},
+                    {"PN", m.nope},
+                    {"V", m.v_dim},
+                    {"NS", m.splits},
+                    {"OG", m.mla_gate ? 1 : 0}},
+                   target};
   return k;
 }
 

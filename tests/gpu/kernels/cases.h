@@ -17,9 +17,9 @@ struct ModelShape {
   int64_t hidden = 0;
   // KDA
   int64_t heads = 0, head_dim = 128, conv = 4, f_rank = 128, g_rank = 128;  // g_rank 0: full-rank gate (K3)
-  bool safe_gate = false;      // K3: alpha = lower_bound * sigmoid(...)
+  bool safe_gate = false;                                                   // K3: alpha = lower_bound * sigmoid(...)
   double lower_bound = -5.0;
-  bool onorm_f32 = false;      // K3 keeps o_norm in fp32
+  bool onorm_f32 = false;  // K3 keeps o_norm in fp32
   // MoE
   int64_t experts = 0, top_k = 0, inter = 0, shared = 0;  // shared: shared-expert width
   double routed_scaling = 1.0;
@@ -27,6 +27,11 @@ struct ModelShape {
   int64_t dense_inter = 0;
   bool situ = false;
   double situ_beta = 4.0, situ_linear_beta = 25.0;
+  // MLA (NoPE, absorbed): heads, kv_lora_rank, rope/nope/v head dims, K3 output gate; the cache's
+  // block size, the KV splits and the longest context the checks draw.
+  int64_t mla_heads = 0, lora = 512, rope = 64, nope = 128, v_dim = 128;
+  bool mla_gate = false;
+  int64_t block_size = 64, splits = 16, max_context = 0;
 
   int64_t proj_size() const { return heads * head_dim; }  // P
   int64_t proj_cols() const {                             // columns of the stacked KDA projections
@@ -47,16 +52,19 @@ std::vector<Case> all_cases();
 
 // The kernels of one case, named after their role in a layer program.
 struct CaseKernels {
-  codegen::KernelInstance rmsnorm;     // fused add + RMSNorm over the step's rows
-  codegen::KernelInstance in_proj;     // gemm: KDA q | k | v | f_a | g_a (g) | b
-  codegen::KernelInstance kda;         // kda_step
-  codegen::KernelInstance o_proj;      // gemm: [H, P]
-  codegen::KernelInstance router;      // gemm, fp32 out: [E, H]
-  codegen::KernelInstance route;       // moe_route
-  codegen::KernelInstance moe_up;      // moe_up (routed + shared)
-  codegen::KernelInstance moe_down;    // moe_down (routed + shared)
-  codegen::KernelInstance mlp_up;      // dense gate/up
-  codegen::KernelInstance mlp_down;    // gemm: [H, I_dense]
+  codegen::KernelInstance rmsnorm;      // fused add + RMSNorm over the step's rows
+  codegen::KernelInstance in_proj;      // gemm: KDA q | k | v | f_a | g_a (g) | b
+  codegen::KernelInstance kda;          // kda_step
+  codegen::KernelInstance o_proj;       // gemm: [H, P]
+  codegen::KernelInstance router;       // gemm, fp32 out: [E, H]
+  codegen::KernelInstance route;        // moe_route
+  codegen::KernelInstance moe_up;       // moe_up (routed + shared)
+  codegen::KernelInstance moe_down;     // moe_down (routed + shared)
+  codegen::KernelInstance mlp_up;       // dense gate/up
+  codegen::KernelInstance mlp_down;     // gemm: [H, I_dense]
+  codegen::KernelInstance mla_prep;     // kv_a_layernorm + cache write + absorbed query
+  codegen::KernelInstance mla_attn;     // split-KV attention partials
+  codegen::KernelInstance mla_combine;  // merge + W_UV (+ K3 gate)
   std::vector<codegen::KernelInstance> all() const;
 };
 CaseKernels kernels_of(const Case& c, const std::string& target);

@@ -92,14 +92,16 @@ DevBuf device_copy(const std::vector<T>& v) {
   return b;
 }
 
-// One kernel argument: a device pointer (0 = null) or an fp32 scalar.
+// One kernel argument: a device pointer (0 = null), an fp32 or a u32 scalar.
 struct Arg {
   CUdeviceptr ptr = 0;
   float f = 0.0f;
-  bool is_f32 = false;
+  uint32_t u = 0;
+  bool is_f32 = false, is_u32 = false;
   Arg(const DevBuf& b) : ptr(b.ptr) {}  // NOLINT: buffers convert implicitly
   Arg(CUdeviceptr p) : ptr(p) {}        // NOLINT
   Arg(float v) : f(v), is_f32(true) {}  // NOLINT
+  explicit Arg(uint32_t v) : u(v), is_u32(true) {}
 };
 
 class Kernels {
@@ -116,6 +118,7 @@ class Kernels {
     const codegen::KernelSignature sig = codegen::kernel_signature(k);
     std::vector<CUdeviceptr> ptrs(sig.params.size());
     std::vector<float> floats(sig.params.size());
+    std::vector<uint32_t> u32s(sig.params.size());
     std::vector<void*> pack;
     for (size_t i = 0; i < sig.params.size(); ++i) {
       const codegen::KernelParam& p = sig.params[i];
@@ -128,11 +131,17 @@ class Kernels {
         }
         fail(Errc::internal, "{}: no value for parameter {}", codegen::kernel_name(k), p.name);
       }
-      if (p.kind == codegen::KernelParam::Kind::f32) {
+      if (p.kind == codegen::KernelParam::Kind::u32) {
+        if (!it->second.is_u32) fail(Errc::internal, "{}: parameter {} wants a u32", codegen::kernel_name(k), p.name);
+        u32s[i] = it->second.u;
+        pack.push_back(&u32s[i]);
+      } else if (p.kind == codegen::KernelParam::Kind::f32) {
         if (!it->second.is_f32) fail(Errc::internal, "{}: parameter {} wants an f32", codegen::kernel_name(k), p.name);
         floats[i] = it->second.f;
         pack.push_back(&floats[i]);
       } else {
+        if (it->second.is_f32 || it->second.is_u32)
+          fail(Errc::internal, "{}: parameter {} wants a pointer", codegen::kernel_name(k), p.name);
         ptrs[i] = it->second.ptr;
         pack.push_back(&ptrs[i]);
       }
@@ -148,8 +157,8 @@ class Kernels {
     CU(cuEventCreate(&stop, CU_EVENT_DEFAULT));
     CU(cuEventRecord(start, nullptr));
     for (int r = 0; r < repeat; ++r)
-      CU(cuLaunchKernel(f, s.grid[0], s.grid[1], s.grid[2], s.block[0], s.block[1], s.block[2],
-                        s.dynamic_shared_bytes, nullptr, pack.data(), nullptr));
+      CU(cuLaunchKernel(f, s.grid[0], s.grid[1], s.grid[2], s.block[0], s.block[1], s.block[2], s.dynamic_shared_bytes,
+                        nullptr, pack.data(), nullptr));
     CU(cuEventRecord(stop, nullptr));
     const CUresult r = cuCtxSynchronize();
     if (r != CUDA_SUCCESS) cu_check(r, ("running " + codegen::kernel_name(k)).c_str());
@@ -230,12 +239,6 @@ Mat to_mat(const std::vector<uint16_t>& v, int64_t rows, int64_t cols) {
   m.v = to_double(v);
   return m;
 }
-std::vector<double> cat(std::initializer_list<const std::vector<double>*> parts) {
-  std::vector<double> out;
-  for (auto* p : parts) out.insert(out.end(), p->begin(), p->end());
-  return out;
-}
-
 // Exact double dot product of a bf16 row with a double vector (the expert matrices stay bf16).
 double dot_bf16(const uint16_t* w, const double* x, int64_t n) {
   double s = 0;
@@ -297,7 +300,8 @@ std::vector<double> f32_out(const DevBuf& b) { return to_double(b.download<float
 constexpr double kBf16Tol = 1e-2, kF32Tol = 1e-4;
 
 // Reference of a bf16 GEMM output: x W^T in double, rounded to bf16 (Rounding::linear).
-std::vector<double> linear_bf16(const Mat& x, const std::vector<double>& w, int64_t out, int64_t in, bool round = true) {
+std::vector<double> linear_bf16(const Mat& x, const std::vector<double>& w, int64_t out, int64_t in,
+                                bool round = true) {
   Mat y = ref::linear(x, w, out, in);
   ref::round_bf16_if(round, y);
   return y.v;
@@ -332,8 +336,8 @@ void check_rmsnorm(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed)
                                    {"residual_out", rout},
                                    {"eps", 1e-5f}});
     Mat mh = to_mat(hidden, T, H), mr = to_mat(residual, T, H);
-    ref::AddNorm e = ref::fused_add_rms_norm(mh, with_residual ? &mr : nullptr, to_double(weight), 1e-5,
-                                             ref::Rounding::vllm());
+    ref::AddNorm e =
+        ref::fused_add_rms_norm(mh, with_residual ? &mr : nullptr, to_double(weight), 1e-5, ref::Rounding::vllm());
     const std::string tag = with_residual ? "rmsnorm" : "rmsnorm (layer 0)";
     ctx.report.add(c.name(), tag + " out", rel(bf16_out(out), e.x.v), kBf16Tol);
     ctx.report.add(c.name(), tag + " residual", rel(bf16_out(rout), e.residual.v), 1e-6);
@@ -398,7 +402,8 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   const double afr = std::sqrt(3.0 / FR);
   auto w_fb = rand_bf16(P * FR, rng, -afr, afr);
   auto w_gb = rand_bf16(GR > 0 ? P * GR : 8, rng, -afr, afr);
-  auto cq = rand_f32(P * CK, rng, -0.6, 0.6), ck = rand_f32(P * CK, rng, -0.6, 0.6), cv = rand_f32(P * CK, rng, -0.6, 0.6);
+  auto cq = rand_f32(P * CK, rng, -0.6, 0.6), ck = rand_f32(P * CK, rng, -0.6, 0.6),
+       cv = rand_f32(P * CK, rng, -0.6, 0.6);
   auto dt_bias = rand_f32(P, rng, -3, -1);
   auto a_log = rand_f32(NH, rng, -1, 1.5);
   auto onorm_bf = rand_bf16(D, rng, 0.5, 1.5);
@@ -417,7 +422,7 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   std::vector<int32_t> accepted(W, 1);
   if (Q > 1)
     for (int64_t r = 0; r < W; ++r) accepted[r] = static_cast<int32_t>(1 + rng.below(Q));
-  if (Q > 1 && W >= 4) accepted[W - 1] = 1;  // reads slot 0's position... of its own, non-zero slot
+  if (Q > 1 && W >= 4) accepted[W - 1] = 1;  // it must read from its first slot, the only non-zero one
 
   auto state0 = rand_f32(num_slots * NH * D * D, rng, -1, 1);
   auto convq0 = rand_bf16(num_slots * CH * P, rng, -2, 2), convk0 = rand_bf16(num_slots * CH * P, rng, -2, 2),
@@ -432,10 +437,10 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   DevBuf out(T * P * 2);
   out.poison();
   std::map<std::string, Arg> args{
-      {"proj", d_proj},   {"w_fb", d_fb},       {"conv_wq", d_cq},    {"conv_wk", d_ck},    {"conv_wv", d_cv},
-      {"dt_bias", d_dt},  {"a_log", d_alog},    {"o_norm", d_on},     {"state", d_state},   {"conv_q", d_convq},
-      {"conv_k", d_convk}, {"conv_v", d_convv}, {"slots", d_slots},   {"out", out},         {"lower_bound", -5.0f},
-      {"onorm_eps", 1e-5f}};
+      {"proj", d_proj},   {"w_fb", d_fb},      {"conv_wq", d_cq},      {"conv_wk", d_ck},
+      {"conv_wv", d_cv},  {"dt_bias", d_dt},   {"a_log", d_alog},      {"o_norm", d_on},
+      {"state", d_state}, {"conv_q", d_convq}, {"conv_k", d_convk},    {"conv_v", d_convv},
+      {"slots", d_slots}, {"out", out},        {"lower_bound", -5.0f}, {"onorm_eps", 1e-5f}};
   if (GR > 0) args.emplace("w_gb", Arg(d_gb));
   if (Q > 1) args.emplace("num_accepted", Arg(d_acc));
   const float ms = ctx.kernels.launch(k.kda, args);
@@ -487,7 +492,8 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
         for (int64_t cc = 0; cc < D; ++cc) {
           const int64_t ch = j * D + cc;
           double f = 0;
-          for (int64_t rr = 0; rr < FR; ++rr) f += bf16_to_f32(w_fb[ch * FR + rr]) * bf16_to_f32(proj[t * NP + fa_col + rr]);
+          for (int64_t rr = 0; rr < FR; ++rr)
+            f += bf16_to_f32(w_fb[ch * FR + rr]) * bf16_to_f32(proj[t * NP + fa_col + rr]);
           alpha[cc] = ref::kda_alpha(ref::round_bf16(f), dt_bias[ch], a_log[j], lb);
           if (GR > 0) {
             double gg = 0;
@@ -561,9 +567,12 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   // ---- route ----
   DevBuf ids(T * KT * 4), tw(T * KT * 4), experts((1 + U) * 4), eslots(U * T * 4);
   for (DevBuf* b : {&ids, &tw, &experts, &eslots}) b->poison();
-  const float route_ms = ctx.kernels.launch(
-      k.route, {{"logits", logits}, {"bias", dbias}, {"topk_ids", ids}, {"topk_weights", tw}, {"experts", experts},
-                {"expert_slots", eslots}});
+  const float route_ms = ctx.kernels.launch(k.route, {{"logits", logits},
+                                                      {"bias", dbias},
+                                                      {"topk_ids", ids},
+                                                      {"topk_weights", tw},
+                                                      {"experts", experts},
+                                                      {"expert_slots", eslots}});
   const std::vector<int32_t> gid = ids.download<int32_t>();
   const std::vector<float> gw = tw.download<float>();
   const std::vector<int32_t> gex = experts.download<int32_t>();
@@ -594,8 +603,10 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
       const double kth = ref::sigmoid(lt[want_ids.back()]) + bias_d[want_ids.back()];
       bool tie = true;
       for (int32_t e : mine) tie &= ref::sigmoid(lt[e]) + bias_d[e] >= kth - 1e-6;
-      if (tie) ++near_ties;
-      else bad_ids += KT;
+      if (tie)
+        ++near_ties;
+      else
+        bad_ids += KT;
     }
     double sum = 0;
     for (int32_t e : mine) sum += ref::sigmoid(lt[e]);
@@ -644,9 +655,15 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   DevBuf h(T * KT * I * 2), hs(T * S * 2);
   h.poison();
   hs.poison();
-  std::map<std::string, Arg> up_args{{"x", dx},           {"w1", w1},        {"w3", w3},
-                                     {"shared_gate", dsg}, {"shared_up", dsu}, {"experts", experts},
-                                     {"expert_slots", eslots}, {"h", h},      {"hs", hs}};
+  std::map<std::string, Arg> up_args{{"x", dx},
+                                     {"w1", w1},
+                                     {"w3", w3},
+                                     {"shared_gate", dsg},
+                                     {"shared_up", dsu},
+                                     {"experts", experts},
+                                     {"expert_slots", eslots},
+                                     {"h", h},
+                                     {"hs", hs}};
   if (m.situ) {
     up_args.emplace("act_beta", Arg(static_cast<float>(m.situ_beta)));
     up_args.emplace("act_linear_beta", Arg(static_cast<float>(m.situ_linear_beta)));
@@ -677,16 +694,15 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   // ---- moe_down (inputs: the GPU's h, hs and weights) ----
   DevBuf out(T * H * 2);
   out.poison();
-  const float down_ms = ctx.kernels.launch(
-      k.moe_down, {{"h", h},
-                   {"hs", hs},
-                   {"w2", w2},
-                   {"shared_down", dsd},
-                   {"experts", experts},
-                   {"expert_slots", eslots},
-                   {"topk_weights", tw},
-                   {"out", out},
-                   {"routed_scaling", static_cast<float>(m.routed_scaling)}});
+  const float down_ms = ctx.kernels.launch(k.moe_down, {{"h", h},
+                                                        {"hs", hs},
+                                                        {"w2", w2},
+                                                        {"shared_down", dsd},
+                                                        {"experts", experts},
+                                                        {"expert_slots", eslots},
+                                                        {"topk_weights", tw},
+                                                        {"out", out},
+                                                        {"routed_scaling", static_cast<float>(m.routed_scaling)}});
   // vLLM's rounding points: each weighted expert output, their sum, the scaled sum, the shared
   // output and the final sum are bf16 tensors (Rounding::moe_weighted, moe_sum, linear, ffn_out).
   auto down_ref = [&](const std::vector<double>& hh, const std::vector<double>& hhs, const std::vector<double>& wts) {
@@ -746,22 +762,190 @@ void check_mlp(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   ctx.report.add(c.name(), "mlp chain (from x)", rel(out_gpu, linear_bf16(mhr, wdd, H, I)), kBf16Tol);
 }
 
+// MLA: mla_prep -> mla_attn -> mla_combine on a paged cache with random history, against the
+// absorbed-attention math of compiler/reference/layer.cpp mla_mixer (cache write before attention,
+// causal within the request's new rows, bf16 q_lat / o_lat / o at vLLM's storage points).
+void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
+  const ModelShape& m = *c.model;
+  const int64_t W = c.width, Q = c.q, T = c.rows(), N = m.mla_heads, L = m.lora, R = m.rope, PN = m.nope, V = m.v_dim,
+                BS = m.block_size, NS = m.splits, LR = L + R;
+  // One stacked projection buffer [q | kv | gate] so that the kernels' row strides are exercised.
+  const int64_t NQ = N * (PN + R), G = m.mla_gate ? N * V : 0, ld = NQ + LR + G;
+  Rng rng(seed);
+  std::vector<uint16_t> proj(T * ld);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < ld; ++j) {
+      const double span = j < NQ ? 1.0 : j < NQ + LR ? 2.0 : 3.0;
+      const double v = rng.uniform(-span, span);
+      proj[t * ld + j] = to_bf16(v == 0 ? span : v);
+    }
+  const double akb = std::sqrt(3.0 / PN);
+  auto kv_b = rand_bf16(N * (PN + V) * L, rng, -akb, akb);
+  auto norm_w = rand_bf16(L, rng, 0.5, 1.5);
+
+  // Requests: random lengths; request 0 as short as possible (splits with no token), request 1
+  // padded when W >= 3. Blocks are a random permutation, block 0 never used (vLLM's null block).
+  std::vector<int32_t> lens(W);
+  for (int64_t r = 0; r < W; ++r) lens[r] = static_cast<int32_t>(Q + rng.below(m.max_context - Q + 1));
+  if (W >= 2) lens[0] = static_cast<int32_t>(Q);
+  if (W >= 3) lens[1] = 0;
+  const int64_t MB = (m.max_context + BS - 1) / BS;  // block-table row length
+  const int64_t num_blocks = 1 + W * MB + 2;
+  std::vector<int32_t> perm(W * MB);
+  for (int64_t i = 0; i < W * MB; ++i) perm[i] = static_cast<int32_t>(1 + i);
+  for (int64_t i = W * MB - 1; i > 0; --i) std::swap(perm[i], perm[rng.below(i + 1)]);
+  const std::vector<int32_t>& bt = perm;  // [W, MB]
+  std::vector<int64_t> slot_map(T, -1);
+  for (int64_t r = 0; r < W; ++r)
+    for (int64_t i = 0; i < Q && lens[r] > 0; ++i) {
+      const int64_t pos = lens[r] - Q + i;
+      slot_map[r * Q + i] = static_cast<int64_t>(bt[r * MB + pos / BS]) * BS + pos % BS;
+    }
+  auto cache0 = rand_bf16(num_blocks * BS * LR, rng, -2, 2);
+
+  DevBuf d_proj = device_copy(proj), d_kvb = device_copy(kv_b), d_norm = device_copy(norm_w);
+  DevBuf d_lens = device_copy(lens), d_bt = device_copy(perm), d_slots = device_copy(slot_map);
+  DevBuf d_cache = device_copy(cache0);
+  DevBuf q_abs(T * N * LR * 2), part_o(W * NS * Q * N * L * 4), part_ml(W * NS * Q * N * 2 * 4), out(T * N * V * 2);
+  for (DevBuf* b : {&q_abs, &part_o, &part_ml, &out}) b->poison();
+  const float eps = 1e-5f, scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(PN + R)));
+  const float t_prep = ctx.kernels.launch(k.mla_prep, {{"q", d_proj},
+                                                       {"stride_q", Arg(static_cast<uint32_t>(ld))},
+                                                       {"kv", d_proj.ptr + NQ * 2},
+                                                       {"stride_kv", Arg(static_cast<uint32_t>(ld))},
+                                                       {"kv_norm_w", d_norm},
+                                                       {"kv_b", d_kvb},
+                                                       {"seq_lens", d_lens},
+                                                       {"slot_mapping", d_slots},
+                                                       {"cache", d_cache},
+                                                       {"q_abs", q_abs},
+                                                       {"eps", eps}});
+  const float t_attn = ctx.kernels.launch(k.mla_attn, {{"q_abs", q_abs},
+                                                       {"cache", d_cache},
+                                                       {"block_table", d_bt},
+                                                       {"stride_bt", Arg(static_cast<uint32_t>(MB))},
+                                                       {"seq_lens", d_lens},
+                                                       {"part_o", part_o},
+                                                       {"part_ml", part_ml},
+                                                       {"scale", scale}});
+  std::map<std::string, Arg> cargs{{"part_o", part_o},
+                                   {"part_ml", part_ml},
+                                   {"seq_lens", d_lens},
+                                   {"kv_b", d_kvb},
+                                   {"stride_g", Arg(static_cast<uint32_t>(ld))},
+                                   {"out", out}};
+  if (m.mla_gate) cargs.emplace("gate", Arg(d_proj.ptr + (NQ + LR) * 2));
+  const float t_comb = ctx.kernels.launch(k.mla_combine, cargs);
+
+  // ---- reference ----
+  std::vector<double> cache = to_double(cache0);
+  std::vector<bool> written(num_blocks * BS, false);
+  const std::vector<double> nw = to_double(norm_w);
+  for (int64_t t = 0; t < T; ++t) {
+    if (lens[t / Q] == 0 || slot_map[t] < 0) continue;
+    std::vector<double> cv(L), cn(L);
+    for (int64_t l = 0; l < L; ++l) cv[l] = bf16_to_f32(proj[t * ld + NQ + l]);
+    ref::rms_norm(cv, nw, eps, cn);
+    double* dst = cache.data() + slot_map[t] * LR;
+    for (int64_t l = 0; l < L; ++l) dst[l] = ref::round_bf16(cn[l]);
+    for (int64_t e = 0; e < R; ++e) dst[L + e] = bf16_to_f32(proj[t * ld + NQ + L + e]);
+    written[slot_map[t]] = true;
+  }
+  std::vector<double> qabs_ref(T * N * LR), out_ref(T * N * V, 0.0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < N; ++n) {
+      double* qa = qabs_ref.data() + (t * N + n) * LR;
+      const uint16_t* qn = proj.data() + t * ld + n * (PN + R);
+      for (int64_t l = 0; l < L; ++l) {
+        double s = 0;
+        for (int64_t j = 0; j < PN; ++j) s += bf16_to_f32(qn[j]) * bf16_to_f32(kv_b[(n * (PN + V) + j) * L + l]);
+        qa[l] = ref::round_bf16(s);
+      }
+      for (int64_t e = 0; e < R; ++e) qa[L + e] = bf16_to_f32(qn[PN + e]);
+    }
+  for (int64_t r = 0; r < W; ++r) {
+    if (lens[r] == 0) continue;
+    for (int64_t i = 0; i < Q; ++i) {
+      const int64_t t = r * Q + i, last = lens[r] - Q + i;
+      for (int64_t n = 0; n < N; ++n) {
+        const double* qa = qabs_ref.data() + (t * N + n) * LR;
+        std::vector<double> sc(last + 1);
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int64_t p = 0; p <= last; ++p) {
+          const double* row = cache.data() + (static_cast<int64_t>(bt[r * MB + p / BS]) * BS + p % BS) * LR;
+          double d = 0;
+          for (int64_t e = 0; e < LR; ++e) d += qa[e] * row[e];
+          sc[p] = d * scale;
+          mx = std::max(mx, sc[p]);
+        }
+        double z = 0;
+        for (double& e : sc) z += (e = std::exp(e - mx));
+        std::vector<double> ol(L, 0.0);
+        for (int64_t p = 0; p <= last; ++p) {
+          const double* row = cache.data() + (static_cast<int64_t>(bt[r * MB + p / BS]) * BS + p % BS) * LR;
+          for (int64_t l = 0; l < L; ++l) ol[l] += sc[p] / z * row[l];
+        }
+        ref::round_bf16_if(true, ol);
+        for (int64_t v = 0; v < V; ++v) {
+          double o = 0;
+          for (int64_t l = 0; l < L; ++l) o += ol[l] * bf16_to_f32(kv_b[(n * (PN + V) + PN + v) * L + l]);
+          o = ref::round_bf16(o);
+          if (m.mla_gate) o = ref::round_bf16(o * ref::sigmoid(bf16_to_f32(proj[t * ld + NQ + LR + n * V + v])));
+          out_ref[t * N * V + n * V + v] = o;
+        }
+      }
+    }
+  }
+
+  const std::vector<uint16_t> gcache = d_cache.download<uint16_t>();
+  std::vector<double> got, want;
+  int64_t touched = 0;
+  for (int64_t s = 0; s < num_blocks * BS; ++s)
+    for (int64_t e = 0; e < LR; ++e) {
+      const size_t i = static_cast<size_t>(s * LR + e);
+      if (written[s]) {
+        got.push_back(bf16_to_f32(gcache[i]));
+        want.push_back(cache[i]);
+      } else if (gcache[i] != cache0[i]) {
+        ++touched;
+      }
+    }
+  ctx.report.add(c.name(), "mla_prep cache rows", rel_error(got, want), kBf16Tol);
+  ctx.report.zero(c.name(), "mla_prep cache (others)", touched, "values changed in slots the step must not write");
+  ctx.report.add(c.name(), "mla_prep q_abs", rel(bf16_out(q_abs), qabs_ref), kBf16Tol,
+                 ctx.time ? fmt::format("{:.1f} us", t_prep * 1e3) : std::string());
+  ctx.report.add(c.name(), "mla attn+combine out", rel(bf16_out(out), out_ref), kBf16Tol,
+                 ctx.time ? fmt::format("attn {:.1f} us, combine {:.1f} us", t_attn * 1e3, t_comb * 1e3)
+                          : fmt::format("contexts up to {}", *std::max_element(lens.begin(), lens.end())));
+}
+
 }  // namespace
 }  // namespace dp::gpucheck
 
 int main(int argc, char** argv) {
   using namespace dp::gpucheck;
   if (argc < 2) {
-    std::fprintf(stderr, "usage: dp_kernel_check CUBIN_DIR [--out FILE] [--only SUBSTRING] [--time]\n");
+    std::fprintf(stderr,
+                 "usage: dp_kernel_check CUBIN_DIR [--out FILE (appended)] [--only SUBSTRING] [--case INDEX] "
+                 "[--count] [--time]\n");
     return 2;
   }
   std::string out_file, only;
   bool time = false;
+  int64_t case_index = -1;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--out" && i + 1 < argc) out_file = argv[++i];
-    else if (a == "--only" && i + 1 < argc) only = argv[++i];
-    else if (a == "--time") time = true;
+    if (a == "--out" && i + 1 < argc)
+      out_file = argv[++i];
+    else if (a == "--only" && i + 1 < argc)
+      only = argv[++i];
+    else if (a == "--case" && i + 1 < argc)
+      case_index = std::stoll(argv[++i]);
+    else if (a == "--count") {
+      std::printf("%zu\n", all_cases().size());  // cases, for running each in its own process
+      return 0;
+    } else if (a == "--time")
+      time = true;
     else {
       std::fprintf(stderr, "dp_kernel_check: unknown argument %s\n", a.c_str());
       return 2;
@@ -782,8 +966,11 @@ int main(int argc, char** argv) {
     Ctx c{kernels, report, time};
     uint64_t seed = 1;
     const auto t0 = std::chrono::steady_clock::now();
-    for (const Case& cs : all_cases()) {
+    const std::vector<Case> cases = all_cases();
+    for (size_t ci = 0; ci < cases.size(); ++ci) {
+      const Case& cs = cases[ci];
       if (!only.empty() && cs.name().find(only) == std::string::npos) continue;
+      if (case_index >= 0 && static_cast<int64_t>(ci) != case_index) continue;
       std::printf("%s\n", cs.name().c_str());
       const CaseKernels k = kernels_of(cs, "sm_90a");
       const bool timing = time && cs.model->name == "kimi-linear-48b";
@@ -794,15 +981,15 @@ int main(int argc, char** argv) {
       check_kda(c, cs, k, seed += 10);
       check_moe(c, cs, k, seed += 10);
       check_mlp(c, cs, k, seed += 10);
+      check_mla(c, cs, k, seed += 10);
     }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("\n%zu checks, %d failed, %.1f s\n", report.results().size(), report.failures(), secs);
     if (!out_file.empty()) {
-      std::ofstream f(out_file);
-      f << "device\t" << name << "\n";
+      std::ofstream f(out_file, std::ios::app);
       for (const Result& r : report.results())
-        f << r.case_name << "\t" << r.check << "\t" << r.value << "\t" << r.limit << "\t" << (r.pass ? "ok" : "FAIL")
-          << "\t" << r.note << "\n";
+        f << name << "\t" << r.case_name << "\t" << r.check << "\t" << r.value << "\t" << r.limit << "\t"
+          << (r.pass ? "ok" : "FAIL") << "\t" << r.note << "\n";
     }
     return report.failures() ? 1 : 0;
   } catch (const dp::Error& e) {

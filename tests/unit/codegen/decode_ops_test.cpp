@@ -32,16 +32,31 @@ KernelInstance moe_up(int64_t w, int64_t d, int64_t i, int64_t e, int64_t k, int
                       std::string target = "sm_90a") {
   return {"moe_up", {{"W", w}, {"D", d}, {"I", i}, {"E", e}, {"K", k}, {"S", s}, {"ACT", act}}, std::move(target)};
 }
-KernelInstance moe_down(int64_t w, int64_t d, int64_t i, int64_t e, int64_t k, int64_t s, std::string target = "sm_90a") {
+KernelInstance moe_down(int64_t w, int64_t d, int64_t i, int64_t e, int64_t k, int64_t s,
+                        std::string target = "sm_90a") {
   return {"moe_down", {{"W", w}, {"D", d}, {"I", i}, {"E", e}, {"K", k}, {"S", s}}, std::move(target)};
 }
 KernelInstance mlp_up(int64_t w, int64_t d, int64_t i, int64_t act = 0, std::string target = "sm_90a") {
   return {"mlp_up", {{"W", w}, {"D", d}, {"I", i}, {"ACT", act}}, std::move(target)};
 }
+// MLA at Kimi shapes: L 512, R 64, PN 128, V 128.
+KernelInstance mla_prep(int64_t w, int64_t q, int64_t n, std::string target = "sm_90a") {
+  return {
+      "mla_prep", {{"W", w}, {"Q", q}, {"N", n}, {"L", 512}, {"R", 64}, {"PN", 128}, {"V", 128}}, std::move(target)};
+}
+KernelInstance mla_attn(int64_t w, int64_t q, int64_t n, int64_t ns = 16, std::string target = "sm_90a") {
+  return {"mla_attn", {{"W", w}, {"Q", q}, {"N", n}, {"L", 512}, {"R", 64}, {"BS", 64}, {"NS", ns}}, std::move(target)};
+}
+KernelInstance mla_combine(int64_t w, int64_t q, int64_t n, int64_t og = 0, std::string target = "sm_90a") {
+  return {"mla_combine",
+          {{"W", w}, {"Q", q}, {"N", n}, {"L", 512}, {"PN", 128}, {"V", 128}, {"NS", 16}, {"OG", og}},
+          std::move(target)};
+}
 
 TEST(DecodeOps, AreKnown) {
   const std::vector<std::string> ops = known_ops();
-  for (const char* op : {"gemm", "kda_step", "mlp_up", "moe_down", "moe_route", "moe_up", "prefetch", "rmsnorm"})
+  for (const char* op : {"gemm", "kda_step", "mla_attn", "mla_combine", "mla_prep", "mlp_up", "moe_down", "moe_route",
+                         "moe_up", "prefetch", "rmsnorm"})
     EXPECT_NE(std::find(ops.begin(), ops.end(), op), ops.end()) << op;
   EXPECT_TRUE(std::is_sorted(ops.begin(), ops.end()));
 }
@@ -50,14 +65,17 @@ TEST(DecodeOps, NamesAtKimiLinear48bShapes) {
   // The KDA projections stacked in one launch: q, k, v, f_a, g_a, b.
   EXPECT_EQ(kernel_name(gemm(4, 2304, {4096, 4096, 4096, 128, 128, 32})),
             "gemm_w4_k2304_na4096_nb4096_nc4096_nd128_ne128_nf32");
-  EXPECT_EQ(kernel_name(gemm(4, 4096, {2304})), "gemm_w4_k4096_na2304");            // o_proj
-  EXPECT_EQ(kernel_name(gemm(4, 2304, {256}, true)), "gemm_w4_k2304_na256_f1");     // router logits
+  EXPECT_EQ(kernel_name(gemm(4, 4096, {2304})), "gemm_w4_k4096_na2304");         // o_proj
+  EXPECT_EQ(kernel_name(gemm(4, 2304, {256}, true)), "gemm_w4_k2304_na256_f1");  // router logits
   EXPECT_EQ(kernel_name(kda(4, 1, 32)), "kda_step_w4_q1_nh32_d128_cv4_fr128_gr128_sg0_on0");
   EXPECT_EQ(kernel_name(kda(4, 2, 96, 0, true)), "kda_step_w4_q2_nh96_d128_cv4_fr128_gr0_sg1_on1");
   EXPECT_EQ(kernel_name(route(8, 256, 8)), "moe_route_w8_e256_k8_rn1");
   EXPECT_EQ(kernel_name(moe_up(4, 2304, 1024, 256, 8, 1024)), "moe_up_w4_d2304_i1024_e256_k8_s1024_act0");
   EXPECT_EQ(kernel_name(moe_down(4, 2304, 1024, 256, 8, 1024)), "moe_down_w4_d2304_i1024_e256_k8_s1024");
   EXPECT_EQ(kernel_name(mlp_up(4, 2304, 9216)), "mlp_up_w4_d2304_i9216_act0");
+  EXPECT_EQ(kernel_name(mla_prep(4, 1, 32)), "mla_prep_w4_q1_n32_l512_r64_pn128_v128");
+  EXPECT_EQ(kernel_name(mla_attn(4, 2, 32)), "mla_attn_w4_q2_n32_l512_r64_bs64_ns16");
+  EXPECT_EQ(kernel_name(mla_combine(4, 1, 96, 1)), "mla_combine_w4_q1_n96_l512_pn128_v128_ns16_og1");
   // Omitted zeros never make two instances share a name.
   EXPECT_NE(kernel_name(gemm(4, 2304, {256}, true)), kernel_name(gemm(4, 2304, {256}, false)));
   EXPECT_NE(kernel_name(gemm(4, 2304, {256, 8})), kernel_name(gemm(4, 2304, {2568})));
@@ -65,8 +83,11 @@ TEST(DecodeOps, NamesAtKimiLinear48bShapes) {
 
 TEST(DecodeOps, RefuseShapesTheTemplatesCannotBuild) {
   using test::expect_error;
-  expect_error([] { kernel_name(gemm(4, 2304, {256, 0, 32})); }, Errc::input,
-               {"parameter NC = 32 follows NB = 0", "absent weights must be the last"});
+  expect_error(
+      [] {
+        kernel_name(gemm(4, 2304, {256, 0, 32}));
+      },
+      Errc::input, {"parameter NC = 32 follows NB = 0", "absent weights must be the last"});
   expect_error([] { kernel_name(gemm(4, 2300, {256})); }, Errc::input, {"K = 2300 is not a multiple of 8"});
   expect_error([] { kernel_name(gemm(33, 2304, {256})); }, Errc::input, {"parameter W = 33 is out of range", "1..32"});
   expect_error([] { kernel_name(gemm(4, 2304, {0})); }, Errc::input, {"parameter NA = 0 is out of range"});
@@ -76,8 +97,15 @@ TEST(DecodeOps, RefuseShapesTheTemplatesCannotBuild) {
   k = kda(1, 1, 32, 100);
   expect_error([&] { kernel_name(k); }, Errc::input, {"GR = 100 is not a multiple of 8"});
   expect_error([] { kernel_name(route(1, 4, 8)); }, Errc::input, {"K = 8 (top-k) exceeds E = 4"});
-  expect_error([] { kernel_name(moe_up(4, 2304, 1020, 256, 8, 1024)); }, Errc::input, {"I = 1020 is not a multiple of 8"});
-  expect_error([] { kernel_name(moe_down(4, 2304, 1024, 256, 8, 1028)); }, Errc::input, {"S = 1028 is not a multiple of 8"});
+  expect_error([] { kernel_name(moe_up(4, 2304, 1020, 256, 8, 1024)); }, Errc::input,
+               {"I = 1020 is not a multiple of 8"});
+  expect_error([] { kernel_name(moe_down(4, 2304, 1024, 256, 8, 1028)); }, Errc::input,
+               {"S = 1028 is not a multiple of 8"});
+  expect_error([] { kernel_name(mla_prep(8, 8, 32)); }, Errc::input, {"W x Q = 64 rows exceed 32"});
+  KernelInstance wide = mla_attn(1, 1, 32);
+  wide.params["L"] = 1024;
+  wide.params["R"] = 256;
+  expect_error([&] { kernel_name(wide); }, Errc::input, {"too wide for the attention tile"});
 }
 
 TEST(DecodeOps, SignaturesListOnlyThePresentWeights) {
@@ -107,7 +135,7 @@ TEST(DecodeOps, SignaturesListOnlyThePresentWeights) {
   EXPECT_EQ(kernel_signature(moe_up(4, 2304, 1024, 256, 8, 1024)).bytes, 9u * 8u);
   EXPECT_EQ(kernel_signature(moe_up(4, 7168, 3072, 896, 16, 6144, 1)).bytes, 9u * 8u + 8u);  // SiTU betas
   const KernelSignature r = kernel_signature(route(8, 256, 8));
-  EXPECT_EQ(r.params[4].shape, "[65] i32");       // 1 + min(E, W*K)
+  EXPECT_EQ(r.params[4].shape, "[65] i32");  // 1 + min(E, W*K)
   EXPECT_EQ(r.params[5].shape, "[64, 8] i32");
   EXPECT_EQ(kernel_signature(route(1, 256, 8)).params[4].shape, "[9] i32");
 }
@@ -132,6 +160,15 @@ TEST(DecodeOps, LaunchShapes) {
   EXPECT_EQ(launch_shape(moe_up(64 / 4, 2304, 1024, 256, 8, 1024)).grid[0], 128u + 128u * 128u);
   EXPECT_EQ(launch_shape(moe_down(4, 2304, 1024, 256, 8, 1024)).grid[0], 288u);
   EXPECT_EQ(launch_shape(mlp_up(4, 2304, 9216)).grid[0], 1152u);
+  // MLA: one block per (heads group, split, request); 8 (row, head) pairs per block.
+  LaunchShape a = launch_shape(mla_attn(4, 2, 32));
+  EXPECT_EQ(a.grid[0], 8u);  // 4 heads x 2 rows per block
+  EXPECT_EQ(a.grid[1], 16u);
+  EXPECT_EQ(a.grid[2], 4u);
+  EXPECT_EQ(launch_shape(mla_attn(1, 1, 32)).grid[0], 4u);
+  EXPECT_EQ(launch_shape(mla_attn(1, 1, 2)).grid[0], 1u);  // tiny: both heads in one block
+  EXPECT_EQ(launch_shape(mla_prep(4, 2, 32)).grid[0], 8u + 32u);
+  EXPECT_EQ(launch_shape(mla_combine(4, 2, 32)).grid[0], 32u);
   const std::string src = generate_source(kda(4, 2, 32));
   EXPECT_NE(src.find("grid 32 x 4 x 1 blocks"), std::string::npos) << src;
   EXPECT_NE(src.find("dp_kda_step<4, 2, 32, 128, 4, 128, 128, 0, 0>(proj, w_fb,"), std::string::npos) << src;
@@ -143,16 +180,34 @@ TEST(DecodeOps, LaunchShapes) {
 std::vector<KernelInstance> compile_set(const std::string& t) {
   return {
       // Kimi-Linear tiny preset (hidden 256, 2 KDA heads, 16 experts top-4, I 128, shared 128, dense 512).
-      gemm(1, 256, {256, 256, 256, 128, 128, 2}, false, t), gemm(2, 256, {256}, false, t),
-      gemm(2, 256, {16}, true, t), kda(1, 1, 2, 128, false, t), kda(8, 2, 2, 128, false, t),
-      route(16, 16, 4, t), moe_up(16, 256, 128, 16, 4, 128, 0, t), moe_down(16, 256, 128, 16, 4, 128, t),
+      gemm(1, 256, {256, 256, 256, 128, 128, 2}, false, t),
+      gemm(2, 256, {256}, false, t),
+      gemm(2, 256, {16}, true, t),
+      kda(1, 1, 2, 128, false, t),
+      kda(8, 2, 2, 128, false, t),
+      route(16, 16, 4, t),
+      moe_up(16, 256, 128, 16, 4, 128, 0, t),
+      moe_down(16, 256, 128, 16, 4, 128, t),
       mlp_up(2, 256, 512, 0, t),
       // Kimi-Linear-48B at width 8, q 2 (16 rows).
-      gemm(16, 2304, {4096, 4096, 4096, 128, 128, 32}, false, t), gemm(16, 4096, {2304}, false, t),
-      kda(8, 2, 32, 128, false, t), route(16, 256, 8, t), moe_up(16, 2304, 1024, 256, 8, 1024, 0, t),
+      gemm(16, 2304, {4096, 4096, 4096, 128, 128, 32}, false, t),
+      gemm(16, 4096, {2304}, false, t),
+      kda(8, 2, 32, 128, false, t),
+      route(16, 256, 8, t),
+      moe_up(16, 2304, 1024, 256, 8, 1024, 0, t),
       moe_down(16, 2304, 1024, 256, 8, 1024, t),
       // Kimi-K3 shapes (full-rank gate, safe gate, fp32 o_norm, SiTU, 896 experts top-16).
-      kda(2, 1, 96, 0, true, t), route(8, 896, 16, t), mlp_up(1, 7168, 33792, 1, t),
+      kda(2, 1, 96, 0, true, t),
+      route(8, 896, 16, t),
+      mlp_up(1, 7168, 33792, 1, t),
+      // MLA (Kimi-Linear 32 heads, tiny 2 heads, K3 96 heads with the output gate).
+      mla_prep(1, 1, 2, t),
+      mla_attn(1, 1, 2, 4, t),
+      mla_combine(1, 1, 2, 0, t),
+      mla_prep(8, 2, 32, t),
+      mla_attn(8, 2, 32, 16, t),
+      mla_combine(8, 2, 32, 0, t),
+      mla_combine(4, 1, 96, 1, t),
   };
 }
 

@@ -217,6 +217,8 @@ TEST_F(BindingTest, FinalizeNamesWhatIsMissing) {
 
 TEST_F(BindingTest, LoadingNeedsADeviceAndPlanningNeedsFinalizedWeights) {
   DP_EXPECT_STATUS(dp_session_load_kernels(s_), DP_ERR_NO_DEVICE, "host-only");
+  DP_EXPECT_STATUS(dp_session_verify_weights(s_), DP_ERR_NO_DEVICE, "reads the weights from the device");
+  DP_EXPECT_STATUS(dp_session_verify_weights(nullptr), DP_ERR_INVALID_ARGUMENT, "session is NULL");
   dp_step_desc d;
   dp_step_desc_init(&d);
   d.num_requests = 1;

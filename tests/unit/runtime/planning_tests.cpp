@@ -8,6 +8,10 @@
 #include <string>
 #include <vector>
 
+#include <algorithm>
+
+#include <nlohmann/json.hpp>
+
 #include "runtime_test_util.h"
 
 namespace dp::rttest {
@@ -161,7 +165,8 @@ TEST_F(PlanningTest, TableOfStepCases) {
 
 TEST_F(PlanningTest, NoKvBoundYet) {
   open(bundles().tiny, false);
-  const dp_step_desc d = decode(2).desc();
+  const Step step = decode(2);  // owns the arrays the description points into
+  const dp_step_desc d = step.desc();
   dp_plan_result r = plan(d);
   EXPECT_EQ(r.reason, DP_REASON_NO_KV);
   EXPECT_NE(std::string(r.message).find("no KV cache bound yet: layer 0 DP_KV_KDA_STATE and 12 more"), std::string::npos)
@@ -270,7 +275,8 @@ TEST_F(PlanningTest, OlderPlanResultIsFilledUpToItsSize) {
   std::memset(raw, 0xCD, sizeof(raw));
   auto* r = reinterpret_cast<dp_plan_result*>(raw);
   r->size = offsetof(dp_plan_result, message);
-  const dp_step_desc d = decode(9).desc();
+  const Step step = decode(9);  // owns the arrays the description points into
+  const dp_step_desc d = step.desc();
   DP_EXPECT_OK(dp_plan(s_, &d, r));
   EXPECT_EQ(r->reason, DP_REASON_TOO_MANY_REQUESTS);
   for (size_t k = offsetof(dp_plan_result, message); k < sizeof(raw); ++k) ASSERT_EQ(raw[k], 0xCD);
@@ -311,7 +317,8 @@ TEST_F(PlanningTest, ErrorFlagAbortsEveryLaterStep) {
   DP_EXPECT_STATUS(dp_after_step(s_), DP_ERR_ABORTED, "error flag 0x00060001", "gave up a bounded wait",
                    "first in layer 5", "every rank reports this");
   DP_EXPECT_STATUS(dp_after_step(s_), DP_ERR_ABORTED);  // sticky
-  const dp_step_desc d = decode(1).desc();
+  const Step step = decode(1);  // owns the arrays the description points into
+  const dp_step_desc d = step.desc();
   dp_plan_result r;
   dp_plan_result_init(&r);
   DP_EXPECT_STATUS(dp_plan(s_, &d, &r), DP_ERR_ABORTED, "can run no more steps");
@@ -329,7 +336,7 @@ TEST_F(PlanningTest, LaunchesOnAHostOnlySession) {
   dp_layer_io_init(&io);
   io.hidden = io.out = io.residual = io.residual_out = 0x7a0000000000ull;
   DP_EXPECT_STATUS(dp_launch_layer(s_, r.step, 1, &io, nullptr), DP_ERR_NO_KERNEL, "layer 1 (kda_moe)",
-                   "no program for width 2", "the host runs its own layer");
+                   "at width 2 on gfx942: the bundle has no program for this layer class at this width", "the host runs its own layer");
   DP_EXPECT_STATUS(dp_launch_layer(s_, r.step, 4, &io, nullptr), DP_ERR_INVALID_ARGUMENT, "layer 4, expected 0..3");
   DP_EXPECT_STATUS(dp_launch_layer(s_, nullptr, 0, &io, nullptr), DP_ERR_INVALID_ARGUMENT, "the step is NULL");
   dp_final_norm_io n;
@@ -347,6 +354,95 @@ TEST_F(PlanningTest, LaunchesOnAHostOnlySession) {
   DP_EXPECT_OK(dp_session_create(b_, &o, &other));
   DP_EXPECT_STATUS(dp_launch_layer(other, r.step, 0, &io, nullptr), DP_ERR_INVALID_ARGUMENT, "another session's");
   dp_session_destroy(other);
+}
+
+}  // namespace
+}  // namespace dp::rttest
+
+namespace dp::rttest {
+namespace {
+
+// A copy of the tiny bundle (directory form) with layer programs added to its manifest: one whose
+// parameters the runtime supplies (layer 0, kda_dense) and one that takes a parameter it does not know
+// (the kda_moe layers). The code object is the width-1 rmsnorm's: only the manifest matters here.
+class LayerProgramTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!bundles().error.empty()) GTEST_FAIL() << bundles().error;
+    dir_ = fs::temp_directory_path() / ("dp-rt-layers-" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::copy(bundles().tiny_dir, dir_, fs::copy_options::recursive);
+    auto m = nlohmann::json::parse(read_text(dir_ / "manifest.json"));
+    const std::string cubin = "kernels/sm_90a/rmsnorm_w1_h256.sm_90a.cubin";
+    nlohmann::json base;
+    for (const auto& k : m["kernels"])
+      if (k["file"] == cubin) base = k;
+    nlohmann::json file;
+    for (const auto& f : m["files"])
+      if (f["path"] == cubin) file = f;
+    auto add = [&](const std::string& name, const std::string& cls, const nlohmann::json& params, uint32_t bytes) {
+      nlohmann::json k = base;
+      k["name"] = name;
+      k["key"] = name + ".sm_90a";
+      k["op"] = cls;
+      k["role"] = "layer:" + cls;
+      k["file"] = "kernels/sm_90a/" + name + ".sm_90a.cubin";
+      k["params"] = params;
+      k["param_bytes"] = bytes;
+      m["kernels"].push_back(k);
+      nlohmann::json f = file;
+      f["path"] = k["file"];
+      m["files"].push_back(f);
+      fs::copy_file(dir_ / cubin, dir_ / k["file"].get<std::string>());
+    };
+    auto param = [](const char* name, uint32_t offset) {
+      return nlohmann::json{{"name", name}, {"kind", "pointer"}, {"offset", offset}, {"size", 8}, {"shape", ""},
+                            {"nullable", false}};
+    };
+    add("kdadense_w1", "kda_dense", nlohmann::json::array({param("hidden", 0), param("kda_state", 8)}), 16);
+    add("kdamoe_w1", "kda_moe", nlohmann::json::array({param("hidden", 0), param("w_fb", 8)}), 16);
+    auto by = [](const char* key) {
+      return [key](const nlohmann::json& a, const nlohmann::json& b) { return a[key].get<std::string>() < b[key].get<std::string>(); };
+    };
+    std::sort(m["kernels"].begin(), m["kernels"].end(), by("key"));
+    std::sort(m["files"].begin(), m["files"].end(), by("path"));
+    write_text(dir_ / "manifest.json", m.dump() + "\n");
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+TEST_F(LayerProgramTest, ProgramsTheRuntimeCannotRunFallBackPerLayer) {
+  dp_bundle* b = nullptr;
+  DP_EXPECT_OK(dp_bundle_open(dir_.c_str(), nullptr, &b));
+  ASSERT_NE(b, nullptr);
+  DP_EXPECT_OK(dp_bundle_query_validity(b, nullptr, 0));  // not a reason to refuse the bundle
+  dp_session_options o = host_options(0, "sm_90a");
+  dp_session* s = nullptr;
+  DP_EXPECT_OK(dp_session_create(b, &o, &s));
+  ASSERT_TRUE(bind_all_weights(b, s, 0).ok());
+  DP_EXPECT_OK(dp_session_finalize_weights(s));
+  ASSERT_TRUE(bind_all_kv(b, s, kSlots, kBlocks).ok());
+  const Step one = decode(1), two = decode(2);  // the descriptions point into these
+  dp_step_desc d = one.desc();
+  dp_plan_result r;
+  dp_plan_result_init(&r);
+  DP_EXPECT_OK(dp_plan(s, &d, &r));
+  ASSERT_EQ(r.width, 1) << r.message;
+  EXPECT_EQ(dp_step_layer_kernel(r.step, 0), 1);  // kda_dense: the bundle's program
+  EXPECT_EQ(dp_step_layer_kernel(r.step, 1), 0);  // kda_moe: a parameter the runtime cannot supply
+  EXPECT_EQ(dp_step_layer_kernel(r.step, 3), 0);  // mla_moe: no program
+  dp_layer_io io;
+  dp_layer_io_init(&io);
+  io.hidden = io.out = io.residual = io.residual_out = 0x7a0000000000ull;
+  DP_EXPECT_STATUS(dp_launch_layer(s, r.step, 1, &io, nullptr), DP_ERR_NO_KERNEL, "layer 1 (kda_moe)",
+                   "kernel kdamoe_w1.sm_90a", "takes parameter w_fb (pointer)", "cannot supply");
+  DP_EXPECT_STATUS(dp_launch_layer(s, r.step, 0, &io, nullptr), DP_ERR_NO_DEVICE, "host-only");
+  d = two.desc();
+  DP_EXPECT_OK(dp_plan(s, &d, &r));
+  EXPECT_EQ(dp_step_layer_kernel(r.step, 0), 0);  // built for width 1 only
+  dp_session_destroy(s);
+  dp_bundle_close(b);
 }
 
 }  // namespace
