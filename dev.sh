@@ -38,7 +38,11 @@ cuda_root=${DP_CUDA_ROOT:-/usr/local/cuda}
 jobs=$(nproc)
 echo "== configure and build (build/ci, $jobs jobs)"
 cmake --preset ci -DDP_CUDA_ROOT="$cuda_root" >/dev/null
-cmake --build --preset ci -j "$jobs"
+if [ "$mode" = test ]; then
+  cmake --build --preset ci -j "$jobs"
+else
+  cmake --build --preset ci -j "$jobs" --target decodepack   # the tool alone: no tests, no fuzzers
+fi
 
 if [ "$mode" = test ]; then
   echo "== CPU test suite"
