@@ -286,6 +286,20 @@ class NvccToolchain final : public DeviceToolchain {
 
 }  // namespace
 
+// NVRTC loads its companion libnvrtc-builtins.so.<major>.<minor> by soname when it compiles, through
+// the dynamic loader's search path. A toolkit outside that path (no ld.so.conf entry, no
+// LD_LIBRARY_PATH: a fresh machine with CUDA in /usr/local/cuda) then fails with
+// NVRTC_ERROR_BUILTIN_OPERATION_FAILURE. Loading the builtins from NVRTC's own directory first makes
+// NVRTC's later dlopen of the soname find the library already loaded.
+static void preload_nvrtc_builtins(const fs::path& dir) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("libnvrtc-builtins.so.", 0) == 0 && name.find("alt") == std::string::npos)
+      ::dlopen(e.path().c_str(), RTLD_NOW | RTLD_GLOBAL);  // never closed, like NVRTC itself
+  }
+}
+
 std::unique_ptr<DeviceToolchain> make_cuda_toolchain(const ToolchainOptions& o) {
   const fs::path root = resolve_cuda_root(o);
   std::vector<std::string> tried;
@@ -308,6 +322,7 @@ std::unique_ptr<DeviceToolchain> make_cuda_toolchain(const ToolchainOptions& o) 
           if (void* f = ::dlsym(lib, "nvrtcVersion"); f && ::dladdr(f, &info) && info.dli_fname)
             where = info.dli_fname;
         }
+        preload_nvrtc_builtins(fs::path(where).parent_path());
         return std::make_unique<NvrtcToolchain>(lib, where);
       }
       tried.push_back(fmt::format("{} ({})", c, ::dlerror()));
