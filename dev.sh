@@ -65,6 +65,7 @@ echo "== inspect"
 echo "== verify (digests, code objects, weight fingerprints)"
 "$dp" verify "$out/tiny.dpk" --model "$out/tiny"
 echo "== plan and build of the real 48B shape (config only, no weights)"
-"$dp" plan --model kimi-linear-48b-a3b --deploy default | head -n 3
+"$dp" plan --model kimi-linear-48b-a3b --deploy default > "$out/plan-48b.txt"
+head -n 3 "$out/plan-48b.txt"
 "$dp" build --model kimi-linear-48b-a3b --deploy default -o "$out/kimi-linear-48b-a3b.dpk"
 echo "== done: outputs under $out/"
