@@ -702,6 +702,27 @@ Status check_io_address(const char* what, const char* field, uint64_t v, bool nu
   return ok();
 }
 
+// Packs a kernel's parameter block (the load-time constants plus this call's values, taken from
+// `value_of` per slot) and launches it. The one launch path of final norm and layer programs.
+template <typename ValueOf>
+Status launch_packed(Device& device, const LoadedKernel& k, dp_stream stream, ValueOf&& value_of) {
+  alignas(16) uint8_t block[kMaxParamBytes];
+  std::memcpy(block, k.block.data(), k.block.size());
+  for (const ParamSlot& s : k.call_slots) {
+    const uint64_t v = value_of(s.source);
+    if (s.size == 8) put<uint64_t>(block, s.offset, v);
+    else put<uint32_t>(block, s.offset, static_cast<uint32_t>(v));
+  }
+  LaunchSpec l;
+  l.function = k.function;
+  std::copy(k.entry->grid, k.entry->grid + 3, l.grid);
+  std::copy(k.entry->block, k.entry->block + 3, l.block);
+  l.stream = stream;
+  l.params = block;
+  l.param_bytes = k.block.size();
+  return device.launch(l, k.entry->key.c_str());
+}
+
 }  // namespace
 
 Status dp_session::launch_final_norm(const dp_step* step, const dp_final_norm_io& io, dp_stream stream) {
@@ -719,29 +740,17 @@ Status dp_session::launch_final_norm(const dp_step* step, const dp_final_norm_io
   DP_RETURN_IF_ERROR(check_io_address(what, "out", io.out, false));
   DP_RETURN_IF_ERROR(check_io_address(what, "residual_out", io.residual_out, false));
   // Without a residual the sum is `hidden` alone: the kernel then writes hidden to residual_out.
-  alignas(16) uint8_t block[kMaxParamBytes];
-  std::memcpy(block, k.block.data(), k.block.size());
-  for (const ParamSlot& s : k.call_slots) {
-    uint64_t v = 0;
-    switch (s.source) {
-      case ParamSource::io_hidden: v = io.hidden; break;
-      case ParamSource::io_residual: v = io.residual; break;
-      case ParamSource::io_out: v = io.out; break;
-      case ParamSource::io_residual_out: v = io.residual_out; break;
-      default: break;
-    }
-    put<uint64_t>(block, s.offset, v);
-  }
-  LaunchSpec l;
-  l.function = k.function;
-  std::copy(k.entry->grid, k.entry->grid + 3, l.grid);
-  std::copy(k.entry->block, k.entry->block + 3, l.block);
-  l.stream = stream;
-  l.params = block;
-  l.param_bytes = k.block.size();
   DeviceScope scope(device.get());
   DP_RETURN_IF_ERROR(scope.status());
-  return device->launch(l, k.entry->key.c_str());
+  return launch_packed(*device, k, stream, [&](ParamSource src) -> uint64_t {
+    switch (src) {
+      case ParamSource::io_hidden: return io.hidden;
+      case ParamSource::io_residual: return io.residual;
+      case ParamSource::io_out: return io.out;
+      case ParamSource::io_residual_out: return io.residual_out;
+      default: return 0;
+    }
+  });
 }
 
 Status dp_session::launch_layer(const dp_step* step, int32_t layer, const dp_layer_io& io, dp_stream stream) {
@@ -765,45 +774,32 @@ Status dp_session::launch_layer(const dp_step* step, int32_t layer, const dp_lay
   const auto& kvl = kv[layer];
   DeviceScope scope(device.get());
   DP_RETURN_IF_ERROR(scope.status());
-  for (const LoadedKernel& k : layer_programs[step->index][layer]) {
-    alignas(16) uint8_t block[kMaxParamBytes];
-    std::memcpy(block, k.block.data(), k.block.size());
-    for (const ParamSlot& s : k.call_slots) {
-      uint64_t v = 0;
-      switch (s.source) {
-        case ParamSource::io_hidden: v = io.hidden; break;
-        case ParamSource::io_residual: v = io.residual; break;
-        case ParamSource::io_out: v = io.out; break;
-        case ParamSource::io_residual_out: v = io.residual_out; break;
-        case ParamSource::io_positions: v = io.positions; break;
-        case ParamSource::io_state_indices: v = io.state_indices; break;
-        case ParamSource::io_block_table: v = io.block_table; break;
-        case ParamSource::io_seq_lens: v = io.seq_lens; break;
-        case ParamSource::io_slot_mapping: v = io.slot_mapping; break;
-        case ParamSource::io_num_accepted: v = io.num_accepted; break;
-        case ParamSource::kv_kda_state: v = kvl[DP_KV_KDA_STATE].data; break;
-        case ParamSource::kv_conv_q: v = kvl[DP_KV_CONV_Q].data; break;
-        case ParamSource::kv_conv_k: v = kvl[DP_KV_CONV_K].data; break;
-        case ParamSource::kv_conv_v: v = kvl[DP_KV_CONV_V].data; break;
-        case ParamSource::kv_mla_latent: v = kvl[DP_KV_MLA_LATENT].data; break;
-        case ParamSource::io_block_table_stride: v = static_cast<uint32_t>(io.block_table_stride); break;
-        case ParamSource::kda_state_stride: v = static_cast<uint32_t>(kvl[DP_KV_KDA_STATE].lead_stride); break;
-        case ParamSource::conv_stride: v = static_cast<uint32_t>(kvl[DP_KV_CONV_Q].lead_stride); break;
-        case ParamSource::mla_block_stride: v = static_cast<uint32_t>(kvl[DP_KV_MLA_LATENT].lead_stride); break;
-        default: break;
-      }
-      if (s.size == 8) put<uint64_t>(block, s.offset, v);
-      else put<uint32_t>(block, s.offset, static_cast<uint32_t>(v));
+  auto value_of = [&](ParamSource src) -> uint64_t {
+    switch (src) {
+      case ParamSource::io_hidden: return io.hidden;
+      case ParamSource::io_residual: return io.residual;
+      case ParamSource::io_out: return io.out;
+      case ParamSource::io_residual_out: return io.residual_out;
+      case ParamSource::io_positions: return io.positions;
+      case ParamSource::io_state_indices: return io.state_indices;
+      case ParamSource::io_block_table: return io.block_table;
+      case ParamSource::io_seq_lens: return io.seq_lens;
+      case ParamSource::io_slot_mapping: return io.slot_mapping;
+      case ParamSource::io_num_accepted: return io.num_accepted;
+      case ParamSource::kv_kda_state: return kvl[DP_KV_KDA_STATE].data;
+      case ParamSource::kv_conv_q: return kvl[DP_KV_CONV_Q].data;
+      case ParamSource::kv_conv_k: return kvl[DP_KV_CONV_K].data;
+      case ParamSource::kv_conv_v: return kvl[DP_KV_CONV_V].data;
+      case ParamSource::kv_mla_latent: return kvl[DP_KV_MLA_LATENT].data;
+      case ParamSource::io_block_table_stride: return static_cast<uint32_t>(io.block_table_stride);
+      case ParamSource::kda_state_stride: return static_cast<uint32_t>(kvl[DP_KV_KDA_STATE].lead_stride);
+      case ParamSource::conv_stride: return static_cast<uint32_t>(kvl[DP_KV_CONV_Q].lead_stride);
+      case ParamSource::mla_block_stride: return static_cast<uint32_t>(kvl[DP_KV_MLA_LATENT].lead_stride);
+      default: return 0;
     }
-    LaunchSpec l;
-    l.function = k.function;
-    std::copy(k.entry->grid, k.entry->grid + 3, l.grid);
-    std::copy(k.entry->block, k.entry->block + 3, l.block);
-    l.stream = stream;
-    l.params = block;
-    l.param_bytes = k.block.size();
-    DP_RETURN_IF_ERROR(device->launch(l, k.entry->key.c_str()));
-  }
+  };
+  for (const LoadedKernel& k : layer_programs[step->index][layer])
+    DP_RETURN_IF_ERROR(launch_packed(*device, k, stream, value_of));
   return ok();
 }
 
