@@ -9,6 +9,7 @@
 
 #include "common/embedded.h"
 #include "common/error.h"
+#include "indexer/workspace.h"
 #include "model/ir.h"
 
 namespace dp::deploy {
@@ -508,8 +509,23 @@ Deploy parse_deploy(const Json& j, const std::string& where) {
   }
   {
     Obj o = top.object("indexer");
-    d.indexer.max_keys_per_chunk = o.integer("max_keys_per_chunk", 40 * 163840, 1, kMaxIndexerLimit);
+    d.indexer.max_keys_per_chunk = o.integer("max_keys_per_chunk", 40 * 163840, 1, kMaxIndexerKeys);
     d.indexer.max_requests = o.integer("max_requests", 1024, 1, kMaxIndexerLimit);
+    // Under DCP every rank stages the all-gather of all ranks' packed keys at once (seed 004
+    // prefill_workspace_bytes): dcp.size rows of the per-rank bound, which the kernels index with int32.
+    if (d.dcp.size > 1) {
+      const int64_t local = indexer::local_keys_bound(d.indexer.max_keys_per_chunk, d.indexer.max_requests,
+                                                      d.dcp.size, d.dcp.interleave);
+      if (local > kMaxIndexerLimit / d.dcp.size)
+        fail(Errc::input,
+             "{}: indexer.max_keys_per_chunk {} and indexer.max_requests {} with dcp.size {} and dcp.interleave {}: "
+             "each rank packs up to ceil({} / {}) + {} x {} = {} keys and stages all {} ranks' keys, {} rows, above "
+             "{} (the prefill kernels index keys with int32); lower indexer.max_requests or "
+             "indexer.max_keys_per_chunk",
+             where, d.indexer.max_keys_per_chunk, d.indexer.max_requests, d.dcp.size, d.dcp.interleave,
+             d.indexer.max_keys_per_chunk, d.dcp.size, d.indexer.max_requests, d.dcp.interleave, local, d.dcp.size,
+             local * d.dcp.size, kMaxIndexerLimit);  // local < 2^48 and size <= 8: no overflow
+    }
   }
   return d;
 }

@@ -120,7 +120,9 @@ struct Prefetch {
 };
 
 // Limits of the sparse-attention indexer's prefill path (DeepSeek-V3.2-style DSA models; the Kimi
-// models have no indexer, and then these only size nothing). They bound the prefill workspace.
+// models have no indexer, and then these only size nothing). They bound the prefill workspace
+// (indexer/workspace.h). With dcp.size > 1 the staged all-gather, dcp.size x (ceil(max_keys_per_chunk /
+// dcp.size) + max_requests x dcp.interleave) key rows, must stay within int32 (checked).
 struct Indexer {
   // Keys one prefill chunk may hold. vLLM sizes its buffer as max_model_len * 40; this default is that
   // for a 160K-token context (DeepSeek-V3.2's 163840).
@@ -158,6 +160,8 @@ inline constexpr int64_t kMaxSpeculativeTokens = 7;   // q <= 8 rows per request
 inline constexpr int64_t kMaxBlockSize = 65536;       // larger is a typo (bytes for tokens)
 inline constexpr int64_t kMaxPrefetchCapBytes = int64_t{1} << 30;  // more than any GPU's L2
 inline constexpr int64_t kMaxIndexerLimit = (int64_t{1} << 31) - 1;  // kernels index keys with int32
+// Keys per chunk: the staged pages round the keys up to a multiple of 64, which must stay an int32.
+inline constexpr int64_t kMaxIndexerKeys = kMaxIndexerLimit / 64 * 64;  // 2147483584
 
 // ---- Reading and writing ---------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 // writes it) and `kimi_k3` (text config under `text_config`, tensors under `language_model.`),
 // into the one model IR of ir.h, with every weight's name, dtype, shape and TP split rule.
 #include <algorithm>
+#include <array>
 #include <filesystem>
 #include <set>
 
@@ -103,6 +104,9 @@ class WeightBuilder {
 // Far above the real models (K3: 93 layers, 93 x 896 expert MLPs).
 constexpr int64_t kMaxLayers = 1024;
 constexpr int64_t kMaxExpertTensors = 1 << 18;
+// Far above DeepSeek-V3.2's 64 index heads and 2048 selected keys.
+constexpr int64_t kMaxIndexHeads = 1024;
+constexpr int64_t kMaxIndexTopk = (int64_t{1} << 31) - 1;
 
 const Split kRep = Split::replicated();
 const Split kCol = Split::along(0);  // column-parallel: output features divided
@@ -150,6 +154,22 @@ void add_mla_weights(Model& m, WeightBuilder& b, LayerSpec& l) {
   b.layer_weight(l, "self_attn.kv_b_proj.weight", {N * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank}, kCol);
   if (a.output_gate) b.layer_weight(l, "self_attn.g_proj.weight", {N * a.v_head_dim, H}, kCol);
   b.layer_weight(l, "self_attn.o_proj.weight", {H, N * a.v_head_dim}, kRow);
+}
+
+// DeepSeek-V3.2 / GLM-5 DSA checkpoint names (model-family.md 4.1: q_idx = wq_b(q_c), k = LayerNorm(wk x),
+// w = weights_proj(x)). vLLM builds every one as a ReplicatedLinear / LayerNorm: the indexer runs whole on
+// each rank. Not read by the decode-layer kernels: the host computes q_idx, k and w, and the prefill ops
+// (compiler/indexer/) take those as inputs.
+void add_indexer_weights(Model& m, WeightBuilder& b, LayerSpec& l) {
+  const IndexerConfig& x = m.indexer;
+  const int64_t H = m.hidden, d = x.head_dim;
+  const size_t first = m.weights.size();
+  b.layer_weight(l, "self_attn.indexer.wq_b.weight", {x.num_heads * d, m.mla.q_lora_rank}, kRep);
+  b.layer_weight(l, "self_attn.indexer.wk.weight", {d, H}, kRep);
+  b.layer_weight(l, "self_attn.indexer.k_norm.weight", {d}, kRep, DType::BF16, {DType::F32});
+  b.layer_weight(l, "self_attn.indexer.k_norm.bias", {d}, kRep, DType::BF16, {DType::F32});
+  b.layer_weight(l, "self_attn.indexer.weights_proj.weight", {x.num_heads, H}, kRep, DType::BF16, {DType::F32});
+  for (size_t i = first; i < m.weights.size(); ++i) m.weights[i].decode = false;
 }
 
 void add_ffn_weights(Model& m, WeightBuilder& b, LayerSpec& l) {
@@ -244,6 +264,35 @@ bool is_mxfp4(const Json& q) {
     for (const Json& grp : *g)
       if (grp.is_object() && (says_mxfp4(grp, "format") || says_mxfp4(grp, "type"))) return true;
   return false;
+}
+
+// The sparse-attention indexer (DeepSeek-V3.2 config keys): all three keys or none.
+void read_indexer(Model& m, const JsonReader& t) {
+  static constexpr std::array<std::string_view, 3> kKeys = {"index_n_heads", "index_head_dim", "index_topk"};
+  const bool any = std::any_of(kKeys.begin(), kKeys.end(), [&](std::string_view k) { return t.has(k); });
+  if (!any) return;
+  for (std::string_view k : kKeys)
+    if (!t.has(k))
+      fail(Errc::input, "{}: missing field {}: an indexer needs all of index_n_heads, index_head_dim and index_topk",
+           t.where(), t.field(k));
+  IndexerConfig& x = m.indexer;
+  x.num_heads = pos_int(t, "index_n_heads");
+  if (x.num_heads > kMaxIndexHeads)
+    fail(Errc::input, "{}: field {} is {}, expected at most {}", t.where(), t.field("index_n_heads"), x.num_heads,
+         kMaxIndexHeads);
+  x.head_dim = pos_int(t, "index_head_dim");
+  if (x.head_dim != 128)
+    fail(Errc::input, "{}: field {} is {}, expected 128 (one MXFP4 index key holds 128 values in 68 bytes: 64 of E2M1 "
+         "pairs and 4 UE8M0 scales)", t.where(), t.field("index_head_dim"), x.head_dim);
+  x.top_k = pos_int(t, "index_topk");
+  if (x.top_k > kMaxIndexTopk)
+    fail(Errc::input, "{}: field {} is {}, expected at most {} (key positions are int32)", t.where(),
+         t.field("index_topk"), x.top_k, kMaxIndexTopk);
+  // The indexer's query projection wq_b reads the MLA q-LoRA latent (model-family.md 4.1).
+  if (m.mla.q_lora_rank <= 0)
+    fail(Errc::input, "{}: field {} is set but {} is {}: the indexer's query projection (wq_b) reads the q-LoRA "
+         "latent, so q_lora_rank must be positive", t.where(), t.field("index_n_heads"), t.field("q_lora_rank"),
+         m.mla.q_lora_rank);
 }
 
 // Reads the decoder hyper-parameters shared by kimi_linear and the K3 text config.
@@ -346,6 +395,8 @@ void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
     fail(Errc::input, "{}: field {} is false: rotary MLA is not supported (Kimi MLA layers are NoPE)", t.where(),
          t.field("mla_use_nope"));
 
+  read_indexer(m, t);
+
   // FFN.
   m.dense_intermediate = pos_int(t, "intermediate_size");
   m.first_k_dense = t.integer_or("first_k_dense_replace", 1);
@@ -413,8 +464,12 @@ void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
     l.ffn = ffns[i];
     // Layer 0 pushes too (the embedding becomes the first block): 93 layers keep up to 8 blocks.
     l.attn_res_push = m.attn_res_block > 0 && i % m.attn_res_block == 0;
+    l.indexer = m.indexer.present() && l.mixer == Mixer::mla;
     m.layers.push_back(std::move(l));
   }
+  if (m.indexer.present() && m.count(Mixer::mla) == 0)
+    fail(Errc::input, "{}: field {} is set but the model has no MLA layer to hold an indexer", t.where(),
+         t.field("index_n_heads"));
 }
 
 void build_weights(Model& m) {
@@ -432,6 +487,7 @@ void build_weights(Model& m) {
     }
     if (l.mixer == Mixer::kda) add_kda_weights(m, b, l);
     else add_mla_weights(m, b, l);
+    if (l.indexer) add_indexer_weights(m, b, l);
     add_ffn_weights(m, b, l);
   }
   b.model_weight(m.prefix + "norm.weight", "norm.weight", {H}, kRep, true);

@@ -97,11 +97,24 @@ struct MoeConfig {
   int64_t mxfp4_group = 32;     // values per E8M0 scale
 };
 
+// Sparse-attention "lightning indexer" (DeepSeek-V3.2-style DSA, model-family.md section 4): config keys
+// index_n_heads, index_head_dim, index_topk. The released Kimi-Linear and K3 configs have none, and then
+// present() is false and no layer carries indexer weights. When present, every MLA layer has one: its
+// query projection reads the MLA q-LoRA latent, its key is one 128-value vector per token shared by all
+// heads (stored as MXFP4, 68 bytes; compiler/indexer/), and it selects top_k keys per query row.
+struct IndexerConfig {
+  int64_t num_heads = 0;  // index_n_heads (DeepSeek-V3.2: 64)
+  int64_t head_dim = 0;   // index_head_dim; always 128 (one MXFP4 index key holds 128 values)
+  int64_t top_k = 0;      // index_topk (DeepSeek-V3.2: 2048)
+  bool present() const { return num_heads > 0; }
+};
+
 struct LayerSpec {
   int index = 0;
   Mixer mixer = Mixer::kda;
   Ffn ffn = Ffn::dense;
   bool attn_res_push = false;   // K3 block attention residuals: push the partial sum before this layer
+  bool indexer = false;         // this (MLA) layer has a sparse-attention indexer
   std::vector<size_t> weights;  // indices into Model::weights
 };
 
@@ -127,6 +140,7 @@ struct Model {
   KdaConfig kda;
   MlaConfig mla;
   MoeConfig moe;
+  IndexerConfig indexer;
 
   std::vector<LayerSpec> layers;
   std::vector<WeightSpec> weights;

@@ -51,7 +51,7 @@ Fill fill_for(const WeightSpec& w) {
   if (ends("A_log")) return Fill::a_log;
   if (ends("dt_bias")) return Fill::dt_bias;
   if (ends("conv1d.weight")) return Fill::conv;
-  if (ends("e_score_correction_bias")) return Fill::bias;
+  if (ends("e_score_correction_bias") || ends(".bias")) return Fill::bias;  // router bias; indexer k_norm.bias
   if (ends("weight_scale")) return Fill::scale_e8m0;
   if (ends("weight_packed")) return Fill::packed_fp4;
   if (ends("_res_proj.weight")) return Fill::res_proj;

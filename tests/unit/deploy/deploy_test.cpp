@@ -372,8 +372,36 @@ TEST(Deploy, Indexer) {
   Deploy d = parse_deploy(minimal({{"indexer", {{"max_keys_per_chunk", 4096}, {"max_requests", 8}}}}), kWhere);
   EXPECT_EQ(d.indexer.max_keys_per_chunk, 4096);
   EXPECT_EQ(d.indexer.max_requests, 8);
-  EXPECT_MSG(minimal({{"indexer", {{"max_keys_per_chunk", 0}}}}), "indexer.max_keys_per_chunk 0 is out of range (valid: 1..2147483647)");
+  EXPECT_MSG(minimal({{"indexer", {{"max_keys_per_chunk", 0}}}}), "indexer.max_keys_per_chunk 0 is out of range (valid: 1..2147483584)");
   EXPECT_MSG(minimal({{"indexer", {{"max_requests", int64_t{1} << 31}}}}), "indexer.max_requests 2147483648 is out of range");
+  // 2^31 - 64 is the most keys whose 64-key pages still number int32 keys.
+  EXPECT_MSG(minimal({{"indexer", {{"max_keys_per_chunk", 2147483647}}}}),
+             "indexer.max_keys_per_chunk 2147483647 is out of range (valid: 1..2147483584)");
+  EXPECT_NO_THROW(parse_deploy(minimal({{"indexer", {{"max_keys_per_chunk", 2147483584}}}}), kWhere));
+}
+
+// Under DCP every rank stages world * (ceil(keys / world) + requests * interleave) rows, int32-indexed.
+TEST(Deploy, IndexerUnderDcp) {
+  auto with = [](int64_t keys, int64_t reqs, int64_t size, int64_t interleave) {
+    return minimal({{"tensor_parallel", 8},
+                    {"dcp", {{"size", size}, {"interleave", interleave}}},
+                    {"indexer", {{"max_keys_per_chunk", keys}, {"max_requests", reqs}}}});
+  };
+  // ceil(2147483584 / 2) = 1073741792; 2 * (1073741792 + 1 * 1) = 2147483586 fits.
+  EXPECT_NO_THROW(parse_deploy(with(2147483584, 1, 2, 1), kWhere));
+  // 2 * (1073741792 + 32) = 2147483648 = 2^31: one past the limit.
+  EXPECT_MSG(with(2147483584, 32, 2, 1),
+             "deploy.json: indexer.max_keys_per_chunk 2147483584 and indexer.max_requests 32 with dcp.size 2 and "
+             "dcp.interleave 1: each rank packs up to ceil(2147483584 / 2) + 32 x 1 = 1073741824 keys and stages all "
+             "2 ranks' keys, 2147483648 rows, above 2147483647 (the prefill kernels index keys with int32); lower "
+             "indexer.max_requests or indexer.max_keys_per_chunk");
+  // 2 * (1073741792 + 31) = 2147483646 fits.
+  EXPECT_NO_THROW(parse_deploy(with(2147483584, 31, 2, 1), kWhere));
+  // The interleave counts once per request: 2 * (1073741792 + 8 * 4) = 2147483648 again.
+  EXPECT_MSG(with(2147483584, 8, 2, 4), "2147483648 rows, above 2147483647");
+  // At dcp.size 1 there is no all-gather: any max_requests is fine.
+  EXPECT_NO_THROW(parse_deploy(minimal({{"indexer", {{"max_keys_per_chunk", 2147483584}, {"max_requests", 2147483647}}}}),
+                               kWhere));
 }
 
 // ---- Unknown and null fields -------------------------------------------------------------------------
