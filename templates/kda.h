@@ -8,10 +8,16 @@
 //   proj   [W*Q, NP] bf16, NP = 3P + FR + G + NH, G = GR (low-rank output gate) or P (K3 full rank):
 //          columns [q P | k P | v P | f_a FR | g_a GR (or g P) | b NH], the concatenated outputs of the
 //          q/k/v/f_a/g_a(g)/b projections (one gemm launch with those six segments in this order).
-//   state  [slots, NH, D, D] fp32, k-major: S[k][v] at k*D + v (FLA fused_recurrent / vLLM
-//          kda.py@1d03ed8f; newer kernels that use [v][k] need a transposed binding).
-//   conv   three tensors (q, k, v), each [slots, CK-1, P] bf16: the last CK-1 PRE-conv inputs, oldest
-//          first, channel-contiguous ("SD", the layout of vLLM's three-tensor conv state).
+//   state  the recurrent-state pool: slot s holds [NH, D, D] fp32 at s*state_stride (fp32 elements;
+//          dense: state_stride = NH*D*D, larger when the host pads its slots, as vLLM's mamba pools
+//          do), k-major: S[k][v] at k*D + v (FLA fused_recurrent / vLLM kda.py@1d03ed8f; newer
+//          kernels that use [v][k] need a transposed binding). Elements between a slot's NH*D*D
+//          values and the next slot are never read or written.
+//   conv   three pools (q, k, v): slot s of each holds [CK-1, P] bf16 at s*conv_stride (elements;
+//          dense: (CK-1)*P; one stride for all three): the last CK-1 PRE-conv inputs, oldest first,
+//          channel-contiguous ("SD", the layout of vLLM's three-tensor conv state). Padding after a
+//          slot's (CK-1)*P values is never read or written.
+//   Slot offsets are computed in 64 bits (slot * stride may exceed 2^32 elements).
 //   slots  [W, Q] i32: request r's state slot for draft position i (vLLM's mamba block-table row
 //          block_table[r, 0:Q]); slots[r][0] == 0 (NULL_BLOCK_ID) marks a padded request, which
 //          reads and writes no state and gets zero output rows. A zero slot at i > 0 is not written.
@@ -20,7 +26,9 @@
 //   (reference ConvSpecLayout::per_slot; for Q = 1 this is vLLM's read-modify-write of one slot).
 //
 // Alignment: weight rows (w_fb, w_gb) are read with 16-byte loads: their base pointers must be 16-byte
-// aligned (FR and GR are multiples of 8). proj, the states and out need only their element alignment.
+// aligned (FR and GR are multiples of 8). proj, the states and out need only their element alignment,
+// and state_stride / conv_stride may be any value >= the dense one (states are read one element at a
+// time).
 //
 // Block: 4*D threads (512 for D = 128), one block per (head, request): grid (NH, W). The block keeps
 // the head's D x D state in registers, 32 fp32 values per thread: thread (group g, lane) holds column
@@ -57,15 +65,17 @@ __device__ __forceinline__ void dp_kda_step(
     const float* __restrict__ a_log,         // [NH] fp32: this rank's heads (K3: the replicated A_log
                                              //   bound at offset rank*NH)
     const void* __restrict__ o_norm,         // [D] bf16 (fp32 when kOnormF32) o_norm.weight
-    float* state,                            // [slots, NH, D, D] fp32, updated in place
-    dp_bf16* conv_q,                         // [slots, CK-1, P] bf16, updated in place
-    dp_bf16* conv_k,                         // [slots, CK-1, P] bf16
-    dp_bf16* conv_v,                         // [slots, CK-1, P] bf16
+    float* state,                            // [slots, state_stride] fp32: [NH, D, D] per slot, in place
+    dp_bf16* conv_q,                         // [slots, conv_stride] bf16: [CK-1, P] per slot, in place
+    dp_bf16* conv_k,                         // [slots, conv_stride] bf16
+    dp_bf16* conv_v,                         // [slots, conv_stride] bf16
     const dp_i32* __restrict__ slots,        // [W, Q] i32
     const dp_i32* __restrict__ num_accepted, // [W] i32 in 1..Q; null when Q == 1
     dp_bf16* __restrict__ out,               // [W*Q, P] bf16: gated RMSNorm output (o_proj input)
     float lower_bound,                       // K3 safe gate lower bound (used when kSafeGate)
-    float onorm_eps) {                       // gated RMSNorm epsilon (1e-5)
+    float onorm_eps,                         // gated RMSNorm epsilon (1e-5)
+    dp_u32 state_stride,                     // fp32 elements between state slots (dense: NH*D*D)
+    dp_u32 conv_stride) {                    // elements between conv-state slots (dense: (CK-1)*P)
   typedef dp_kda_geometry<D> G;
   constexpr int P = NH * D;
   constexpr int kGW = GR > 0 ? GR : P;
@@ -116,14 +126,15 @@ __device__ __forceinline__ void dp_kda_step(
 #pragma unroll
     for (int i = 0; i < CK; ++i) taps[i] = cw[i];
 #pragma unroll
-    for (int i = 0; i < CH; ++i) hist[i] = dp_bf16_to_f32(conv_state[((dp_u64)read_slot * CH + i) * P + ch]);
+    for (int i = 0; i < CH; ++i)
+      hist[i] = dp_bf16_to_f32(conv_state[(dp_u64)read_slot * conv_stride + (dp_u64)(i * P + ch)]);
   }
   const float a_exp = dp_expf(a_log[j]);
 
   // The head's state, D/4 rows of one column per thread.
   float s[G::kKRows];  // [D/4] fp32: S[kslice*D/4 + kk][vcol]
   {
-    const float* src = state + ((dp_u64)read_slot * NH + j) * D * D;
+    const float* src = state + (dp_u64)read_slot * state_stride + (dp_u64)j * D * D;
 #pragma unroll
     for (int kk = 0; kk < G::kKRows; ++kk) s[kk] = src[(kslice * G::kKRows + kk) * D + vcol];
   }
@@ -150,7 +161,8 @@ __device__ __forceinline__ void dp_kda_step(
       if (CH > 0) hist[CH - 1] = xn;
       if (write_slot != 0) {
 #pragma unroll
-        for (int k = 0; k < CH; ++k) conv_state[((dp_u64)write_slot * CH + k) * P + ch] = dp_f32_to_bf16(hist[k]);
+        for (int k = 0; k < CH; ++k)
+          conv_state[(dp_u64)write_slot * conv_stride + (dp_u64)(k * P + ch)] = dp_f32_to_bf16(hist[k]);
       }
       if (role == 0) qs[c] = y;
       if (role == 1) ks[c] = y;
@@ -236,7 +248,7 @@ __device__ __forceinline__ void dp_kda_step(
     }
     red2[kslice][vcol] = p2;
     if (write_slot != 0) {
-      float* dst = state + ((dp_u64)write_slot * NH + j) * D * D;
+      float* dst = state + (dp_u64)write_slot * state_stride + (dp_u64)j * D * D;
 #pragma unroll
       for (int kk = 0; kk < G::kKRows; ++kk) dst[(kslice * G::kKRows + kk) * D + vcol] = s[kk];
     }

@@ -13,7 +13,11 @@
 //   kv       [T, stride_kv] bf16, row t: [c L | k_pe R], the kv_a_proj_with_mqa output
 //   kv_b     [N*(PN+V), L] bf16, kv_b_proj as stored: row n*(PN+V)+j is W_UK_T[n][j][:] for j < PN and
 //            W_UV[n][:][j-PN] for j >= PN (vLLM derives W_UK_T (N,PN,L) and W_UV (N,L,V) from it)
-//   cache    [blocks, BS, L+R] bf16, vLLM's MLA cache: row [c (normed) L | k_pe R] per token
+//   cache    vLLM's paged MLA cache: block b holds [BS, L+R] bf16 at b*cache_stride (elements; dense:
+//            BS*(L+R), larger when the host pads its blocks), row [c (normed) L | k_pe R] per token;
+//            token o of block b at b*cache_stride + o*(L+R). Block offsets are computed in 64 bits.
+//            mla_attn reads rows with 16-byte loads: cache_stride must be a multiple of 8 and the
+//            cache 16-byte aligned. Padding after a block's BS rows is never read or written.
 //   block_table [W, stride_bt] i32, seq_lens [W] i32 (tokens of the request including its Q new
 //            ones; 0 = padded request: no cache write, zero output rows), slot_mapping [T] i64
 //            (cache slot block*BS + offset of each new token; -1 = not written, vLLM PAD_SLOT_ID)
@@ -32,7 +36,7 @@
 // ---------------------------------------------------------------------------------------------------
 // Launch: grid T + N*ceil(L/512) blocks of 256: blocks [0, T) normalise and write one row's latent,
 // the rest compute one head's q_lat over 512 latent columns (two per thread) for all rows.
-template <int T, int Q, int N, int L, int R, int PN, int V>
+template <int T, int Q, int N, int L, int R, int PN, int V, int BS>
 __device__ __forceinline__ void dp_mla_prep(const dp_bf16* __restrict__ q,             // [T, stride_q] bf16
                                             dp_u32 stride_q,
                                             const dp_bf16* __restrict__ kv,            // [T, stride_kv] bf16
@@ -41,10 +45,12 @@ __device__ __forceinline__ void dp_mla_prep(const dp_bf16* __restrict__ q,      
                                             const dp_bf16* __restrict__ kv_b,          // [N*(PN+V), L] bf16
                                             const dp_i32* __restrict__ seq_lens,       // [W] i32
                                             const dp_i64* __restrict__ slot_mapping,   // [T] i64
-                                            dp_bf16* cache,                            // [slots, L+R] bf16
+                                            dp_bf16* cache,                            // [blocks, cache_stride] bf16
                                             dp_bf16* __restrict__ q_abs,               // [T, N, L+R] bf16
-                                            float eps) {
+                                            float eps,
+                                            dp_u32 cache_stride) {  // elements between cache blocks
   static_assert(L % 64 == 0 && R % 2 == 0 && PN % 8 == 0, "mla_prep: L multiple of 64, even R");
+  static_assert(BS >= 1, "mla_prep: cache block size");
   constexpr int kCols = 2 * DP_MLA_THREADS;  // latent columns per absorb block
   const int tid = (int)threadIdx.x;
   int b = (int)blockIdx.x;
@@ -67,7 +73,8 @@ __device__ __forceinline__ void dp_mla_prep(const dp_bf16* __restrict__ q,      
 #pragma unroll
     for (int g = 0; g < DP_MLA_THREADS / DP_GROUP; ++g) tot += red[g];
     const float rstd = dp_rsqrtf(tot * (1.0f / (float)L) + eps);
-    dp_bf16* dst = cache + (dp_u64)slot * (L + R);  // [L+R] bf16
+    const dp_u64 block = (dp_u64)slot / BS, offset = (dp_u64)slot % BS;
+    dp_bf16* dst = cache + block * cache_stride + offset * (L + R);  // [L+R] bf16
     for (int l = tid; l < L; l += DP_MLA_THREADS)
       dst[l] = dp_f32_to_bf16(dp_bf16_to_f32(row[l]) * rstd * dp_bf16_to_f32(kv_norm_w[l]));
     for (int e = tid; e < R; e += DP_MLA_THREADS) dst[L + e] = row[L + e];
@@ -122,13 +129,14 @@ __device__ __forceinline__ void dp_mla_prep(const dp_bf16* __restrict__ q,      
 // shared-memory words, no bank conflicts; cache rows are padded by one word for the same reason).
 template <int W, int Q, int N, int L, int R, int BS, int NS, int HB>
 __device__ __forceinline__ void dp_mla_attn(const dp_bf16* __restrict__ q_abs,       // [W*Q, N, L+R] bf16
-                                            const dp_bf16* __restrict__ cache,       // [slots, L+R] bf16
+                                            const dp_bf16* __restrict__ cache,       // [blocks, cache_stride] bf16
                                             const dp_i32* __restrict__ block_table,  // [W, stride_bt] i32
                                             dp_u32 stride_bt,
                                             const dp_i32* __restrict__ seq_lens,     // [W] i32
                                             float* __restrict__ part_o,              // [W, NS, Q, N, L] fp32
                                             float* __restrict__ part_ml,             // [W, NS, Q, N, 2] fp32
-                                            float scale) {                           // (PN+R)^-1/2
+                                            float scale,                             // (PN+R)^-1/2
+                                            dp_u32 cache_stride) {                   // elements between blocks
   constexpr int kRowWords = (L + R) / 2;       // 32-bit words of a cache row
   constexpr int kStride = kRowWords + 1;       // padded shared-memory row
   constexpr int kPairs = Q * HB;
@@ -165,8 +173,9 @@ __device__ __forceinline__ void dp_mla_attn(const dp_bf16* __restrict__ q_abs,  
     for (int e = tid; e < ntok * (kRowWords / 4); e += DP_MLA_THREADS) {
       const int tok = e / (kRowWords / 4), v = e % (kRowWords / 4);
       const int pos = p0 + tok;
-      const dp_i64 slot = (dp_i64)block_table[(dp_u64)r * stride_bt + pos / BS] * BS + pos % BS;
-      const dp_u32x4 x = dp_load16(cache + (dp_u64)slot * (L + R) + 8 * v);
+      const dp_i32 block = block_table[(dp_u64)r * stride_bt + pos / BS];
+      const dp_u32x4 x =
+          dp_load16(cache + (dp_u64)block * cache_stride + (dp_u64)((pos % BS) * (L + R) + 8 * v));
       dp_u32* dst = tile + tok * kStride + 4 * v;
       dst[0] = x.x;
       dst[1] = x.y;

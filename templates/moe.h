@@ -15,9 +15,13 @@
 // atomics). Grids are sized for the most experts a step can use, U = min(E, T*KT); blocks beyond the
 // step's actual count leave at once.
 //
-// Expert weights are stacked by expert id: w1 (gate) and w3 (up) as [E, I, D], w2 (down) as [E, D, I]
-// (the per-expert checkpoint tensors experts.{e}.w1/w3/w2 placed one after the other). D is the width
-// the experts read and write (the hidden size; the latent width for K3 latent MoE).
+// Expert weights are stacked by expert id with a stride between experts (bf16 elements, 64-bit
+// offsets): expert e's w1 (gate) [I, D] at w1 + e*stride_w1, its w3 (up) [I, D] at w3 + e*stride_w3,
+// its w2 (down) [D, I] at w2 + e*stride_w2. Dense stacks (the per-expert checkpoint tensors
+// experts.{e}.w1/w3/w2 placed one after the other) have stride_w1 = stride_w3 = I*D, stride_w2 = D*I;
+// vLLM's fused w13 [E, 2I, D] binds w1 = w13, w3 = w13 + I*D, stride_w1 = stride_w3 = 2*I*D. Rows are
+// read with 16-byte loads: the strides must be multiples of 8 and the base pointers 16-byte aligned.
+// D is the width the experts read and write (the hidden size; the latent width for K3 latent MoE).
 #pragma once
 
 #include "vendor.h"
@@ -196,14 +200,16 @@ __device__ __forceinline__ void dp_gate_up_tile(const dp_bf16* const (&x)[T],   
 template <int T, int D, int I, int E, int KT, int SI, int kAct, int M, int S>
 __device__ __forceinline__ void dp_moe_up(
     const dp_bf16* __restrict__ x,             // [T, D] bf16 post-attention-norm rows (or latent)
-    const dp_bf16* __restrict__ w1,            // [E, I, D] bf16 expert gate (w1) weights
-    const dp_bf16* __restrict__ w3,            // [E, I, D] bf16 expert up (w3) weights
+    const dp_bf16* __restrict__ w1,            // [E, stride_w1] bf16 expert gate (w1) weights, [I, D] each
+    const dp_bf16* __restrict__ w3,            // [E, stride_w3] bf16 expert up (w3) weights, [I, D] each
     const dp_bf16* __restrict__ shared_gate,   // [SI, D] bf16 shared expert gate_proj (null if SI == 0)
     const dp_bf16* __restrict__ shared_up,     // [SI, D] bf16 shared expert up_proj
     const dp_i32* __restrict__ experts,        // [1 + U] i32 from dp_moe_route
     const dp_i32* __restrict__ expert_slots,   // [U, T] i32 from dp_moe_route
     dp_bf16* __restrict__ h,                   // [T, KT, I] bf16: activated product of row t's j-th expert
     dp_bf16* __restrict__ hs,                  // [T, SI] bf16: shared expert's activated product
+    dp_u32 stride_w1,                          // elements between experts of w1 (dense: I*D)
+    dp_u32 stride_w3,                          // elements between experts of w3 (dense: I*D)
     float act_beta = 0.0f, float act_lbeta = 0.0f) {  // SiTU betas (kAct 1)
   typedef dp_gemm_geometry<D, 2 * M, S> G;
   constexpr int RB = G::kRows / 2;
@@ -237,8 +243,8 @@ __device__ __forceinline__ void dp_moe_up(
 #pragma unroll
   for (int t = 0; t < T; ++t) xr[t] = slot_of[t] >= 0 ? x + (dp_u64)t * D : nullptr;  // rows that chose e
   const int row0 = tile * RB;
-  const dp_u64 eoff = (dp_u64)e * I * D;
-  dp_gate_up_tile<T, D, M, S, kAct>(xr, w1 + eoff, w3 + eoff, I, row0, act_beta, act_lbeta, partial, result, act);
+  dp_gate_up_tile<T, D, M, S, kAct>(xr, w1 + (dp_u64)e * stride_w1, w3 + (dp_u64)e * stride_w3, I, row0, act_beta,
+                                    act_lbeta, partial, result, act);
   for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
     const int t = i % T, r = row0 + i / T;
     const int j = slot_of[t];
@@ -279,13 +285,14 @@ template <int T, int D, int I, int E, int KT, int SI, int M>
 __device__ __forceinline__ void dp_moe_down(
     const dp_bf16* __restrict__ h,             // [T, KT, I] bf16 from dp_moe_up
     const dp_bf16* __restrict__ hs,            // [T, SI] bf16 from dp_moe_up (null if SI == 0)
-    const dp_bf16* __restrict__ w2,            // [E, D, I] bf16 expert down (w2) weights
+    const dp_bf16* __restrict__ w2,            // [E, stride_w2] bf16 expert down (w2) weights, [D, I] each
     const dp_bf16* __restrict__ shared_down,   // [D, SI] bf16 shared expert down_proj (null if SI == 0)
     const dp_i32* __restrict__ experts,        // [1 + U] i32 from dp_moe_route
     const dp_i32* __restrict__ expert_slots,   // [U, T] i32 from dp_moe_route
     const float* __restrict__ topk_weights,    // [T, KT] fp32 from dp_moe_route
     dp_bf16* __restrict__ out,                 // [T, D] bf16: the FFN output (next layer's hidden)
-    float routed_scaling) {
+    float routed_scaling,
+    dp_u32 stride_w2) {                        // elements between experts of w2 (dense: D*I)
   static_assert(I % 8 == 0 && SI % 8 == 0 && D % 8 == 0, "moe_down: widths must be multiples of 8");
   constexpr int kItersI = (I / 8 + DP_GROUP - 1) / DP_GROUP;
   constexpr int kItersS = (SI / 8 + DP_GROUP - 1) / DP_GROUP;
@@ -313,7 +320,7 @@ __device__ __forceinline__ void dp_moe_down(
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       const int r = row0 + m;
-      w[m] = w2 + ((dp_u64)e * D + (r < D ? r : 0)) * I;
+      w[m] = w2 + (dp_u64)e * stride_w2 + (dp_u64)(r < D ? r : 0) * I;
     }
     float tmp[M][T];  // [M, T] fp32 this expert's lane partials
 #pragma unroll

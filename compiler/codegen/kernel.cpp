@@ -28,7 +28,7 @@ struct ArgSpec {
   KernelParam::Kind kind;
   const char* c_type;
   std::string shape;
-  const char* doc;
+  std::string doc;
   bool nullable = false;
 };
 
@@ -229,7 +229,7 @@ const std::vector<OpSpec>& ops() {
           [](const Params& p) {
             const int64_t W = p.at("W"), Q = p.at("Q"), NH = p.at("NH"), D = p.at("D"), P = NH * D;
             const int64_t NP = 3 * P + p.at("FR") + (p.at("GR") > 0 ? p.at("GR") : P) + NH;
-            const std::string conv_shape = fmt::format("[slots, {}, {}] bf16", p.at("CV") - 1, P);
+            const std::string conv_slot = fmt::format("[{}, {}]", p.at("CV") - 1, P);
             return std::vector<ArgSpec>{
                 {"proj", KernelParam::Kind::pointer, "const dp_bf16*", shape({W * Q, NP}, "bf16"),
                  "projections, columns q | k | v | f_a | g_a (g when GR = 0) | b"},
@@ -244,11 +244,15 @@ const std::vector<OpSpec>& ops() {
                  "A_log of this rank's heads (K3: replicated tensor + rank*NH)"},
                 {"o_norm", KernelParam::Kind::pointer, "const void*", shape({D}, p.at("ON") ? "fp32" : "bf16"),
                  "o_norm.weight"},
-                {"state", KernelParam::Kind::pointer, "float*", fmt::format("[slots, {}, {}, {}] fp32", NH, D, D),
-                 "recurrent state S[k][v], updated in place"},
-                {"conv_q", KernelParam::Kind::pointer, "dp_bf16*", conv_shape, "q conv state, updated in place"},
-                {"conv_k", KernelParam::Kind::pointer, "dp_bf16*", conv_shape, "k conv state"},
-                {"conv_v", KernelParam::Kind::pointer, "dp_bf16*", conv_shape, "v conv state"},
+                {"state", KernelParam::Kind::pointer, "float*", "[slots, state_stride] fp32",
+                 fmt::format("recurrent state pool: slot s holds S[k][v] [{}, {}, {}] at s*state_stride, updated "
+                             "in place", NH, D, D)},
+                {"conv_q", KernelParam::Kind::pointer, "dp_bf16*", "[slots, conv_stride] bf16",
+                 fmt::format("q conv state pool: slot s holds {} at s*conv_stride, updated in place", conv_slot)},
+                {"conv_k", KernelParam::Kind::pointer, "dp_bf16*", "[slots, conv_stride] bf16",
+                 fmt::format("k conv state pool, {} per slot", conv_slot)},
+                {"conv_v", KernelParam::Kind::pointer, "dp_bf16*", "[slots, conv_stride] bf16",
+                 fmt::format("v conv state pool, {} per slot", conv_slot)},
                 {"slots", KernelParam::Kind::pointer, "const dp_i32*", shape({W, Q}, "i32"),
                  "state slot per draft position; slots[r][0] = 0 marks a padded request"},
                 {"num_accepted", KernelParam::Kind::pointer, "const dp_i32*", shape({W}, "i32"),
@@ -256,6 +260,10 @@ const std::vector<OpSpec>& ops() {
                 {"out", KernelParam::Kind::pointer, "dp_bf16*", shape({W * Q, P}, "bf16"), "gated RMSNorm output"},
                 {"lower_bound", KernelParam::Kind::f32, "float", "", "safe gate lower bound (SG = 1)"},
                 {"onorm_eps", KernelParam::Kind::f32, "float", "", "gated RMSNorm epsilon"},
+                {"state_stride", KernelParam::Kind::u32, "dp_u32", "",
+                 fmt::format("fp32 elements between state slots, at least {} (dense)", NH * D * D)},
+                {"conv_stride", KernelParam::Kind::u32, "dp_u32", "",
+                 fmt::format("elements between conv-state slots, at least {} (dense)", (p.at("CV") - 1) * P)},
             };
           },
           [](const Params& p) {
@@ -327,8 +335,11 @@ const std::vector<OpSpec>& ops() {
             const int64_t U = moe_max_used(p);
             std::vector<ArgSpec> a{
                 {"x", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, D}, "bf16"), "post-attention-norm rows"},
-                {"w1", KernelParam::Kind::pointer, "const dp_bf16*", shape({E, I, D}, "bf16"), "expert gate weights"},
-                {"w3", KernelParam::Kind::pointer, "const dp_bf16*", shape({E, I, D}, "bf16"), "expert up weights"},
+                {"w1", KernelParam::Kind::pointer, "const dp_bf16*", fmt::format("[{}, stride_w1] bf16", E),
+                 fmt::format("expert gate weights: expert e's [{}, {}] at e*stride_w1", I, D)},
+                {"w3", KernelParam::Kind::pointer, "const dp_bf16*", fmt::format("[{}, stride_w3] bf16", E),
+                 fmt::format("expert up weights: expert e's [{}, {}] at e*stride_w3 (fused w13: w1 + {})", I, D,
+                             I * D)},
                 {"shared_gate", KernelParam::Kind::pointer, "const dp_bf16*", shape({S, D}, "bf16"),
                  "shared expert gate_proj (null when S = 0)", true},
                 {"shared_up", KernelParam::Kind::pointer, "const dp_bf16*", shape({S, D}, "bf16"),
@@ -338,6 +349,12 @@ const std::vector<OpSpec>& ops() {
                 {"h", KernelParam::Kind::pointer, "dp_bf16*", shape({W, K, I}, "bf16"), "routed activations"},
                 {"hs", KernelParam::Kind::pointer, "dp_bf16*", shape({W, S}, "bf16"),
                  "shared expert activations (null when S = 0)", true},
+                {"stride_w1", KernelParam::Kind::u32, "dp_u32", "",
+                 fmt::format("elements between experts of w1, a multiple of 8, at least {} (dense; fused w13: {})",
+                             I * D, 2 * I * D)},
+                {"stride_w3", KernelParam::Kind::u32, "dp_u32", "",
+                 fmt::format("elements between experts of w3, a multiple of 8, at least {} (dense; fused w13: {})",
+                             I * D, 2 * I * D)},
             };
             if (p.at("ACT")) {
               a.push_back({"act_beta", KernelParam::Kind::f32, "float", "", "SiTU beta"});
@@ -380,7 +397,8 @@ const std::vector<OpSpec>& ops() {
                 {"h", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, K, I}, "bf16"), "from moe_up"},
                 {"hs", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, S}, "bf16"),
                  "from moe_up (null when S = 0)", true},
-                {"w2", KernelParam::Kind::pointer, "const dp_bf16*", shape({E, D, I}, "bf16"), "expert down weights"},
+                {"w2", KernelParam::Kind::pointer, "const dp_bf16*", fmt::format("[{}, stride_w2] bf16", E),
+                 fmt::format("expert down weights: expert e's [{}, {}] at e*stride_w2", D, I)},
                 {"shared_down", KernelParam::Kind::pointer, "const dp_bf16*", shape({D, S}, "bf16"),
                  "shared expert down_proj (null when S = 0)", true},
                 {"experts", KernelParam::Kind::pointer, "const dp_i32*", shape({1 + U}, "i32"), "from moe_route"},
@@ -388,6 +406,8 @@ const std::vector<OpSpec>& ops() {
                 {"topk_weights", KernelParam::Kind::pointer, "const float*", shape({W, K}, "fp32"), "from moe_route"},
                 {"out", KernelParam::Kind::pointer, "dp_bf16*", shape({W, D}, "bf16"), "FFN output"},
                 {"routed_scaling", KernelParam::Kind::f32, "float", "", "routed_scaling_factor"},
+                {"stride_w2", KernelParam::Kind::u32, "dp_u32", "",
+                 fmt::format("elements between experts of w2, a multiple of 8, at least {} (dense)", D * I)},
             };
           },
           [](const Params& p) {
@@ -447,7 +467,8 @@ const std::vector<OpSpec>& ops() {
            {"L", "l", 64, 4096, "kv_lora_rank, a multiple of 64"},
            {"R", "r", 0, 1024, "qk_rope_head_dim (unrotated: NoPE), even"},
            {"PN", "pn", 8, 1024, "qk_nope_head_dim, a multiple of 8"},
-           {"V", "v", 8, 1024, "v_head_dim"}},
+           {"V", "v", 8, 1024, "v_head_dim"},
+           {"BS", "bs", 1, 1 << 16, "cache block size (tokens)"}},
           [](const Params& p, const std::string& who) {
             if (p.at("W") * p.at("Q") > kMaxGemmRows)
               fail(Errc::input, "{}: W x Q = {} rows exceed {} (the absorbed query keeps every row in registers)",
@@ -457,8 +478,8 @@ const std::vector<OpSpec>& ops() {
                    "(multiple of 8) do not fit the templates", who, p.at("L"), p.at("R"), p.at("PN"));
           },
           [](const Params& p) {
-            return std::vector<int64_t>{p.at("W") * p.at("Q"), p.at("Q"), p.at("N"), p.at("L"),
-                                        p.at("R"),             p.at("PN"), p.at("V")};
+            return std::vector<int64_t>{p.at("W") * p.at("Q"), p.at("Q"),  p.at("N"), p.at("L"),
+                                        p.at("R"),             p.at("PN"), p.at("V"), p.at("BS")};
           },
           [](const Params& p) {
             const int64_t T = p.at("W") * p.at("Q"), N = p.at("N"), L = p.at("L"), R = p.at("R");
@@ -476,11 +497,16 @@ const std::vector<OpSpec>& ops() {
                  "tokens per request incl. the new ones; 0 = padded"},
                 {"slot_mapping", KernelParam::Kind::pointer, "const dp_i64*", shape({T}, "i64"),
                  "cache slot of each new token, -1 = none"},
-                {"cache", KernelParam::Kind::pointer, "dp_bf16*", fmt::format("[slots, {}] bf16", L + R),
-                 "latent cache [blocks, block_size, L+R], written at slot_mapping"},
+                {"cache", KernelParam::Kind::pointer, "dp_bf16*", "[blocks, cache_stride] bf16",
+                 fmt::format("latent cache: block b holds [{}, {}] at b*cache_stride; row of slot s at "
+                             "(s / {})*cache_stride + (s % {})*{}, written", p.at("BS"), L + R, p.at("BS"),
+                             p.at("BS"), L + R)},
                 {"q_abs", KernelParam::Kind::pointer, "dp_bf16*", shape({T, N, L + R}, "bf16"),
                  "absorbed query [q_lat | q_pe]"},
                 {"eps", KernelParam::Kind::f32, "float", "", "kv_a_layernorm epsilon"},
+                {"cache_stride", KernelParam::Kind::u32, "dp_u32", "",
+                 fmt::format("elements between cache blocks, a multiple of 8, at least {} (dense)",
+                             p.at("BS") * (L + R))},
             };
           },
           [](const Params& p) {
@@ -525,8 +551,8 @@ const std::vector<OpSpec>& ops() {
             return std::vector<ArgSpec>{
                 {"q_abs", KernelParam::Kind::pointer, "const dp_bf16*", shape({W * Q, N, L + p.at("R")}, "bf16"),
                  "from mla_prep"},
-                {"cache", KernelParam::Kind::pointer, "const dp_bf16*",
-                 fmt::format("[blocks, {}, {}] bf16", p.at("BS"), L + p.at("R")), "latent cache"},
+                {"cache", KernelParam::Kind::pointer, "const dp_bf16*", "[blocks, cache_stride] bf16",
+                 fmt::format("latent cache: block b holds [{}, {}] at b*cache_stride", p.at("BS"), L + p.at("R"))},
                 {"block_table", KernelParam::Kind::pointer, "const dp_i32*", fmt::format("[{}, stride_bt] i32", W),
                  "physical block of each logical block"},
                 {"stride_bt", KernelParam::Kind::u32, "dp_u32", "", "elements between block-table rows"},
@@ -536,6 +562,9 @@ const std::vector<OpSpec>& ops() {
                 {"part_ml", KernelParam::Kind::pointer, "float*", shape({W, NS, Q, N, 2}, "fp32"),
                  "running max and sum per split"},
                 {"scale", KernelParam::Kind::f32, "float", "", "softmax scale (qk_nope + qk_rope)^-1/2"},
+                {"cache_stride", KernelParam::Kind::u32, "dp_u32", "",
+                 fmt::format("elements between cache blocks, a multiple of 8, at least {} (dense)",
+                             p.at("BS") * (L + p.at("R")))},
             };
           },
           [](const Params& p) {
@@ -737,7 +766,7 @@ KernelSignature kernel_signature(const KernelInstance& k) {
     p.kind = a.kind;
     p.c_type = a.c_type;
     p.shape = std::move(a.shape);
-    p.doc = a.doc;
+    p.doc = std::move(a.doc);
     p.nullable = a.nullable;
     p.size = p.align = a.kind == KernelParam::Kind::pointer ? 8u : 4u;
     offset = (offset + p.align - 1) / p.align * p.align;

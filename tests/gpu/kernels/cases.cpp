@@ -56,8 +56,23 @@ const std::vector<ModelShape>& model_shapes() {
   return shapes;
 }
 
-std::string Case::name() const { return fmt::format("{} w{} q{}", model->name, width, q); }
+const char* to_string(Layout l) {
+  switch (l) {
+    case Layout::dense: return "dense";
+    case Layout::padded: return "padded";
+    case Layout::wide: return "wide";
+  }
+  return "?";
+}
 
+std::string Case::name() const {
+  const std::string base = fmt::format("{} w{} q{}", model->name, width, q);
+  return layout == Layout::dense ? base : base + " " + to_string(layout);
+}
+
+// Indices are stable where run_on_device.sh and RESULTS.md refer to them: the dense cases first (0..21,
+// as before the layouts existed), then the padded and wide ones, and the dense 48B-shaped case last
+// (the timed one).
 std::vector<Case> all_cases() {
   const auto& m = model_shapes();
   std::vector<Case> v;
@@ -65,7 +80,17 @@ std::vector<Case> all_cases() {
     for (int64_t w = 1; w <= 8; ++w) v.push_back({&m[0], w, q});  // every width, tiny Kimi-Linear
   for (int64_t q : {1, 2})
     for (int64_t w : {1, 3, 8}) v.push_back({&m[1], w, q});  // K3 variants of every op
-  v.push_back({&m[2], 8, 2});                                // one 48B-shaped case, the most rows
+  // Padded host pools and fused w13: a padded request (w >= 3), a zero draft slot (w >= 4, q 2).
+  v.push_back({&m[0], 3, 2, Layout::padded});
+  v.push_back({&m[0], 5, 1, Layout::padded});
+  v.push_back({&m[0], 8, 2, Layout::padded});
+  v.push_back({&m[1], 3, 2, Layout::padded});
+  v.push_back({&m[1], 8, 1, Layout::padded});
+  // Offsets past 2^32 elements (about 45 GB of device memory at most, one check at a time).
+  v.push_back({&m[0], 4, 2, Layout::wide});
+  v.push_back({&m[1], 3, 1, Layout::wide});
+  v.push_back({&m[2], 8, 2, Layout::padded});  // 48B shapes with vLLM's layouts
+  v.push_back({&m[2], 8, 2});                  // one dense 48B-shaped case, the most rows (timed)
   return v;
 }
 
@@ -108,10 +133,16 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
       "moe_down", {{"W", T}, {"D", H}, {"I", m.inter}, {"E", m.experts}, {"K", m.top_k}, {"S", m.shared}}, target};
   k.mlp_up = {"mlp_up", {{"W", T}, {"D", H}, {"I", m.dense_inter}, {"ACT", act}}, target};
   k.mlp_down = gemm(m.dense_inter, {H}, false);
-  k.mla_prep = {
-      "mla_prep",
-      {{"W", c.width}, {"Q", c.q}, {"N", m.mla_heads}, {"L", m.lora}, {"R", m.rope}, {"PN", m.nope}, {"V", m.v_dim}},
-      target};
+  k.mla_prep = {"mla_prep",
+                {{"W", c.width},
+                 {"Q", c.q},
+                 {"N", m.mla_heads},
+                 {"L", m.lora},
+                 {"R", m.rope},
+                 {"PN", m.nope},
+                 {"V", m.v_dim},
+                 {"BS", m.block_size}},
+                target};
   k.mla_attn = {"mla_attn",
                 {{"W", c.width},
                  {"Q", c.q},

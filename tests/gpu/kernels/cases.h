@@ -39,12 +39,25 @@ struct ModelShape {
   }
 };
 
+// How the host lays out the caches and expert weights the kernels read through their outer strides
+// (kda_step state_stride / conv_stride, mla_* cache_stride, moe_up stride_w1 / stride_w3, moe_down
+// stride_w2). The kernels are the same instances for every layout; only those arguments differ.
+enum class Layout {
+  dense,   // every pool and expert stack dense: stride = the size of one slot / block / expert
+  padded,  // spare elements after every state slot, conv slot and cache block (poisoned, must stay
+           // untouched), vLLM's fused w13 [E, 2I, D] for moe_up, a padded w2 stack for moe_down
+  wide,    // padded, and slots / blocks / experts placed beyond 2^32 elements from the base (64-bit
+           // address math); the pools span tens of GB on the device, only the used slots are uploaded
+};
+const char* to_string(Layout l);
+
 struct Case {
   const ModelShape* model = nullptr;
   int64_t width = 1;  // requests
   int64_t q = 1;      // rows per request
+  Layout layout = Layout::dense;
   int64_t rows() const { return width * q; }
-  std::string name() const;  // "kimi-linear-tiny w3 q2"
+  std::string name() const;  // "kimi-linear-tiny w3 q2", "kimi-linear-tiny w3 q2 padded"
 };
 
 const std::vector<ModelShape>& model_shapes();

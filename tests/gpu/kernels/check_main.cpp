@@ -1,4 +1,4 @@
-// dp_kernel_check CUBIN_DIR [--out FILE] [--only SUBSTRING] [--time]
+// dp_kernel_check CUBIN_DIR [--out FILE] [--only SUBSTRING] [--case INDEX] [--count] [--list] [--time]
 //
 // Runs every decode-layer kernel of every case in cases.cpp on the GPU (CUDA driver API, the cubins
 // dp_kernel_build made) and compares it with the float64 CPU reference:
@@ -15,6 +15,11 @@
 //
 // The routed experts' weights are uploaded only for the experts the step routes to; every other
 // expert's weights are NaN on the device, so a kernel that reads an expert it should not use fails.
+//
+// Host layouts (cases.h Layout): the KDA state / conv pools, the MLA cache and the expert stacks are
+// laid out dense, padded (spare elements after every slot / block, vLLM's fused w13) or wide (slots,
+// blocks and experts past 2^32 elements). Padding is poisoned like the outputs: a kernel that reads it
+// gets NaN, and every padding element of the slots in play must keep its bits (checked).
 #include <cuda.h>
 #include <fmt/format.h>
 
@@ -73,7 +78,9 @@ struct DevBuf {
   ~DevBuf() {
     if (ptr) cuMemFree(ptr);
   }
-  void poison() { CU(cuMemsetD8(ptr, 0xFF, bytes)); }
+  void poison() {
+    if (bytes) CU(cuMemsetD8(ptr, 0xFF, bytes));
+  }
   template <class T>
   void upload(const std::vector<T>& v, size_t offset_bytes = 0) {
     CU(cuMemcpyHtoD(ptr + offset_bytes, v.data(), v.size() * sizeof(T)));
@@ -82,6 +89,12 @@ struct DevBuf {
   std::vector<T> download() const {
     std::vector<T> v(bytes / sizeof(T));
     CU(cuMemcpyDtoH(v.data(), ptr, bytes));
+    return v;
+  }
+  template <class T>
+  std::vector<T> download(size_t offset_bytes, size_t count) const {
+    std::vector<T> v(count);
+    CU(cuMemcpyDtoH(v.data(), ptr + offset_bytes, count * sizeof(T)));
     return v;
   }
 };
@@ -311,6 +324,61 @@ double act(const ModelShape& m, double g, double u) {
   return m.situ ? ref::situ(g, u, m.situ_beta, m.situ_linear_beta) : ref::silu(g) * u;
 }
 
+// ---- host-owned pools (Layout in cases.h) ---------------------------------------------------------------
+
+constexpr int64_t kFar = int64_t{1} << 32;  // element offsets from here on need 64-bit address math
+
+// A host-owned pool (KDA state or conv slots, MLA cache blocks) as the host lays it out: slot s holds
+// `dense` elements at s*stride; the rest of every stride (padding) and every slot that is not live hold
+// poison (all bytes 0xFF: NaN in bf16 and fp32, so a kernel that reads them fails). Only the live slots
+// are uploaded and read back, so that a wide pool may span tens of GB on the device.
+template <class T>
+struct Pool {
+  int64_t dense = 0, stride = 0;
+  std::map<int64_t, std::vector<T>> before;  // live slot -> its [stride] elements as uploaded
+  DevBuf dev;
+
+  template <class Random>
+  Pool(int64_t count, int64_t dense_elems, int64_t stride_elems, const std::vector<int64_t>& live, Random random)
+      : dense(dense_elems), stride(stride_elems), dev(static_cast<size_t>(count * stride_elems) * sizeof(T)) {
+    dev.poison();
+    for (int64_t s : live) {
+      std::vector<T> v = random(static_cast<size_t>(dense));
+      v.resize(static_cast<size_t>(stride));
+      std::memset(v.data() + dense, 0xFF, static_cast<size_t>(stride - dense) * sizeof(T));
+      dev.upload(v, static_cast<size_t>(s * stride) * sizeof(T));
+      before.emplace(s, std::move(v));
+    }
+  }
+  std::vector<T> after(int64_t s) const {
+    return dev.download<T>(static_cast<size_t>(s * stride) * sizeof(T), static_cast<size_t>(stride));
+  }
+  // The dense parts of the live slots as the reference's starting point.
+  std::map<int64_t, std::vector<double>> dense_double() const {
+    std::map<int64_t, std::vector<double>> m;
+    for (const auto& [s, v] : before) m.emplace(s, to_double(std::vector<T>(v.begin(), v.begin() + dense)));
+    return m;
+  }
+  // Padding elements of the live slots whose bits changed.
+  int64_t padding_touched() const {
+    int64_t n = 0;
+    for (const auto& [s, v0] : before) {
+      const std::vector<T> g = after(s);
+      for (int64_t e = dense; e < stride; ++e) n += std::memcmp(&g[e], &v0[e], sizeof(T)) != 0;
+    }
+    return n;
+  }
+};
+
+// Slot ids of a pool: the null slot 0, then first .. first + n - 1.
+std::vector<int64_t> live_slots(int64_t first, int64_t n) {
+  std::vector<int64_t> v{0};
+  for (int64_t i = 0; i < n; ++i) v.push_back(first + i);
+  return v;
+}
+
+int64_t round_up8(int64_t x) { return (x + 7) / 8 * 8; }
+
 // ---- checks ---------------------------------------------------------------------------------------------
 
 struct Ctx {
@@ -409,11 +477,27 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   auto onorm_bf = rand_bf16(D, rng, 0.5, 1.5);
   auto onorm_f = rand_f32(D, rng, 0.5, 1.5);
 
-  // Slots: a random permutation of 1..W*Q; one padded request (all slots 0) when W >= 3; for Q > 1 the
-  // last request's draft slot 1 is 0 when W >= 4 (not written); two spare slots that nobody uses.
-  const int64_t num_slots = 1 + W * Q + 2;
+  // Pools as the host lays them out (cases.h Layout): dense, or with padding after every slot (strides
+  // that are not multiples of 8: the states need only element alignment), or with the slots in use
+  // past 2^32 elements from the base.
+  const int64_t state_dense = NH * D * D, conv_dense = CH * P;
+  int64_t state_stride = state_dense, conv_stride = conv_dense, base = 0;
+  if (c.layout != Layout::dense) {
+    state_stride += 13;
+    conv_stride += 5;
+  }
+  if (c.layout == Layout::wide) {
+    base = kFar / state_stride + 1;                             // slot base: past 2^32 fp32 elements
+    conv_stride = std::max(conv_stride, kFar / base + 1 + 5);  // and past 2^32 conv elements
+  }
+
+  // Slots: base + a random permutation of 1..W*Q; one padded request (all slots 0) when W >= 3; for
+  // Q > 1 the last request's draft slot 1 is 0 when W >= 4 (not written); two spare slots that nobody
+  // uses; the null slot 0.
+  const int64_t num_slots = base + 1 + W * Q + 2;
+  const std::vector<int64_t> live = live_slots(base + 1, W * Q + 2);
   std::vector<int32_t> perm(W * Q);
-  for (int64_t i = 0; i < W * Q; ++i) perm[i] = static_cast<int32_t>(1 + i);
+  for (int64_t i = 0; i < W * Q; ++i) perm[i] = static_cast<int32_t>(base + 1 + i);
   for (int64_t i = W * Q - 1; i > 0; --i) std::swap(perm[i], perm[rng.below(i + 1)]);
   std::vector<int32_t> slots = perm;
   if (W >= 3)
@@ -424,33 +508,48 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
     for (int64_t r = 0; r < W; ++r) accepted[r] = static_cast<int32_t>(1 + rng.below(Q));
   if (Q > 1 && W >= 4) accepted[W - 1] = 1;  // it must read from its first slot, the only non-zero one
 
-  auto state0 = rand_f32(num_slots * NH * D * D, rng, -1, 1);
-  auto convq0 = rand_bf16(num_slots * CH * P, rng, -2, 2), convk0 = rand_bf16(num_slots * CH * P, rng, -2, 2),
-       convv0 = rand_bf16(num_slots * CH * P, rng, -2, 2);
+  auto rand_state = [&](size_t n) { return rand_f32(n, rng, -1, 1); };
+  auto rand_conv = [&](size_t n) { return rand_bf16(n, rng, -2, 2); };
+  const Pool<float> pstate(num_slots, state_dense, state_stride, live, rand_state);
+  const Pool<uint16_t> pconv[3] = {{num_slots, conv_dense, conv_stride, live, rand_conv},
+                                   {num_slots, conv_dense, conv_stride, live, rand_conv},
+                                   {num_slots, conv_dense, conv_stride, live, rand_conv}};
 
   DevBuf d_proj = device_copy(proj), d_fb = device_copy(w_fb), d_gb = device_copy(w_gb);
   DevBuf d_cq = device_copy(cq), d_ck = device_copy(ck), d_cv = device_copy(cv), d_dt = device_copy(dt_bias);
   DevBuf d_alog = device_copy(a_log), d_on = m.onorm_f32 ? device_copy(onorm_f) : device_copy(onorm_bf);
-  DevBuf d_state = device_copy(state0), d_convq = device_copy(convq0), d_convk = device_copy(convk0),
-         d_convv = device_copy(convv0);
   DevBuf d_slots = device_copy(slots), d_acc = device_copy(accepted);
   DevBuf out(T * P * 2);
   out.poison();
-  std::map<std::string, Arg> args{
-      {"proj", d_proj},   {"w_fb", d_fb},      {"conv_wq", d_cq},      {"conv_wk", d_ck},
-      {"conv_wv", d_cv},  {"dt_bias", d_dt},   {"a_log", d_alog},      {"o_norm", d_on},
-      {"state", d_state}, {"conv_q", d_convq}, {"conv_k", d_convk},    {"conv_v", d_convv},
-      {"slots", d_slots}, {"out", out},        {"lower_bound", -5.0f}, {"onorm_eps", 1e-5f}};
+  std::map<std::string, Arg> args{{"proj", d_proj},
+                                  {"w_fb", d_fb},
+                                  {"conv_wq", d_cq},
+                                  {"conv_wk", d_ck},
+                                  {"conv_wv", d_cv},
+                                  {"dt_bias", d_dt},
+                                  {"a_log", d_alog},
+                                  {"o_norm", d_on},
+                                  {"state", pstate.dev},
+                                  {"conv_q", pconv[0].dev},
+                                  {"conv_k", pconv[1].dev},
+                                  {"conv_v", pconv[2].dev},
+                                  {"slots", d_slots},
+                                  {"out", out},
+                                  {"lower_bound", -5.0f},
+                                  {"onorm_eps", 1e-5f},
+                                  {"state_stride", Arg(static_cast<uint32_t>(state_stride))},
+                                  {"conv_stride", Arg(static_cast<uint32_t>(conv_stride))}};
   if (GR > 0) args.emplace("w_gb", Arg(d_gb));
   if (Q > 1) args.emplace("num_accepted", Arg(d_acc));
   const float ms = ctx.kernels.launch(k.kda, args);
 
-  // ---- reference ----
-  std::vector<double> state = to_double(state0);
-  std::vector<double> conv[3] = {to_double(convq0), to_double(convk0), to_double(convv0)};
+  // ---- reference (per live slot: [NH, D, D] state, [CH, P] conv histories) ----
+  std::map<int64_t, std::vector<double>> state = pstate.dense_double();
+  std::map<int64_t, std::vector<double>> conv[3] = {pconv[0].dense_double(), pconv[1].dense_double(),
+                                                    pconv[2].dense_double()};
   const std::vector<float>* taps[3] = {&cq, &ck, &cv};
   std::vector<double> expect(T * P, 0.0);
-  std::vector<bool> written(num_slots, false);
+  std::set<int64_t> written;
   const std::vector<double> onorm = m.onorm_f32 ? to_double(onorm_f) : to_double(onorm_bf);
   const double qscale = 1.0 / std::sqrt(static_cast<double>(D));
   std::optional<double> lb;
@@ -462,11 +561,11 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
     for (int w3 = 0; w3 < 3; ++w3) {
       hist[w3].resize(P);
       for (int64_t ch = 0; ch < P; ++ch)
-        for (int64_t i = 0; i < CH; ++i) hist[w3][ch].push_back(conv[w3][(read_slot * CH + i) * P + ch]);
+        for (int64_t i = 0; i < CH; ++i) hist[w3][ch].push_back(conv[w3].at(read_slot)[i * P + ch]);
     }
     std::vector<std::vector<double>> S(NH);
-    for (int64_t j = 0; j < NH; ++j)
-      S[j].assign(state.begin() + (read_slot * NH + j) * D * D, state.begin() + (read_slot * NH + j + 1) * D * D);
+    const std::vector<double>& rs = state.at(read_slot);
+    for (int64_t j = 0; j < NH; ++j) S[j].assign(rs.begin() + j * D * D, rs.begin() + (j + 1) * D * D);
     for (int64_t i = 0; i < Q; ++i) {
       const int64_t t = r * Q + i, ws = slots[r * Q + i];
       std::vector<double> y[3];
@@ -479,7 +578,7 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
           hist[w3][ch].erase(hist[w3][ch].begin());
           hist[w3][ch].push_back(xn);
           if (ws != 0)
-            for (int64_t h = 0; h < CH; ++h) conv[w3][(ws * CH + h) * P + ch] = hist[w3][ch][h];
+            for (int64_t h = 0; h < CH; ++h) conv[w3].at(ws)[h * P + ch] = hist[w3][ch][h];
         }
       }
       for (int64_t j = 0; j < NH; ++j) {
@@ -508,8 +607,8 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
         ref::kda_delta_step(S[j], qv, kv, vv, alpha, beta, o);
         for (double& e : S[j]) e = ref::round_fp32(e);
         if (ws != 0) {
-          std::copy(S[j].begin(), S[j].end(), state.begin() + (ws * NH + j) * D * D);
-          written[ws] = true;
+          std::copy(S[j].begin(), S[j].end(), state.at(ws).begin() + j * D * D);
+          written.insert(ws);
         }
         ref::round_bf16_if(true, o);
         ref::gated_rms_norm(o, g, onorm, 1e-5, og);
@@ -520,29 +619,34 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
 
   ctx.report.add(c.name(), "kda_step out", rel(bf16_out(out), expect), kBf16Tol,
                  ctx.time ? fmt::format("{:.1f} us", ms * 1e3) : std::string());
-  // State: written slots within 1e-4; every other slot untouched, bit for bit.
-  const std::vector<float> gpu_state = d_state.download<float>();
+  // State: written slots within 1e-4; every other live slot untouched, bit for bit.
   std::vector<double> got, want;
   int64_t touched = 0;
-  for (int64_t s = 0; s < num_slots; ++s)
-    for (int64_t e = 0; e < NH * D * D; ++e) {
-      const size_t i = static_cast<size_t>(s * NH * D * D + e);
-      if (written[s]) {
-        got.push_back(gpu_state[i]);
-        want.push_back(state[i]);
-      } else if (std::memcmp(&gpu_state[i], &state0[i], 4) != 0) {
+  for (const auto& [s, v0] : pstate.before) {
+    const std::vector<float> g = pstate.after(s);
+    for (int64_t e = 0; e < state_dense; ++e) {
+      if (written.count(s)) {
+        got.push_back(g[e]);
+        want.push_back(state.at(s)[e]);
+      } else if (std::memcmp(&g[e], &v0[e], 4) != 0) {
         ++touched;
       }
     }
+  }
   ctx.report.add(c.name(), "kda_step state (written)", rel_error(got, want), kF32Tol);
   ctx.report.zero(c.name(), "kda_step state (others)", touched, "values changed in slots the step must not write");
-  const DevBuf* dconv[3] = {&d_convq, &d_convk, &d_convv};
   int64_t conv_bad = 0;
-  for (int w3 = 0; w3 < 3; ++w3) {
-    const std::vector<uint16_t> g = dconv[w3]->download<uint16_t>();
-    for (size_t i = 0; i < g.size(); ++i) conv_bad += to_bf16(conv[w3][i]) != g[i];
-  }
+  for (int w3 = 0; w3 < 3; ++w3)
+    for (const auto& [s, v0] : pconv[w3].before) {
+      const std::vector<uint16_t> g = pconv[w3].after(s);
+      for (int64_t e = 0; e < conv_dense; ++e) conv_bad += to_bf16(conv[w3].at(s)[e]) != g[e];
+    }
   ctx.report.zero(c.name(), "kda_step conv states", conv_bad, "elements differing from the reference");
+  const int64_t pad_touched =
+      pstate.padding_touched() + pconv[0].padding_touched() + pconv[1].padding_touched() + pconv[2].padding_touched();
+  ctx.report.zero(c.name(), "kda_step pool padding", pad_touched,
+                  fmt::format("state_stride {} (dense {}), conv_stride {} (dense {}), slots {}..{}", state_stride,
+                              state_dense, conv_stride, conv_dense, base + 1, num_slots - 1));
 }
 
 // Router logits -> moe_route -> moe_up -> moe_down, each checked on its own (inputs: the previous
@@ -557,6 +661,9 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   const double ah = std::sqrt(3.0 / H);
   auto wr = rand_bf16(E * H, rng, -2 * ah, 2 * ah);
   auto bias = rand_f32(E, rng, -0.1, 0.1);
+  // Wide layout: every row picks the last expert (its biased score beats any other), the one whose
+  // weights lie past 2^32 elements.
+  if (c.layout == Layout::wide && E > 1) bias[E - 1] += 2.0f;
   DevBuf dx = device_copy(x), dwr = device_copy(wr), dbias = device_copy(bias);
   DevBuf logits(T * E * 4);
   logits.poison();
@@ -634,20 +741,42 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   ctx.report.zero(c.name(), "moe_route expert table", table_bad);
   if (bad_ids || table_bad) return;  // the expert kernels would index garbage
 
-  // ---- weights: only routed experts get values; the rest stay NaN on the device ----
+  // ---- weights: only routed experts get values; the rest (and any padding) stay NaN on the device ----
+  // Layouts (cases.h): dense stacks w1, w3 [E, I, H] and w2 [E, H, I]; padded: vLLM's fused w13
+  // [E, 2I, H] (w1 = w13, w3 = w13 + I*H, both strides 2*I*H) and a w2 stack with padding per expert;
+  // wide: the same with strides that put the last expert past 2^32 elements.
   const double ai = std::sqrt(3.0 / I), as = std::sqrt(3.0 / std::max<int64_t>(S, 8));
-  DevBuf w1(E * I * H * 2), w3(E * I * H * 2), w2(E * H * I * 2);
+  const int64_t IH = I * H;
+  const bool fused = c.layout != Layout::dense;
+  int64_t stride_w13 = fused ? 2 * IH : IH, stride_w2 = fused ? IH + 64 : IH;
+  if (c.layout == Layout::wide && E > 1) {
+    const int64_t far = round_up8(kFar / (E - 1) + 1);
+    stride_w13 = std::max(stride_w13, far);
+    stride_w2 = std::max(stride_w2, far);
+  }
+  DevBuf w1(E * stride_w13 * 2), w3(fused ? 0 : E * IH * 2), w2(E * stride_w2 * 2);
   for (DevBuf* b : {&w1, &w3, &w2}) b->poison();
+  const CUdeviceptr w1_ptr = w1.ptr, w3_ptr = fused ? w1.ptr + IH * 2 : w3.ptr;
   std::map<int32_t, std::vector<uint16_t>> h1, h3, h2;  // host copies of the routed experts
+  int64_t far_experts = 0;  // routed experts whose weights start past 2^32 elements
   for (int32_t e : used_v) {
     Rng er(seed * 1000 + static_cast<uint64_t>(e));
-    h1[e] = rand_bf16(I * H, er, -ah, ah);
-    h3[e] = rand_bf16(I * H, er, -ah, ah);
-    h2[e] = rand_bf16(H * I, er, -ai, ai);
-    w1.upload(h1[e], static_cast<size_t>(e) * I * H * 2);
-    w3.upload(h3[e], static_cast<size_t>(e) * I * H * 2);
-    w2.upload(h2[e], static_cast<size_t>(e) * H * I * 2);
+    h1[e] = rand_bf16(IH, er, -ah, ah);
+    h3[e] = rand_bf16(IH, er, -ah, ah);
+    h2[e] = rand_bf16(IH, er, -ai, ai);
+    w1.upload(h1[e], static_cast<size_t>(e * stride_w13) * 2);
+    if (fused)
+      w1.upload(h3[e], static_cast<size_t>(e * stride_w13 + IH) * 2);
+    else
+      w3.upload(h3[e], static_cast<size_t>(e * IH) * 2);
+    w2.upload(h2[e], static_cast<size_t>(e * stride_w2) * 2);
+    far_experts += e * std::min(stride_w13, stride_w2) >= kFar;
   }
+  const std::string layout_note =
+      fmt::format("{}: stride_w1/w3 {}, stride_w2 {} (dense {}); {} routed experts past 2^32 elements",
+                  fused ? "fused w13" : "separate w1, w3", stride_w13, stride_w2, IH, far_experts);
+  if (c.layout == Layout::wide)
+    ctx.report.zero(c.name(), "moe wide layout reached", far_experts == 0, layout_note);
   auto sg = rand_bf16(S * H, rng, -ah, ah), su = rand_bf16(S * H, rng, -ah, ah), sd = rand_bf16(H * S, rng, -as, as);
   DevBuf dsg = device_copy(sg), dsu = device_copy(su), dsd = device_copy(sd);
 
@@ -656,14 +785,16 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   h.poison();
   hs.poison();
   std::map<std::string, Arg> up_args{{"x", dx},
-                                     {"w1", w1},
-                                     {"w3", w3},
+                                     {"w1", w1_ptr},
+                                     {"w3", w3_ptr},
                                      {"shared_gate", dsg},
                                      {"shared_up", dsu},
                                      {"experts", experts},
                                      {"expert_slots", eslots},
                                      {"h", h},
-                                     {"hs", hs}};
+                                     {"hs", hs},
+                                     {"stride_w1", Arg(static_cast<uint32_t>(stride_w13))},
+                                     {"stride_w3", Arg(static_cast<uint32_t>(stride_w13))}};
   if (m.situ) {
     up_args.emplace("act_beta", Arg(static_cast<float>(m.situ_beta)));
     up_args.emplace("act_linear_beta", Arg(static_cast<float>(m.situ_linear_beta)));
@@ -688,7 +819,7 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   }
   const std::vector<double> h_gpu = bf16_out(h), hs_gpu = bf16_out(hs);
   ctx.report.add(c.name(), "moe_up routed", rel(h_gpu, h_ref), kBf16Tol,
-                 ctx.time ? fmt::format("{:.1f} us", up_ms * 1e3) : std::string());
+                 ctx.time ? fmt::format("{:.1f} us", up_ms * 1e3) : layout_note);
   ctx.report.add(c.name(), "moe_up shared", rel(hs_gpu, hs_ref), kBf16Tol);
 
   // ---- moe_down (inputs: the GPU's h, hs and weights) ----
@@ -702,7 +833,8 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
                                                         {"expert_slots", eslots},
                                                         {"topk_weights", tw},
                                                         {"out", out},
-                                                        {"routed_scaling", static_cast<float>(m.routed_scaling)}});
+                                                        {"routed_scaling", static_cast<float>(m.routed_scaling)},
+                                                        {"stride_w2", Arg(static_cast<uint32_t>(stride_w2))}});
   // vLLM's rounding points: each weighted expert output, their sum, the scaled sum, the shared
   // output and the final sum are bf16 tensors (Rounding::moe_weighted, moe_sum, linear, ffn_out).
   auto down_ref = [&](const std::vector<double>& hh, const std::vector<double>& hhs, const std::vector<double>& wts) {
@@ -783,16 +915,24 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   auto kv_b = rand_bf16(N * (PN + V) * L, rng, -akb, akb);
   auto norm_w = rand_bf16(L, rng, 0.5, 1.5);
 
+  // The cache as the host lays it out (cases.h Layout): dense blocks, blocks with padding after their BS
+  // rows (a multiple of 8: the attention reads rows with 16-byte loads), or blocks past 2^32 elements.
+  const int64_t cache_dense = BS * LR;
+  int64_t cache_stride = cache_dense, base = 0;
+  if (c.layout != Layout::dense) cache_stride += 64;
+  if (c.layout == Layout::wide) base = kFar / cache_stride + 1;
+
   // Requests: random lengths; request 0 as short as possible (splits with no token), request 1
-  // padded when W >= 3. Blocks are a random permutation, block 0 never used (vLLM's null block).
+  // padded when W >= 3. Blocks are base + a random permutation of 1..W*MB; the null block 0 and two
+  // spare blocks are never used.
   std::vector<int32_t> lens(W);
   for (int64_t r = 0; r < W; ++r) lens[r] = static_cast<int32_t>(Q + rng.below(m.max_context - Q + 1));
   if (W >= 2) lens[0] = static_cast<int32_t>(Q);
   if (W >= 3) lens[1] = 0;
   const int64_t MB = (m.max_context + BS - 1) / BS;  // block-table row length
-  const int64_t num_blocks = 1 + W * MB + 2;
+  const int64_t num_blocks = base + 1 + W * MB + 2;
   std::vector<int32_t> perm(W * MB);
-  for (int64_t i = 0; i < W * MB; ++i) perm[i] = static_cast<int32_t>(1 + i);
+  for (int64_t i = 0; i < W * MB; ++i) perm[i] = static_cast<int32_t>(base + 1 + i);
   for (int64_t i = W * MB - 1; i > 0; --i) std::swap(perm[i], perm[rng.below(i + 1)]);
   const std::vector<int32_t>& bt = perm;  // [W, MB]
   std::vector<int64_t> slot_map(T, -1);
@@ -801,11 +941,13 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
       const int64_t pos = lens[r] - Q + i;
       slot_map[r * Q + i] = static_cast<int64_t>(bt[r * MB + pos / BS]) * BS + pos % BS;
     }
-  auto cache0 = rand_bf16(num_blocks * BS * LR, rng, -2, 2);
+  const Pool<uint16_t> pcache(num_blocks, cache_dense, cache_stride, live_slots(base + 1, W * MB + 2),
+                              [&](size_t n) { return rand_bf16(n, rng, -2, 2); });
 
   DevBuf d_proj = device_copy(proj), d_kvb = device_copy(kv_b), d_norm = device_copy(norm_w);
   DevBuf d_lens = device_copy(lens), d_bt = device_copy(perm), d_slots = device_copy(slot_map);
-  DevBuf d_cache = device_copy(cache0);
+  const DevBuf& d_cache = pcache.dev;
+  const Arg cache_stride_arg(static_cast<uint32_t>(cache_stride));
   DevBuf q_abs(T * N * LR * 2), part_o(W * NS * Q * N * L * 4), part_ml(W * NS * Q * N * 2 * 4), out(T * N * V * 2);
   for (DevBuf* b : {&q_abs, &part_o, &part_ml, &out}) b->poison();
   const float eps = 1e-5f, scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(PN + R)));
@@ -819,7 +961,8 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
                                                        {"slot_mapping", d_slots},
                                                        {"cache", d_cache},
                                                        {"q_abs", q_abs},
-                                                       {"eps", eps}});
+                                                       {"eps", eps},
+                                                       {"cache_stride", cache_stride_arg}});
   const float t_attn = ctx.kernels.launch(k.mla_attn, {{"q_abs", q_abs},
                                                        {"cache", d_cache},
                                                        {"block_table", d_bt},
@@ -827,7 +970,8 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
                                                        {"seq_lens", d_lens},
                                                        {"part_o", part_o},
                                                        {"part_ml", part_ml},
-                                                       {"scale", scale}});
+                                                       {"scale", scale},
+                                                       {"cache_stride", cache_stride_arg}});
   std::map<std::string, Arg> cargs{{"part_o", part_o},
                                    {"part_ml", part_ml},
                                    {"seq_lens", d_lens},
@@ -837,19 +981,20 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   if (m.mla_gate) cargs.emplace("gate", Arg(d_proj.ptr + (NQ + LR) * 2));
   const float t_comb = ctx.kernels.launch(k.mla_combine, cargs);
 
-  // ---- reference ----
-  std::vector<double> cache = to_double(cache0);
-  std::vector<bool> written(num_blocks * BS, false);
+  // ---- reference (per live block: [BS, L+R]) ----
+  std::map<int64_t, std::vector<double>> cache = pcache.dense_double();
+  auto cache_row = [&](int64_t slot) { return cache.at(slot / BS).data() + (slot % BS) * LR; };
+  std::set<int64_t> written;  // slots (block*BS + offset) the step writes
   const std::vector<double> nw = to_double(norm_w);
   for (int64_t t = 0; t < T; ++t) {
     if (lens[t / Q] == 0 || slot_map[t] < 0) continue;
     std::vector<double> cv(L), cn(L);
     for (int64_t l = 0; l < L; ++l) cv[l] = bf16_to_f32(proj[t * ld + NQ + l]);
     ref::rms_norm(cv, nw, eps, cn);
-    double* dst = cache.data() + slot_map[t] * LR;
+    double* dst = cache_row(slot_map[t]);
     for (int64_t l = 0; l < L; ++l) dst[l] = ref::round_bf16(cn[l]);
     for (int64_t e = 0; e < R; ++e) dst[L + e] = bf16_to_f32(proj[t * ld + NQ + L + e]);
-    written[slot_map[t]] = true;
+    written.insert(slot_map[t]);
   }
   std::vector<double> qabs_ref(T * N * LR), out_ref(T * N * V, 0.0);
   for (int64_t t = 0; t < T; ++t)
@@ -872,7 +1017,7 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
         std::vector<double> sc(last + 1);
         double mx = -std::numeric_limits<double>::infinity();
         for (int64_t p = 0; p <= last; ++p) {
-          const double* row = cache.data() + (static_cast<int64_t>(bt[r * MB + p / BS]) * BS + p % BS) * LR;
+          const double* row = cache_row(static_cast<int64_t>(bt[r * MB + p / BS]) * BS + p % BS);
           double d = 0;
           for (int64_t e = 0; e < LR; ++e) d += qa[e] * row[e];
           sc[p] = d * scale;
@@ -882,7 +1027,7 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
         for (double& e : sc) z += (e = std::exp(e - mx));
         std::vector<double> ol(L, 0.0);
         for (int64_t p = 0; p <= last; ++p) {
-          const double* row = cache.data() + (static_cast<int64_t>(bt[r * MB + p / BS]) * BS + p % BS) * LR;
+          const double* row = cache_row(static_cast<int64_t>(bt[r * MB + p / BS]) * BS + p % BS);
           for (int64_t l = 0; l < L; ++l) ol[l] += sc[p] / z * row[l];
         }
         ref::round_bf16_if(true, ol);
@@ -897,21 +1042,24 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
     }
   }
 
-  const std::vector<uint16_t> gcache = d_cache.download<uint16_t>();
   std::vector<double> got, want;
   int64_t touched = 0;
-  for (int64_t s = 0; s < num_blocks * BS; ++s)
-    for (int64_t e = 0; e < LR; ++e) {
-      const size_t i = static_cast<size_t>(s * LR + e);
-      if (written[s]) {
-        got.push_back(bf16_to_f32(gcache[i]));
-        want.push_back(cache[i]);
-      } else if (gcache[i] != cache0[i]) {
+  for (const auto& [b, v0] : pcache.before) {
+    const std::vector<uint16_t> g = pcache.after(b);
+    for (int64_t e = 0; e < cache_dense; ++e) {
+      if (written.count(b * BS + e / LR)) {
+        got.push_back(bf16_to_f32(g[e]));
+        want.push_back(cache.at(b)[e]);
+      } else if (g[e] != v0[e]) {
         ++touched;
       }
     }
+  }
   ctx.report.add(c.name(), "mla_prep cache rows", rel_error(got, want), kBf16Tol);
   ctx.report.zero(c.name(), "mla_prep cache (others)", touched, "values changed in slots the step must not write");
+  ctx.report.zero(c.name(), "mla cache padding", pcache.padding_touched(),
+                  fmt::format("cache_stride {} (dense {}), blocks {}..{}", cache_stride, cache_dense, base + 1,
+                              num_blocks - 1));
   ctx.report.add(c.name(), "mla_prep q_abs", rel(bf16_out(q_abs), qabs_ref), kBf16Tol,
                  ctx.time ? fmt::format("{:.1f} us", t_prep * 1e3) : std::string());
   ctx.report.add(c.name(), "mla attn+combine out", rel(bf16_out(out), out_ref), kBf16Tol,
@@ -927,7 +1075,7 @@ int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(stderr,
                  "usage: dp_kernel_check CUBIN_DIR [--out FILE (appended)] [--only SUBSTRING] [--case INDEX] "
-                 "[--count] [--time]\n");
+                 "[--count] [--list] [--time]\n");
     return 2;
   }
   std::string out_file, only;
@@ -943,6 +1091,10 @@ int main(int argc, char** argv) {
       case_index = std::stoll(argv[++i]);
     else if (a == "--count") {
       std::printf("%zu\n", all_cases().size());  // cases, for running each in its own process
+      return 0;
+    } else if (a == "--list") {  // "INDEX<tab>NAME" per case
+      const std::vector<Case> cases = all_cases();
+      for (size_t ci = 0; ci < cases.size(); ++ci) std::printf("%zu\t%s\n", ci, cases[ci].name().c_str());
       return 0;
     } else if (a == "--time")
       time = true;

@@ -1,6 +1,7 @@
 #!/bin/sh
 # Runs the decode-kernel checks on a GPU machine, each case in its own process (a fault in one case
-# cannot hide the others), then compute-sanitizer memcheck and racecheck on one small case.
+# cannot hide the others), then compute-sanitizer memcheck and racecheck on two small cases (dense and
+# padded host layouts).
 #   usage: run_on_device.sh DIR LOG_DIR
 # DIR holds dp_kernel_check and cubins/ (built elsewhere with dp_kernel_build, see RESULTS.md);
 # LOG_DIR receives kernel_check.log, kernel_check.tsv and sanitizer.log.
@@ -9,23 +10,30 @@ dir=$1
 logs=$2
 check="$dir/dp_kernel_check"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$logs/kernel_check.log" 2>&1
-n=$("$check" "$dir/cubins" --count) || exit 1
+"$check" "$dir/cubins" --list > "$logs/cases.txt" || exit 1
+n=$(wc -l < "$logs/cases.txt")
 failed=0
 i=0
 while [ "$i" -lt "$n" ]; do
   extra=""
-  [ "$i" -eq $((n - 1)) ] && extra="--time"  # the last case is the 48B-shaped one
+  # The 48B-shaped cases are timed.
+  awk -F'\t' -v i="$i" '$1 == i && $2 ~ /^kimi-linear-48b /' "$logs/cases.txt" | grep -q . && extra="--time"
   "$check" "$dir/cubins" --case "$i" --out "$logs/kernel_check.tsv" $extra >> "$logs/kernel_check.log" 2>&1 ||
     failed=$((failed + 1))
   i=$((i + 1))
 done
-small=10  # kimi-linear-tiny w3 q2: a padded request and spec-decode slots
-for tool in memcheck racecheck; do
-  echo "== compute-sanitizer --tool $tool, case $small" >> "$logs/sanitizer.log"
-  compute-sanitizer --tool "$tool" "$check" "$dir/cubins" --case "$small" >> "$logs/sanitizer.log" 2>&1
-  echo "exit $?" >> "$logs/sanitizer.log"
+# kimi-linear-tiny w3 q2: a padded request and spec-decode slots; the padded variant adds padded pools
+# and the fused w13.
+for name in "kimi-linear-tiny w3 q2" "kimi-linear-tiny w3 q2 padded"; do
+  small=$(awk -F'\t' -v n="$name" '$2 == n {print $1}' "$logs/cases.txt")
+  [ -n "$small" ] || { echo "no case named $name" >> "$logs/sanitizer.log"; failed=$((failed + 1)); continue; }
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer --tool $tool, case $small ($name)" >> "$logs/sanitizer.log"
+    compute-sanitizer --tool "$tool" "$check" "$dir/cubins" --case "$small" >> "$logs/sanitizer.log" 2>&1
+    echo "exit $?" >> "$logs/sanitizer.log"
+  done
 done
 grep -E "FAIL|checks,|dp_kernel_check:" "$logs/kernel_check.log"
-grep -E "ERROR SUMMARY|RACECHECK SUMMARY|exit" "$logs/sanitizer.log"
+grep -E "==|ERROR SUMMARY|RACECHECK SUMMARY|exit" "$logs/sanitizer.log"
 echo "cases: $n, processes failed: $failed"
 [ "$failed" -eq 0 ]

@@ -39,10 +39,11 @@ KernelInstance moe_down(int64_t w, int64_t d, int64_t i, int64_t e, int64_t k, i
 KernelInstance mlp_up(int64_t w, int64_t d, int64_t i, int64_t act = 0, std::string target = "sm_90a") {
   return {"mlp_up", {{"W", w}, {"D", d}, {"I", i}, {"ACT", act}}, std::move(target)};
 }
-// MLA at Kimi shapes: L 512, R 64, PN 128, V 128.
+// MLA at Kimi shapes: L 512, R 64, PN 128, V 128, cache blocks of 64 tokens.
 KernelInstance mla_prep(int64_t w, int64_t q, int64_t n, std::string target = "sm_90a") {
-  return {
-      "mla_prep", {{"W", w}, {"Q", q}, {"N", n}, {"L", 512}, {"R", 64}, {"PN", 128}, {"V", 128}}, std::move(target)};
+  return {"mla_prep",
+          {{"W", w}, {"Q", q}, {"N", n}, {"L", 512}, {"R", 64}, {"PN", 128}, {"V", 128}, {"BS", 64}},
+          std::move(target)};
 }
 KernelInstance mla_attn(int64_t w, int64_t q, int64_t n, int64_t ns = 16, std::string target = "sm_90a") {
   return {"mla_attn", {{"W", w}, {"Q", q}, {"N", n}, {"L", 512}, {"R", 64}, {"BS", 64}, {"NS", ns}}, std::move(target)};
@@ -73,7 +74,7 @@ TEST(DecodeOps, NamesAtKimiLinear48bShapes) {
   EXPECT_EQ(kernel_name(moe_up(4, 2304, 1024, 256, 8, 1024)), "moe_up_w4_d2304_i1024_e256_k8_s1024_act0");
   EXPECT_EQ(kernel_name(moe_down(4, 2304, 1024, 256, 8, 1024)), "moe_down_w4_d2304_i1024_e256_k8_s1024");
   EXPECT_EQ(kernel_name(mlp_up(4, 2304, 9216)), "mlp_up_w4_d2304_i9216_act0");
-  EXPECT_EQ(kernel_name(mla_prep(4, 1, 32)), "mla_prep_w4_q1_n32_l512_r64_pn128_v128");
+  EXPECT_EQ(kernel_name(mla_prep(4, 1, 32)), "mla_prep_w4_q1_n32_l512_r64_pn128_v128_bs64");
   EXPECT_EQ(kernel_name(mla_attn(4, 2, 32)), "mla_attn_w4_q2_n32_l512_r64_bs64_ns16");
   EXPECT_EQ(kernel_name(mla_combine(4, 1, 96, 1)), "mla_combine_w4_q1_n96_l512_pn128_v128_ns16_og1");
   // Omitted zeros never make two instances share a name.
@@ -121,19 +122,57 @@ TEST(DecodeOps, SignaturesListOnlyThePresentWeights) {
   EXPECT_EQ(kernel_signature(gemm(2, 2304, {256}, true)).params[1].shape, "[2, 256] fp32");
 
   KernelSignature k = kernel_signature(kda(4, 2, 32));
-  ASSERT_EQ(k.params.size(), 18u);
+  ASSERT_EQ(k.params.size(), 20u);
   EXPECT_EQ(k.params[0].shape, "[8, 12576] bf16");  // 3*4096 + 128 + 128 + 32 columns
   EXPECT_EQ(k.params[9].name, "state");
-  EXPECT_EQ(k.params[9].shape, "[slots, 32, 128, 128] fp32");
-  EXPECT_EQ(k.params[10].shape, "[slots, 3, 4096] bf16");
+  EXPECT_EQ(k.params[9].shape, "[slots, state_stride] fp32");
+  EXPECT_NE(k.params[9].doc.find("[32, 128, 128] at s*state_stride"), std::string::npos) << k.params[9].doc;
+  EXPECT_EQ(k.params[10].shape, "[slots, conv_stride] bf16");
+  EXPECT_NE(k.params[10].doc.find("[3, 4096] at s*conv_stride"), std::string::npos) << k.params[10].doc;
   EXPECT_TRUE(k.params[14].nullable);  // num_accepted
   EXPECT_EQ(k.params[16].kind, KernelParam::Kind::f32);
-  EXPECT_EQ(k.bytes, 16 * 8 + 4 + 4);
+  // The host's slot strides (elements; its pools may pad each slot) follow the existing parameters.
+  EXPECT_EQ(k.params[18].name, "state_stride");
+  EXPECT_EQ(k.params[18].kind, KernelParam::Kind::u32);
+  EXPECT_EQ(k.params[18].offset, 16u * 8u + 8u);
+  EXPECT_NE(k.params[18].doc.find("at least 524288"), std::string::npos) << k.params[18].doc;  // 32*128*128
+  EXPECT_EQ(k.params[19].name, "conv_stride");
+  EXPECT_EQ(k.params[19].kind, KernelParam::Kind::u32);
+  EXPECT_NE(k.params[19].doc.find("at least 12288"), std::string::npos) << k.params[19].doc;  // 3*4096
+  EXPECT_EQ(k.bytes, 16 * 8 + 4 * 4);
   // K3: full-rank gate columns.
   EXPECT_EQ(kernel_signature(kda(1, 1, 96, 0, true)).params[0].shape, "[1, 49376] bf16");  // 4*12288 + 128 + 96
 
-  EXPECT_EQ(kernel_signature(moe_up(4, 2304, 1024, 256, 8, 1024)).bytes, 9u * 8u);
-  EXPECT_EQ(kernel_signature(moe_up(4, 7168, 3072, 896, 16, 6144, 1)).bytes, 9u * 8u + 8u);  // SiTU betas
+  // moe_up: nine pointers, the expert strides of w1 and w3, then the SiTU betas when ACT = 1.
+  const KernelSignature up = kernel_signature(moe_up(4, 2304, 1024, 256, 8, 1024));
+  EXPECT_EQ(up.bytes, 9u * 8u + 8u);
+  ASSERT_EQ(up.params.size(), 11u);
+  EXPECT_EQ(up.params[1].shape, "[256, stride_w1] bf16");
+  EXPECT_EQ(up.params[2].shape, "[256, stride_w3] bf16");
+  EXPECT_EQ(up.params[9].name, "stride_w1");
+  EXPECT_EQ(up.params[10].name, "stride_w3");
+  EXPECT_EQ(up.params[10].kind, KernelParam::Kind::u32);
+  EXPECT_NE(up.params[9].doc.find("at least 2359296 (dense; fused w13: 4718592)"), std::string::npos)
+      << up.params[9].doc;
+  const KernelSignature situ = kernel_signature(moe_up(4, 7168, 3072, 896, 16, 6144, 1));
+  EXPECT_EQ(situ.bytes, 9u * 8u + 8u + 8u);  // SiTU betas after the strides
+  EXPECT_EQ(situ.params[11].name, "act_beta");
+  const KernelSignature down = kernel_signature(moe_down(4, 2304, 1024, 256, 8, 1024));
+  EXPECT_EQ(down.params[2].shape, "[256, stride_w2] bf16");
+  EXPECT_EQ(down.params.back().name, "stride_w2");
+  EXPECT_EQ(down.params.back().kind, KernelParam::Kind::u32);
+  EXPECT_EQ(down.bytes, 8u * 8u + 4u + 4u);
+  // MLA: the cache's block stride follows the existing parameters of prep and attn.
+  const KernelSignature prep = kernel_signature(mla_prep(4, 1, 32));
+  EXPECT_EQ(prep.params[8].name, "cache");
+  EXPECT_EQ(prep.params[8].shape, "[blocks, cache_stride] bf16");
+  EXPECT_EQ(prep.params.back().name, "cache_stride");
+  EXPECT_EQ(prep.params.back().kind, KernelParam::Kind::u32);
+  EXPECT_NE(prep.params.back().doc.find("at least 36864"), std::string::npos) << prep.params.back().doc;  // 64*576
+  const KernelSignature attn = kernel_signature(mla_attn(4, 2, 32));
+  EXPECT_EQ(attn.params[1].shape, "[blocks, cache_stride] bf16");
+  EXPECT_EQ(attn.params.back().name, "cache_stride");
+  EXPECT_EQ(attn.params.back().kind, KernelParam::Kind::u32);
   const KernelSignature r = kernel_signature(route(8, 256, 8));
   EXPECT_EQ(r.params[4].shape, "[65] i32");  // 1 + min(E, W*K)
   EXPECT_EQ(r.params[5].shape, "[64, 8] i32");
@@ -172,6 +211,9 @@ TEST(DecodeOps, LaunchShapes) {
   const std::string src = generate_source(kda(4, 2, 32));
   EXPECT_NE(src.find("grid 32 x 4 x 1 blocks"), std::string::npos) << src;
   EXPECT_NE(src.find("dp_kda_step<4, 2, 32, 128, 4, 128, 128, 0, 0>(proj, w_fb,"), std::string::npos) << src;
+  EXPECT_NE(src.find("onorm_eps, state_stride, conv_stride);"), std::string::npos) << src;
+  const std::string prep_src = generate_source(mla_prep(4, 2, 32));
+  EXPECT_NE(prep_src.find("dp_mla_prep<8, 2, 32, 512, 64, 128, 128, 64>("), std::string::npos) << prep_src;
   const std::string g = generate_source(gemm(4, 4096, {2304}));
   EXPECT_NE(g.find("dp_gemm<4, 4096, 2304, 0, 0, 0, 0, 0, 0, 1, 1>(x, out, w0);"), std::string::npos) << g;
 }
