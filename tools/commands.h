@@ -17,6 +17,7 @@ void add_inspect(CLI::App& app, Action& action);
 void add_verify(CLI::App& app, Action& action);
 void add_push(CLI::App& app, Action& action);
 void add_pull(CLI::App& app, Action& action);
+void add_run(CLI::App& app, Action& action);
 
 // Progress and diagnostics go to stderr; results (tables, --json) go to stdout.
 bool stderr_is_tty();

@@ -57,26 +57,33 @@ std::string text(const bundle::Bundle& b) {
     line(fmt::format("{:<6} {:>8} {:>12}  {}", r.rank, tensors, human(bytes), m.weights_fingerprinted ? "yes" : "no (built without weights)"));
   }
   line("");
-  std::set<std::string> targets;
-  std::map<int64_t, std::map<std::string, std::vector<std::string>>> by_width;
-  for (const format::KernelEntry& k : m.kernels) {
-    targets.insert(k.target);
-    by_width[k.width][k.target].push_back(k.role);
+  std::map<std::string, size_t> per_target;
+  for (const format::KernelEntry& k : m.kernels) per_target[k.target]++;
+  std::string counts;
+  for (const auto& [t, n] : per_target) counts += fmt::format("{}{} {}", counts.empty() ? "" : ", ", t, n);
+  line(fmt::format("kernels   {} code objects ({})", m.kernels.size(), counts));
+  // Layer programs: one row per class, one column per width ("9" launches, or "-" not built).
+  std::map<std::string, std::map<int64_t, std::string>> programs;
+  std::set<int64_t> widths;
+  std::map<std::string, std::string> reasons;
+  for (const format::ProgramEntry& p : m.programs) {
+    widths.insert(p.width);
+    programs[p.cls][p.width] = p.steps.empty() ? "-" : std::to_string(p.steps.size());
+    if (p.steps.empty()) reasons[p.cls] = p.reason;
   }
-  std::string head = fmt::format("{:<8}", "width");
-  for (const std::string& t : targets) head += fmt::format(" {:<28}", t);
-  line(fmt::format("kernels   {} code objects", m.kernels.size()));
-  line(head);
-  for (const auto& [w, per] : by_width) {
-    std::string row = fmt::format("{:<8}", w == 0 ? std::string("any") : std::to_string(w));
-    for (const std::string& t : targets) {
-      auto it = per.find(t);
-      std::string roles;
-      if (it != per.end())
-        for (const std::string& r : it->second) roles += (roles.empty() ? "" : ",") + r;
-      row += fmt::format(" {:<28}", roles.empty() ? "-" : roles);
+  if (programs.empty()) {
+    line(fmt::format("programs  none (format {}.{}{})", m.format_version.major, m.format_version.minor,
+                     m.format_version.minor < 1 ? ": layer programs came with format 1.1" : ""));
+  } else {
+    std::string head = fmt::format("programs  {:<10}", "class");
+    for (int64_t w : widths) head += fmt::format(" {:>3}", fmt::format("w{}", w));
+    line(head + "   (launches per layer; - not built)");
+    for (const auto& [cls, per] : programs) {
+      std::string row = fmt::format("          {:<10}", cls);
+      for (int64_t w : widths) row += fmt::format(" {:>3}", per.count(w) ? per.at(w) : std::string("?"));
+      line(row);
     }
-    line(row);
+    for (const auto& [cls, why] : reasons) line(fmt::format("          {} not built: {}", cls, why));
   }
   uint32_t max_regs = 0, spills = 0;
   for (const format::KernelEntry& k : m.kernels) max_regs = std::max(max_regs, k.registers), spills += k.spill_bytes > 0;

@@ -149,16 +149,28 @@ BuildResult build_bundle(const BuildOptions& o) {
     man.prefetch.push_back(std::move(pe));
   }
   for (const plan::Workspace& w : p.ranks.front().workspace) man.workspace.push_back({w.width, w.bytes});
+  size_t not_built = 0;
+  for (const plan::LayerProgram& lp : p.programs) {
+    format::ProgramEntry pe;
+    pe.cls = plan::to_string(lp.cls);
+    pe.width = lp.width;
+    pe.reason = lp.unavailable;
+    not_built += !lp.unavailable.empty();
+    for (const plan::ProgramStep& s : lp.steps) {
+      format::ProgramStepEntry se;
+      se.kernel = s.name;
+      for (const plan::ProgramArg& a : s.args) se.args.push_back({a.param, plan::to_string(a.from), a.name, a.offset, a.value});
+      pe.steps.push_back(std::move(se));
+    }
+    man.programs.push_back(std::move(pe));
+  }
 
   // Kernels.
   std::vector<codegen::KernelInstance> instances;
   std::vector<const plan::KernelInstance*> planned;
   BuildResult res;
+  res.planned_only = not_built;
   for (const plan::KernelInstance& k : p.kernels) {
-    if (!k.available) {
-      ++res.planned_only;
-      continue;
-    }
     instances.push_back(k.codegen);
     planned.push_back(&k);
   }
@@ -168,8 +180,8 @@ BuildResult build_bundle(const BuildOptions& o) {
   co.use_cache = o.use_cache;
   co.toolchains = o.toolchains;
   if (o.log) co.progress = backend::progress_printer(stderr, o.progress_tty);
-  log(fmt::format("compiling {} kernels ({} planned layer programs are not built by this version)",
-                  instances.size(), res.planned_only));
+  log(fmt::format("compiling {} kernels for {} layer programs ({} more planned programs are not built by this "
+                  "version: `decodepack plan` says why)", instances.size(), p.programs.size() - not_built, not_built));
   backend::CompileReport report = backend::compile_all(instances, co);
   man.toolchains = Json::object();
   for (const auto& [vendor, version] : report.toolchains) man.toolchains[vendor] = version;

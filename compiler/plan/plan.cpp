@@ -86,70 +86,6 @@ struct LayerCost {
   uint64_t expert_bytes = 0;   // one routed expert's shard (all of its tensors)
 };
 
-std::vector<std::pair<std::string, int64_t>> class_params(const Model& m, const deploy::Deploy& d, LayerClass c,
-                                                          int64_t width) {
-  const int64_t tp = d.tensor_parallel;
-  std::vector<std::pair<std::string, int64_t>> p{{"w", width}, {"q", d.q()}, {"h", m.hidden}, {"tp", tp}};
-  if (c == LayerClass::final_norm) return p;
-  const bool kda = c == LayerClass::kda_dense || c == LayerClass::kda_moe || c == LayerClass::kda_latent_moe;
-  if (kda) {
-    p.insert(p.end(), {{"nh", m.kda.num_heads / tp}, {"d", m.kda.head_dim}, {"cv", m.kda.conv_kernel},
-                       {"gr", m.kda.full_rank_gate ? 0 : m.kda.gate_rank}, {"sg", m.kda.gate_lower_bound ? 1 : 0}});
-  } else {
-    p.insert(p.end(), {{"nh", m.mla.num_heads / tp}, {"l", m.mla.kv_lora_rank}, {"pn", m.mla.qk_nope_head_dim},
-                       {"pr", m.mla.qk_rope_head_dim}, {"v", m.mla.v_head_dim}, {"ql", m.mla.q_lora_rank},
-                       {"og", m.mla.output_gate ? 1 : 0}, {"bs", d.kv_cache.block_size},
-                       {"kvb", dtype_size(deploy::element_dtype(d.kv_cache.dtype))}, {"dcp", d.dcp.size}});
-  }
-  if (c == LayerClass::kda_dense || c == LayerClass::mla_dense) {
-    p.push_back({"i", m.dense_intermediate / tp});
-  } else {
-    const bool latent = c == LayerClass::kda_latent_moe || c == LayerClass::mla_latent_moe;
-    p.insert(p.end(), {{"e", m.moe.num_experts}, {"k", m.moe.top_k}, {"i", m.moe.intermediate / tp},
-                       {"s", m.moe.intermediate * m.moe.num_shared / tp}, {"lat", latent ? m.moe.latent_dim : 0},
-                       {"fp4", m.moe.expert_format == model::ExpertFormat::mxfp4 ? 1 : 0}});
-  }
-  p.push_back({"act", m.activation == model::Activation::situ ? 1 : 0});
-  p.push_back({"ar", m.attn_res_block});
-  return p;
-}
-
-// Scratch for one layer program of class `c` at `rows` query rows (fp32 intermediates).
-uint64_t class_workspace(const Model& m, const deploy::Deploy& d, LayerClass c, int64_t rows) {
-  const uint64_t R = static_cast<uint64_t>(rows), tp = static_cast<uint64_t>(d.tensor_parallel);
-  const uint64_t H = static_cast<uint64_t>(m.hidden);
-  uint64_t b = align256(R * H * 4) * 2;  // normed input and mixer output
-  switch (c) {
-    case LayerClass::kda_dense:
-    case LayerClass::kda_moe:
-    case LayerClass::kda_latent_moe: {
-      const uint64_t P = static_cast<uint64_t>(m.kda.projection_size()) / tp, nh = m.kda.num_heads / tp;
-      b += align256(R * 5 * P * 4) + align256(R * nh * 4) + align256(R * 2 * m.kda.gate_rank * 4) + align256(R * P * 2);
-      break;
-    }
-    default: {
-      const uint64_t N = static_cast<uint64_t>(m.mla.num_heads) / tp, L = m.mla.kv_lora_rank;
-      const uint64_t splits = 16;  // split-KV partials: (o_lat, max, sum) per split
-      b += align256(R * N * m.mla.qk_head_dim() * 4) + align256(R * m.mla.q_lora_rank * 4) +
-           align256(R * N * (L + m.mla.qk_rope_head_dim) * 4) + align256(splits * R * N * (L + 2) * 4) +
-           align256(R * N * m.mla.v_head_dim * 4);
-      break;
-    }
-  }
-  switch (c) {
-    case LayerClass::kda_dense:
-    case LayerClass::mla_dense: b += align256(R * 2 * m.dense_intermediate / tp * 4); break;
-    case LayerClass::final_norm: break;
-    default: {
-      const uint64_t E = m.moe.num_experts, k = m.moe.top_k, I = m.moe.intermediate / tp;
-      const uint64_t D = m.moe.latent_dim > 0 ? m.moe.latent_dim : H;
-      b += align256(R * E * 4) + align256(R * k * 8) + align256(R * k * I * 4) + align256(R * k * D * 4) +
-           align256(R * I * m.moe.num_shared * 2 * 4) + (m.moe.latent_dim > 0 ? align256(R * D * 4) : 0);
-    }
-  }
-  return b;
-}
-
 // The next layer's attention weights in the order its kernels read them.
 std::vector<size_t> attention_weights(const Model& m, const model::LayerSpec& l) {
   static const std::vector<std::string> kda = {
@@ -183,41 +119,38 @@ Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deplo
   plan.options = opt;
   const int64_t tp = d.tensor_parallel, q = d.q();
 
-  // Kernel instances: identical on every rank (equal shards), so planned once.
+  // Layer programs and the kernels they launch: identical on every rank (equal shards), so planned once.
   std::set<LayerClass> classes;
   for (const model::LayerSpec& l : m.layers) classes.insert(layer_class(l));
-  classes.insert(LayerClass::final_norm);
+  for (LayerClass c : classes)
+    for (int64_t w : d.widths) plan.programs.push_back(layer_program(m, d, c, w));
+  std::sort(plan.programs.begin(), plan.programs.end(), [](const LayerProgram& a, const LayerProgram& b) {
+    return std::make_pair(std::string(to_string(a.cls)), a.width) < std::make_pair(std::string(to_string(b.cls)), b.width);
+  });
   for (const std::string& target : d.targets) {
-    for (LayerClass c : classes)
-      for (int64_t w : d.widths) {
-        KernelInstance k;
-        k.target = target;
-        k.width = w;
-        if (c == LayerClass::final_norm) {
-          // The model's last norm is the fused residual add + RMSNorm over the step's rows.
-          k.op = "rmsnorm";
-          k.role = "final_norm";
-          k.params = {{"w", w * q}, {"h", m.hidden}};
-          k.codegen = {k.op, {{"W", w * q}, {"H", m.hidden}}, target};
-          k.available = true;
-          k.name = codegen::kernel_name(k.codegen);
-        } else {
-          k.op = to_string(c);
-          k.role = std::string("layer:") + to_string(c);
-          k.params = class_params(m, d, c, w);
-          k.name = kernel_name(k.op, k.params);
-        }
-        plan.kernels.push_back(std::move(k));
+    std::set<std::string> seen;
+    auto add = [&](codegen::KernelInstance ci, const char* role, int64_t width) {
+      ci.target = target;
+      KernelInstance k;
+      k.op = ci.op;
+      for (const auto& [key, v] : ci.params) {
+        std::string lower = key;
+        for (char& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+        k.params.emplace_back(lower, v);
       }
-    KernelInstance pf;
-    pf.op = "prefetch";
-    pf.role = "prefetch";
-    pf.target = target;
-    pf.params = {{"b", 32}};
-    pf.codegen = {"prefetch", {{"B", 32}}, target};
-    pf.available = true;
-    pf.name = codegen::kernel_name(pf.codegen);
-    plan.kernels.push_back(std::move(pf));
+      k.target = target;
+      k.role = role;
+      k.width = width;
+      k.name = codegen::kernel_name(ci);
+      k.codegen = std::move(ci);
+      if (seen.insert(k.name).second) plan.kernels.push_back(std::move(k));
+    };
+    // The model's last norm is the fused residual add + RMSNorm over the step's rows. Listed first, so
+    // that a layer program using the same rmsnorm shares its code object and the role stays final_norm.
+    for (int64_t w : d.widths) add({"rmsnorm", {{"W", w * q}, {"H", m.hidden}}, ""}, "final_norm", w);
+    for (const LayerProgram& p : plan.programs)
+      for (const ProgramStep& s : p.steps) add(s.kernel, "layer", p.width);
+    add({"prefetch", {{"B", 32}}, ""}, "prefetch", 0);
   }
   std::sort(plan.kernels.begin(), plan.kernels.end(), [](const KernelInstance& a, const KernelInstance& b) {
     return std::tie(a.target, a.name) < std::tie(b.target, b.name);
@@ -288,10 +221,8 @@ Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deplo
       rp.step_bytes.push_back(sb);
 
       Workspace ws{w, 0};
-      for (LayerClass c : classes) ws.bytes = std::max(ws.bytes, class_workspace(m, d, c, w * q));
-      if (m.attn_res_block > 0)  // completed block outputs kept for the whole step (fp32)
-        ws.bytes += align256(static_cast<uint64_t>(m.num_layers / m.attn_res_block + 2) * rows *
-                             static_cast<uint64_t>(m.hidden) * 4);
+      for (const LayerProgram& p : plan.programs)
+        if (p.width == w) ws.bytes = std::max(ws.bytes, p.workspace);
       rp.workspace.push_back(ws);
     }
 
@@ -370,9 +301,23 @@ Json to_json(const Plan& p, const Model& m, const deploy::Deploy& d) {
     Json params = Json::object();
     for (const auto& [key, v] : k.params) params[key] = v;
     kernels.push_back({{"name", k.name}, {"op", k.op}, {"role", k.role}, {"target", k.target}, {"width", k.width},
-                       {"params", params}, {"available", k.available}});
+                       {"params", params}});
   }
   j["kernels"] = std::move(kernels);
+  Json programs = Json::array();
+  for (const LayerProgram& pr : p.programs) {
+    Json jp{{"class", to_string(pr.cls)}, {"width", pr.width}, {"available", pr.unavailable.empty()}};
+    if (pr.unavailable.empty()) {
+      Json steps = Json::array();
+      for (const ProgramStep& s : pr.steps) steps.push_back(s.name);
+      jp["steps"] = std::move(steps);
+      jp["workspace"] = pr.workspace;
+    } else {
+      jp["reason"] = pr.unavailable;
+    }
+    programs.push_back(std::move(jp));
+  }
+  j["programs"] = std::move(programs);
   Json ranks = Json::array();
   for (const RankPlan& r : p.ranks) {
     Json jr;
@@ -438,15 +383,24 @@ std::string to_text(const Plan& p, const Model& m, const deploy::Deploy& d) {
   line_to(out, "deploy    targets {}; tensor_parallel {} (ranks {}); widths {}; q {}; kv {} block {}",
        fmt::join(d.targets, ","), d.tensor_parallel, fmt::join(d.ranks, ","), fmt::join(d.widths, ","), d.q(),
        deploy::to_string(d.kv_cache.dtype), d.kv_cache.block_size);
-  size_t available = 0;
-  for (const KernelInstance& k : p.kernels) available += k.available;
-  line_to(out, "kernels   {} instances ({} with device templates in this version; `-` marks planned layer "
-          "programs the build does not compile yet)", p.kernels.size(), available);
   std::map<std::string, std::vector<std::string>> by_target;
-  for (const KernelInstance& k : p.kernels) by_target[k.target].push_back((k.available ? "+ " : "- ") + k.name);
+  for (const KernelInstance& k : p.kernels) by_target[k.target].push_back(k.name);
+  line_to(out, "kernels   {} code objects ({} targets)", p.kernels.size(), by_target.size());
   for (const auto& [t, names] : by_target) {
     line_to(out, "  {} ({}):", t, names.size());
     for (const std::string& n : names) line_to(out, "    {}", n);
+  }
+  line_to(out, "programs  per layer class and width (`+` built, `-` not built: the host runs those layers)");
+  for (const LayerProgram& pr : p.programs) {
+    if (pr.unavailable.empty())
+      line_to(out, "  + {:<10} w{:<3} {} launches: {}", to_string(pr.cls), pr.width, pr.steps.size(),
+              [&] {
+                std::vector<std::string> ops;
+                for (const ProgramStep& s : pr.steps) ops.push_back(s.kernel.op);
+                return fmt::format("{}", fmt::join(ops, " "));
+              }());
+    else
+      line_to(out, "  - {:<10} w{:<3} {}", to_string(pr.cls), pr.width, pr.unavailable);
   }
   for (const RankPlan& r : p.ranks) {
     out += "\n";

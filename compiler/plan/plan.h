@@ -14,6 +14,7 @@
 #include "common/json.h"
 #include "deploy/deploy.h"
 #include "model/ir.h"
+#include "plan/program.h"
 
 namespace dp::plan {
 
@@ -22,20 +23,18 @@ enum class LayerClass { kda_dense, kda_moe, kda_latent_moe, mla_dense, mla_moe, 
 const char* to_string(LayerClass c);
 LayerClass layer_class(const model::LayerSpec& l);
 
-// One kernel to build: a layer program (or the final norm, or the prefetch kernel) for one width, q
-// and target. `params` are every compile-time constant in a fixed order; `name` is a function of op
-// and params and is the symbol, the file stem and the manifest key (with ".<target>" appended).
+// One kernel to build: one code object (an op of templates/ specialised for a width and shape) for one
+// target. Layer programs, the final norm and the prefetch tables launch them. `params` are the
+// compile-time constants (for display); `name` is codegen::kernel_name: the symbol, the file stem and
+// the manifest key (with ".<target>" appended).
 struct KernelInstance {
-  std::string op;                                      // layer class name, "prefetch", "rmsnorm"
-  std::vector<std::pair<std::string, int64_t>> params;  // e.g. {"w",4},{"q",1},{"h",2304},...
+  std::string op;                                      // "rmsnorm", "gemm", "kda_step", "prefetch", ...
+  std::vector<std::pair<std::string, int64_t>> params;  // e.g. {"w",4},{"h",2304}
   std::string target;                                  // "sm_90a", "gfx942"
   std::string name;
-  std::string role;                                    // "layer:kda_moe", "final_norm", "prefetch"
-  int64_t width = 0;                                   // 0 for width-independent kernels
-  // The op has device templates in this version (codegen knows it): the build compiles it. Layer
-  // programs without templates are planned but not built; the runtime falls back for those layers.
-  bool available = false;
-  codegen::KernelInstance codegen;                     // set when available
+  std::string role;                                    // "final_norm", "prefetch" or "layer" (programs only)
+  int64_t width = 0;                                   // requests; 0 for width-independent kernels
+  codegen::KernelInstance codegen;
   int64_t param(std::string_view key) const;           // -1 when absent
 };
 std::string kernel_name(std::string_view op, const std::vector<std::pair<std::string, int64_t>>& params);
@@ -108,6 +107,9 @@ struct Plan {
   PlanOptions options;
   std::vector<RankPlan> ranks;
   std::vector<KernelInstance> kernels;  // sorted by (target, name); the same for every rank
+  // One per (layer class of the model, width), sorted by (class name, width); unavailable ones carry
+  // the reason and no steps. The same for every rank and target.
+  std::vector<LayerProgram> programs;
 };
 
 // Checks the deploy against the model first (deploy::check_against_model), then plans.

@@ -63,6 +63,15 @@ AddNorm fused_add_rms_norm(const Mat& hidden, const Mat* residual, std::span<con
     round_bf16_if(rnd.residual, r.residual);
   }
   r.x = Mat(hidden.rows, hidden.cols);
+  if (rnd.norm && rnd.norm_before_weight) {
+    const std::vector<double> ones(w.size(), 1.0);
+    for (int64_t t = 0; t < hidden.rows; ++t) {
+      std::span<double> x = r.x.row(t);
+      rms_norm(r.residual.row(t), ones, eps, x);
+      for (size_t i = 0; i < x.size(); ++i) x[i] = round_bf16(round_bf16(x[i]) * w[i]);
+    }
+    return r;
+  }
   for (int64_t t = 0; t < hidden.rows; ++t) rms_norm(r.residual.row(t), w, eps, r.x.row(t));
   round_bf16_if(rnd.norm, r.x);
   return r;

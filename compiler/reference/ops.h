@@ -38,6 +38,9 @@ struct Rounding {
                                //   final norm: residual = h + residual, written back in bf16)
   bool norm = true;            // bf16: every RMSNorm output (input/post-attention/final norm,
                                //   kv_a_layernorm, q_a_layernorm, routed_expert_norm)
+  bool norm_before_weight = true;  // the fused add + RMSNorm (input/post-attention/final norm) also
+                               //   rounds x * rsqrt(mean + eps) to bf16 before the weight multiply, as
+                               //   vLLM's fused_add_rms_norm kernel and HF's `weight * x.to(bf16)` do
   bool linear = true;          // bf16: every bf16 GEMM output (q/k/v/f_a/f_b/b/g_a/g_b/g projections,
                                //   q_proj, q_a/q_b, kv_a_proj, o_proj, MLP gate/up/down, expert w1/w3,
                                //   shared expert, latent down/up; the MoE router only with router_logits)

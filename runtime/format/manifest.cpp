@@ -1,7 +1,10 @@
 #include "format/manifest.h"
 
 #include <algorithm>
+#include <cmath>
+#include <map>
 #include <set>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -121,6 +124,87 @@ bool safe_path(const std::string& p) {
   return true;
 }
 
+const std::set<std::string> kIoFields = {"hidden",        "residual", "out",          "residual_out",
+                                         "positions",     "state_indices", "block_table", "block_table_stride",
+                                         "seq_lens",      "slot_mapping",  "num_accepted"};
+const std::set<std::string> kKvKinds = {"kda_state", "conv_q", "conv_k", "conv_v", "mla_latent"};
+
+// The cross-field rules of `programs` (bundle-format.md 2.5): every step names a kernel present for
+// every target, binds each of its parameters once, in order, from a source of the parameter's kind.
+template <typename Bad>
+void validate_programs(const Manifest& m, const std::set<int64_t>& widths, Bad&& bad) {
+  std::vector<std::string> targets;
+  if (m.deploy.contains("targets") && m.deploy["targets"].is_array())
+    for (const Json& t : m.deploy["targets"])
+      if (t.is_string()) targets.push_back(t.get<std::string>());
+  std::set<std::string> classes;
+  for (const LayerEntry& l : m.layers) classes.insert(l.cls);
+  std::map<std::string, const KernelEntry*> by_key;
+  for (const KernelEntry& k : m.kernels) by_key[k.key] = &k;
+  std::map<int64_t, uint64_t> ws;
+  for (const WorkspaceEntry& w : m.workspace) ws[w.width] = w.bytes;
+  for (size_t i = 0; i < m.programs.size(); ++i) {
+    const ProgramEntry& p = m.programs[i];
+    const std::string who = fmt::format("programs[{}] ({} width {})", i, p.cls, p.width);
+    if (i > 0 && !(std::tie(m.programs[i - 1].cls, m.programs[i - 1].width) < std::tie(p.cls, p.width)))
+      bad(fmt::format("{}: not after programs[{}]: programs must be sorted by (class, width) and unique", who, i - 1));
+    if (!classes.count(p.cls)) bad(fmt::format("{}: no layer has class {}", who, p.cls));
+    if (!widths.empty() && !widths.count(p.width)) bad(fmt::format("{}: width is not one of the deploy's widths", who));
+    if (p.steps.empty() == p.reason.empty())
+      bad(fmt::format("{}: {} steps and reason \"{}\": a program has steps or a reason, not both", who, p.steps.size(),
+                      p.reason));
+    for (size_t s = 0; s < p.steps.size(); ++s) {
+      const ProgramStepEntry& st = p.steps[s];
+      for (const std::string& t : targets) {
+        auto it = by_key.find(st.kernel + "." + t);
+        if (it == by_key.end()) {
+          bad(fmt::format("{} step {}: kernel {} has no entry for target {}", who, s, st.kernel, t));
+          continue;
+        }
+        const KernelEntry& k = *it->second;
+        if (k.params.size() != st.args.size())
+          bad(fmt::format("{} step {} ({}): {} args for {} parameters", who, s, k.key, st.args.size(), k.params.size()));
+        for (size_t a = 0; a < std::min(k.params.size(), st.args.size()); ++a) {
+          const KernelParamEntry& kp = k.params[a];
+          const ProgramArgEntry& arg = st.args[a];
+          const std::string at = fmt::format("{} step {} ({}) arg {}", who, s, k.key, a);
+          if (arg.param != kp.name) bad(fmt::format("{}: binds {}, the parameter is {}", at, arg.param, kp.name));
+          std::string kind;
+          if (arg.from == "io") {
+            if (!kIoFields.count(arg.name)) bad(fmt::format("{}: io field \"{}\" is not a dp_layer_io field", at, arg.name));
+            kind = arg.name == "block_table_stride" ? "u32" : "pointer";
+          } else if (arg.from == "weight" || arg.from == "expert_stride") {
+            if (arg.name.empty()) bad(fmt::format("{}: {} without a weight name", at, arg.from));
+            kind = arg.from == "weight" ? "pointer" : "u32";
+          } else if (arg.from == "kv" || arg.from == "kv_stride") {
+            if (!kKvKinds.count(arg.name)) bad(fmt::format("{}: cache kind \"{}\" is not one of kda_state, conv_q, "
+                                                           "conv_k, conv_v, mla_latent", at, arg.name));
+            kind = arg.from == "kv" ? "pointer" : "u32";
+          } else if (arg.from == "workspace") {
+            kind = "pointer";
+            const auto w = ws.find(p.width);
+            if (arg.offset % 16 || w == ws.end() || arg.offset >= w->second)
+              bad(fmt::format("{}: workspace offset {} is not a 16-byte multiple inside the width's {} workspace bytes",
+                              at, arg.offset, w == ws.end() ? 0 : w->second));
+          } else if (arg.from == "f32" || arg.from == "u32") {
+            kind = arg.from;
+            if (arg.from == "u32" && (arg.value < 0 || arg.value > 4294967295.0 || arg.value != std::floor(arg.value)))
+              bad(fmt::format("{}: u32 value {} is not an integer in [0, 2^32)", at, arg.value));
+          } else if (arg.from == "null") {
+            kind = "pointer";
+            if (!kp.nullable) bad(fmt::format("{}: null for parameter {}, which is not nullable", at, kp.name));
+          } else {
+            bad(fmt::format("{}: from \"{}\", expected io, weight, expert_stride, workspace, kv, kv_stride, f32, u32 or "
+                            "null", at, arg.from));
+          }
+          if (!kind.empty() && kind != kp.kind)
+            bad(fmt::format("{}: a {} source ({}) for parameter {} of kind {}", at, kind, arg.from, kp.name, kp.kind));
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void check_version(const Version& v, const std::string& where) {
@@ -145,8 +229,12 @@ Manifest from_json(const Json& j, const std::string& where) {
   fv.only({"major", "minor"});
   m.format_version = {fv.num<int>("major", 0, 1 << 20), fv.num<int>("minor", 0, 1 << 20)};
   check_version(m.format_version, where);
-  top.only({"format", "format_version", "tool_version", "toolchains", "templates_digest", "model", "deploy",
-            "weights_fingerprinted", "layers", "kernels", "ranks", "prefetch", "workspace", "files"});
+  if (m.format_version.minor >= 1)
+    top.only({"format", "format_version", "tool_version", "toolchains", "templates_digest", "model", "deploy",
+              "weights_fingerprinted", "layers", "kernels", "programs", "ranks", "prefetch", "workspace", "files"});
+  else
+    top.only({"format", "format_version", "tool_version", "toolchains", "templates_digest", "model", "deploy",
+              "weights_fingerprinted", "layers", "kernels", "ranks", "prefetch", "workspace", "files"});
 
   m.tool_version = top.str("tool_version");
   m.toolchains = top.get("toolchains");
@@ -201,6 +289,30 @@ Manifest from_json(const Json& j, const std::string& where) {
     e.stack_bytes = k.num<uint32_t>("stack_bytes");
     e.spill_bytes = k.num<uint32_t>("spill_bytes");
     m.kernels.push_back(std::move(e));
+  }
+  if (m.format_version.minor >= 1) {
+    for (size_t i = 0; i < top.array("programs").size(); ++i) {
+      Obj p = top.at("programs", i);
+      p.only({"class", "width", "steps", "reason"});
+      ProgramEntry pe;
+      pe.cls = p.str("class");
+      pe.width = p.num<int64_t>("width", 1, 1 << 16);
+      pe.reason = p.str("reason");
+      for (size_t s = 0; s < p.array("steps").size(); ++s) {
+        Obj so = p.at("steps", s);
+        so.only({"kernel", "args"});
+        ProgramStepEntry st;
+        st.kernel = so.str("kernel");
+        for (size_t a = 0; a < so.array("args").size(); ++a) {
+          Obj ao = so.at("args", a);
+          ao.only({"param", "from", "name", "offset", "value"});
+          st.args.push_back({ao.str("param"), ao.str("from"), ao.str("name"), ao.num<uint64_t>("offset"),
+                             ao.num<double>("value")});
+        }
+        pe.steps.push_back(std::move(st));
+      }
+      m.programs.push_back(std::move(pe));
+    }
   }
   for (size_t i = 0; i < top.array("ranks").size(); ++i) {
     Obj r = top.at("ranks", i);
@@ -283,6 +395,19 @@ Json to_json(const Manifest& m) {
                             {"shared_bytes", k.shared_bytes}, {"registers", k.registers},
                             {"stack_bytes", k.stack_bytes}, {"spill_bytes", k.spill_bytes}});
   }
+  if (m.format_version.minor >= 1) {
+    j["programs"] = Json::array();
+    for (const ProgramEntry& p : m.programs) {
+      Json steps = Json::array();
+      for (const ProgramStepEntry& s : p.steps) {
+        Json args = Json::array();
+        for (const ProgramArgEntry& a : s.args)
+          args.push_back({{"param", a.param}, {"from", a.from}, {"name", a.name}, {"offset", a.offset}, {"value", a.value}});
+        steps.push_back({{"kernel", s.kernel}, {"args", std::move(args)}});
+      }
+      j["programs"].push_back({{"class", p.cls}, {"width", p.width}, {"steps", std::move(steps)}, {"reason", p.reason}});
+    }
+  }
   j["ranks"] = Json::array();
   for (const RankEntry& r : m.ranks) {
     Json ws = Json::array();
@@ -347,8 +472,8 @@ void validate(const Manifest& m, const std::string& where) {
     if (listed != m.files.end() && listed->sha256 != k.sha256)
       bad(fmt::format("kernels[{}] ({}): sha256 {} differs from files[] entry {} for {}", i, k.key, k.sha256,
                       listed->sha256, k.file));
-    if (!kKinds.count(k.role.substr(0, k.role.find(':'))))
-      bad(fmt::format("kernels[{}] ({}): role \"{}\", expected final_norm, prefetch or layer:<class>", i, k.key, k.role));
+    if (!kKinds.count(k.role))
+      bad(fmt::format("kernels[{}] ({}): role \"{}\", expected final_norm, prefetch or layer", i, k.key, k.role));
     uint64_t end = 0;
     for (const KernelParamEntry& p : k.params) {
       if (p.kind != "pointer" && p.kind != "u32" && p.kind != "f32")
@@ -410,6 +535,7 @@ void validate(const Manifest& m, const std::string& where) {
     for (const RankEntry& r : m.ranks)
       if (!deploy_ranks.count(r.rank)) bad(fmt::format("ranks: rank {} is not in deploy.ranks", r.rank));
   }
+  validate_programs(m, widths, bad);
   if (!m.ranks.empty()) {
     std::set<std::string> names;
     for (const WeightEntry& w : m.ranks[0].weights) names.insert(w.name);

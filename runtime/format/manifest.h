@@ -22,7 +22,7 @@ using Json = nlohmann::json;
 
 inline constexpr const char* kFormatName = "decodepack-bundle";
 inline constexpr int kFormatMajor = 1;
-inline constexpr int kFormatMinor = 0;
+inline constexpr int kFormatMinor = 1;  // 1.1 added `programs`
 inline constexpr const char* kManifestFile = "manifest.json";
 
 // Thrown by the reader and validator; `what()` names the file, field, actual and expected value.
@@ -120,6 +120,29 @@ struct PrefetchEntry {
   std::vector<PrefetchRangeEntry> ranges;
 };
 
+// One kernel parameter of a program step and where its value comes from (bundle-format.md 2.5).
+struct ProgramArgEntry {
+  std::string param;    // the kernel's parameter name
+  std::string from;     // io | weight | expert_stride | workspace | kv | kv_stride | f32 | u32 | null
+  std::string name;     // io: dp_layer_io field; weight, expert_stride: layer-relative weight key; kv, kv_stride: cache kind
+  uint64_t offset = 0;  // workspace, weight: bytes added to the address
+  double value = 0;     // f32, u32: the constant
+};
+
+struct ProgramStepEntry {
+  std::string kernel;   // kernel name (target-independent): kernels[] holds "<kernel>.<target>" for every target
+  std::vector<ProgramArgEntry> args;  // one per kernel parameter, in parameter order
+};
+
+// A layer program: what runs every layer of class `cls` at `width` requests. `steps` is empty when
+// the build made none, and `reason` says why (the runtime reports it and the host runs the layer).
+struct ProgramEntry {
+  std::string cls;
+  int64_t width = 0;
+  std::vector<ProgramStepEntry> steps;
+  std::string reason;
+};
+
 struct WorkspaceEntry {
   int64_t width = 0;
   uint64_t bytes = 0;
@@ -138,6 +161,7 @@ struct Manifest {
   std::vector<KernelEntry> kernels;     // sorted by key
   std::vector<RankEntry> ranks;         // sorted by rank
   std::vector<PrefetchEntry> prefetch;  // prefetch tables, identical for every rank
+  std::vector<ProgramEntry> programs;   // sorted by (class, width); empty in 1.0 manifests
   std::vector<WorkspaceEntry> workspace;
   std::vector<FileEntry> files;         // every file of the bundle but manifest.json, sorted by path
 };

@@ -22,31 +22,6 @@ const Rule kPrefetch[] = {
     {"count", "u32", ParamSource::prefetch_count},
 };
 
-const Rule kLayer[] = {
-    {"hidden", "pointer", ParamSource::io_hidden},
-    {"residual", "pointer", ParamSource::io_residual},
-    {"out", "pointer", ParamSource::io_out},
-    {"residual_out", "pointer", ParamSource::io_residual_out},
-    {"positions", "pointer", ParamSource::io_positions},
-    {"state_indices", "pointer", ParamSource::io_state_indices},
-    {"block_table", "pointer", ParamSource::io_block_table},
-    {"block_table_stride", "u32", ParamSource::io_block_table_stride},
-    {"seq_lens", "pointer", ParamSource::io_seq_lens},
-    {"slot_mapping", "pointer", ParamSource::io_slot_mapping},
-    {"num_accepted", "pointer", ParamSource::io_num_accepted},
-    {"workspace", "pointer", ParamSource::workspace},
-    {"error_flag", "pointer", ParamSource::error_flag},
-    {"eps", "f32", ParamSource::eps},
-    {"kda_state", "pointer", ParamSource::kv_kda_state},
-    {"conv_q", "pointer", ParamSource::kv_conv_q},
-    {"conv_k", "pointer", ParamSource::kv_conv_k},
-    {"conv_v", "pointer", ParamSource::kv_conv_v},
-    {"mla_latent", "pointer", ParamSource::kv_mla_latent},
-    {"kda_state_stride", "u32", ParamSource::kda_state_stride},
-    {"conv_stride", "u32", ParamSource::conv_stride},
-    {"mla_block_stride", "u32", ParamSource::mla_block_stride},
-};
-
 template <size_t N>
 std::optional<ParamSource> find(const Rule (&rules)[N], const std::string& name, const std::string& kind) {
   for (const Rule& r : rules)
@@ -59,7 +34,32 @@ std::optional<ParamSource> find(const Rule (&rules)[N], const std::string& name,
 std::optional<ParamSource> param_source(const std::string& role, const std::string& name, const std::string& kind) {
   if (role == "final_norm") return find(kFinalNorm, name, kind);
   if (role == "prefetch") return find(kPrefetch, name, kind);
-  if (role.rfind("layer:", 0) == 0) return find(kLayer, name, kind);
+  return std::nullopt;
+}
+
+std::optional<ParamSource> program_source(const format::ProgramArgEntry& a) {
+  static const std::pair<const char*, ParamSource> io[] = {
+      {"hidden", ParamSource::io_hidden},         {"residual", ParamSource::io_residual},
+      {"out", ParamSource::io_out},               {"residual_out", ParamSource::io_residual_out},
+      {"positions", ParamSource::io_positions},   {"state_indices", ParamSource::io_state_indices},
+      {"block_table", ParamSource::io_block_table}, {"block_table_stride", ParamSource::io_block_table_stride},
+      {"seq_lens", ParamSource::io_seq_lens},     {"slot_mapping", ParamSource::io_slot_mapping},
+      {"num_accepted", ParamSource::io_num_accepted}};
+  static const std::pair<const char*, ParamSource> kv[] = {
+      {"kda_state", ParamSource::kv_kda_state}, {"conv_q", ParamSource::kv_conv_q}, {"conv_k", ParamSource::kv_conv_k},
+      {"conv_v", ParamSource::kv_conv_v},       {"mla_latent", ParamSource::kv_mla_latent}};
+  static const std::pair<const char*, ParamSource> kv_stride[] = {
+      {"kda_state", ParamSource::kda_state_stride}, {"conv_q", ParamSource::conv_stride},
+      {"conv_k", ParamSource::conv_stride},         {"conv_v", ParamSource::conv_stride},
+      {"mla_latent", ParamSource::mla_block_stride}};
+  auto look = [&](const auto& table) -> std::optional<ParamSource> {
+    for (const auto& [n, src] : table)
+      if (a.name == n) return src;
+    return std::nullopt;
+  };
+  if (a.from == "io") return look(io);
+  if (a.from == "kv") return look(kv);
+  if (a.from == "kv_stride") return look(kv_stride);
   return std::nullopt;
 }
 

@@ -6,19 +6,15 @@
 //   final_norm  hidden, residual, out, residual_out (the call's dp_final_norm_io), weight (the bound
 //               final-norm weight), eps (model.rms_norm_eps)
 //   prefetch    table, count (the resolved range table of the (point, layer, width))
-//   layer:*     the dp_layer_io fields by name (hidden, residual, out, residual_out, positions,
-//               state_indices, block_table, block_table_stride, seq_lens, slot_mapping, num_accepted),
-//               workspace, error_flag, eps, and the layer's caches: kda_state, conv_q, conv_k, conv_v,
-//               mla_latent (addresses) with kda_state_stride, conv_stride, mla_block_stride (u32,
-//               elements between slots/blocks). Layer programs that need weights will add their
-//               parameter names here together with the kernels (the kernel issue); until then a layer
-//               program with another parameter is not run: that layer runs on the host, and
-//               dp_launch_layer's DP_ERR_NO_KERNEL names the parameter. (Another parameter of a
-//               final_norm or prefetch kernel is refused at validation: DP_ERR_NOT_SUPPORTED.)
+// Kernels of role "layer" are bound by the manifest's layer programs instead: each argument names
+// its source (bundle-format.md 2.5); program_source maps the per-launch ones (dp_layer_io fields, the
+// layer's caches and their slot/block strides), the others are fixed at load.
 #pragma once
 
 #include <optional>
 #include <string>
+
+#include "format/manifest.h"
 
 namespace dp::rt {
 
@@ -32,6 +28,9 @@ enum class ParamSource {
 // The source of parameter `name` of kind `kind` ("pointer" | "u32" | "f32") in a kernel of `role`;
 // nullopt when the runtime has none (the caller names the kernel in its error).
 std::optional<ParamSource> param_source(const std::string& role, const std::string& name, const std::string& kind);
+
+// The per-launch source of a program argument ("io", "kv", "kv_stride"); nullopt for the others.
+std::optional<ParamSource> program_source(const format::ProgramArgEntry& a);
 
 // Bytes a parameter of `kind` occupies (8, 4, 4); 0 for an unknown kind.
 unsigned param_kind_size(const std::string& kind);

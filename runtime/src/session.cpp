@@ -118,21 +118,21 @@ Result<dp_session*> dp_session::create(dp_bundle* b, const dp_session_options& o
     step->q = d.q;
     step->index = i;
     step->layer_program.assign(m.layers.size(), 0);
-    step->why_not.assign(m.layers.size(), "the bundle has no program for this layer class at this width");
+    step->program.assign(m.layers.size(), nullptr);
+    step->why_not.assign(m.layers.size(), {});
     for (const format::LayerEntry& l : m.layers) {
-      std::string unsupported;
-      bool any = false;
-      for (const format::KernelEntry& k : m.kernels) {
-        if (k.target != s->target || k.width != d.widths[i] || k.role != "layer:" + l.cls) continue;
-        any = true;
-        for (const format::KernelParamEntry& p : k.params)
-          if (unsupported.empty() && !param_source(k.role, p.name, p.kind))
-            unsupported = fmt::format("the bundle's program (kernel {}) takes parameter {} ({}), which libdecodepack {} "
-                                      "cannot supply (a newer libdecodepack runs it)", k.key, p.name, p.kind,
-                                      dp_version_string());
-      }
-      if (any && unsupported.empty()) step->layer_program[l.index] = 1;
-      if (!unsupported.empty()) step->why_not[l.index] = unsupported;
+      const format::ProgramEntry* prog = nullptr;
+      for (const format::ProgramEntry& p : m.programs)
+        if (p.cls == l.cls && p.width == d.widths[i]) prog = &p;
+      if (!prog)
+        step->why_not[l.index] = m.format_version.minor < 1
+                                     ? fmt::format("the bundle (format {}.{}) predates layer programs (format 1.1)",
+                                                   m.format_version.major, m.format_version.minor)
+                                     : "the bundle has no program for this layer class at this width";
+      else if (prog->steps.empty())
+        step->why_not[l.index] = "the build made no program: " + prog->reason;
+      else
+        step->layer_program[l.index] = 1, step->program[l.index] = prog;
     }
     s->steps.push_back(std::move(step));
   }
@@ -337,6 +337,19 @@ Status dp_session::finalize_weights() {
                  bindings.size(), fmt::join(missing.begin(), missing.begin() + static_cast<std::ptrdiff_t>(shown), ", "),
                  missing.size() > shown ? fmt::format(", and {} more", missing.size() - shown) : std::string());
   }
+  // The kernels read an expert group as one tensor [experts, ...]: expert e at base + e * stride.
+  for (size_t i = 0; i < bindings.size(); ++i) {
+    const std::vector<uint64_t>& a = bindings[i].data;
+    if (a.size() < 2) continue;
+    const uint64_t stride = a[1] - a[0];
+    for (size_t e = 1; e < a.size(); ++e)
+      if (a[e] <= a[e - 1] || a[e] - a[e - 1] != stride || stride % dp_dtype_size(weights->weights[i].dtype) != 0)
+        return error(DP_ERR_LAYOUT, "weight group {} (rank {}): expert {} is bound at {:#x} and expert {} at {:#x}, but "
+                     "expert 1 is {:#x} after expert 0: the kernels read a group as one stacked tensor, so expert e must "
+                     "lie at base + e * stride with one positive stride, a whole number of elements (vLLM's FusedMoE "
+                     "[E, N, K] layout, or one half of its fused w13 tensor)", weights->weights[i].entry->name,
+                     options.rank, e - 1, a[e - 1], e, a[e], stride);
+  }
   finalized = true;
   return ok();
 }
@@ -382,7 +395,7 @@ const format::KernelEntry* dp_session::find_kernel(const std::string& role, int3
   return nullptr;
 }
 
-Status dp_session::load_kernel(const format::KernelEntry& k, int32_t layer, LoadedKernel* out) {
+Status dp_session::load_kernel(const format::KernelEntry& k, int32_t layer, LoadedKernel* out, bool role_params) {
   const std::string what = fmt::format("kernel {} ({})", k.key, k.file);
   void* fn = nullptr;
   // One module per code object, shared by every width, layer and table that launches it.
@@ -423,6 +436,7 @@ Status dp_session::load_kernel(const format::KernelEntry& k, int32_t layer, Load
   out->function = fn;
   out->block.assign(k.param_bytes, 0);
   out->call_slots.clear();
+  if (!role_params) return ok();  // a program step: load_program_step binds every parameter
   for (const format::KernelParamEntry& p : k.params) {
     const ParamSource src = *param_source(k.role, p.name, p.kind);  // check_kernels made sure it exists
     switch (src) {
@@ -440,6 +454,75 @@ Status dp_session::load_kernel(const format::KernelEntry& k, int32_t layer, Load
         break;
       }
       default: out->call_slots.push_back({p.offset, p.size, src, p.nullable, p.name});
+    }
+  }
+  return ok();
+}
+
+// The weight of `layer` whose name relative to the layer is `key` ("self_attn.q_proj.weight", or a
+// group's "block_sparse_moe.experts.{e}.w1.weight"): index into weights->weights, or SIZE_MAX.
+size_t dp_session::layer_weight(int32_t layer, const std::string& key) const {
+  const std::string tail = fmt::format("layers.{}.{}", layer, key);
+  for (size_t i = 0; i < weights->weights.size(); ++i) {
+    const format::WeightEntry& w = *weights->weights[i].entry;
+    if (w.layer != layer || w.name.size() < tail.size()) continue;
+    const size_t at = w.name.size() - tail.size();
+    if (w.name.compare(at, tail.size(), tail) == 0 && (at == 0 || w.name[at - 1] == '.')) return i;
+  }
+  return SIZE_MAX;
+}
+
+// Binds one program step's kernel for `layer` at the width whose workspace is `ws_bytes`: constants,
+// weights, expert strides and workspace addresses are packed now; dp_layer_io fields and caches at
+// each launch (caches may be bound after load).
+Status dp_session::load_program_step(const format::ProgramEntry& prog, size_t step_index, int32_t layer,
+                                     LoadedKernel* out) {
+  const format::ProgramStepEntry& st = prog.steps[step_index];
+  const std::string key = st.kernel + "." + target;
+  const format::KernelEntry* k = nullptr;
+  for (const format::KernelEntry& e : bundle->manifest().kernels)
+    if (e.key == key) k = &e;
+  const std::string what = fmt::format("{}: layer {} ({} program, width {}) step {}", bundle->reader.label(), layer,
+                                       prog.cls, prog.width, step_index);
+  if (!k) return error(DP_ERR_FORMAT, "{}: kernel {} is not in the bundle", what, key);
+  // A program binds every parameter itself, also of a kernel that is the final norm too.
+  DP_RETURN_IF_ERROR(load_kernel(*k, layer, out, /*role_params=*/false));
+  for (size_t a = 0; a < st.args.size(); ++a) {
+    const format::ProgramArgEntry& arg = st.args[a];
+    const format::KernelParamEntry& p = k->params[a];  // the manifest checked names, kinds and count
+    uint8_t* block = out->block.data();
+    if (auto src = program_source(arg)) {
+      out->call_slots.push_back({p.offset, p.size, *src, p.nullable, p.name});
+    } else if (arg.from == "weight" || arg.from == "expert_stride") {
+      const size_t wi = layer_weight(layer, arg.name);
+      if (wi == SIZE_MAX)
+        return error(DP_ERR_FORMAT, "{} ({}): parameter {} names weight {} of layer {}, which rank {} does not list", what,
+                     k->key, p.name, arg.name, layer, options.rank);
+      const WeightBinding& b = bindings[wi];
+      const format::WeightEntry& w = *weights->weights[wi].entry;
+      // A group is one tensor [experts, ...] with one distance between experts (finalize checked it).
+      const uint64_t stride = b.data.size() > 1 ? b.data[1] - b.data[0] : 0;
+      if (arg.from == "weight") {
+        put<uint64_t>(block, p.offset, b.data[0] + arg.offset);
+      } else {
+        const uint64_t elem = dp_dtype_size(weights->weights[wi].dtype);
+        const uint64_t elems = stride ? stride / elem : span_bytes(b.desc) / elem;
+        if (stride % elem || elems > UINT32_MAX)
+          return error(DP_ERR_LAYOUT, "weight group {} (rank {}): {} bytes between experts is not a whole number of "
+                       "elements below 2^32", w.name, options.rank, stride);
+        put<uint32_t>(block, p.offset, static_cast<uint32_t>(elems));
+      }
+    } else if (arg.from == "workspace") {
+      put<uint64_t>(block, p.offset, workspace + arg.offset);
+    } else if (arg.from == "f32") {
+      put<float>(block, p.offset, static_cast<float>(arg.value));
+    } else if (arg.from == "u32") {
+      put<uint32_t>(block, p.offset, static_cast<uint32_t>(arg.value));
+    } else if (arg.from == "null") {
+      put<uint64_t>(block, p.offset, 0);
+    } else {
+      return error(DP_ERR_NOT_SUPPORTED, "{} ({}): parameter {} from \"{}\" is not a source libdecodepack {} knows", what,
+                   k->key, p.name, arg.from, dp_version_string());
     }
   }
   return ok();
@@ -540,14 +623,15 @@ Status dp_session::load_kernels() {
       DP_RETURN_IF_ERROR(load_kernel(*k, -1, &lk));
       final_norm[i] = std::move(lk);
     }
-    for (const format::LayerEntry& l : m.layers)
-      for (const format::KernelEntry& k : m.kernels)  // the program's kernels, in kernel-table order
-        if (steps[i]->layer_program[l.index] && k.target == target && k.width == d.widths[i] &&
-            k.role == "layer:" + l.cls) {
-          LoadedKernel lk;
-          DP_RETURN_IF_ERROR(load_kernel(k, l.index, &lk));
-          layer_programs[i][l.index].push_back(std::move(lk));
-        }
+    for (const format::LayerEntry& l : m.layers) {
+      const format::ProgramEntry* prog = steps[i]->program[l.index];
+      if (!prog) continue;
+      for (size_t st = 0; st < prog->steps.size(); ++st) {
+        LoadedKernel lk;
+        DP_RETURN_IF_ERROR(load_program_step(*prog, st, l.index, &lk));
+        layer_programs[i][l.index].push_back(std::move(lk));
+      }
+    }
   }
   DP_RETURN_IF_ERROR(build_prefetch_tables());
   loaded = true;
@@ -600,10 +684,20 @@ Status dp_session::bind_kv(int32_t layer, int32_t kind, const dp_tensor& t) {
   if (b.bound && b.lead_stride != t.strides[0] && t.shape[0] > 1 && b.count > 1)
     return error(DP_ERR_REBIND, "{}: re-bound at the same address with first stride {}, was {}: a cache may grow in place, "
                  "not change its layout (call dp_session_release_kv first)", what, t.strides[0], b.lead_stride);
+  const int64_t lead = t.shape[0] > 1 ? t.strides[0] : want.strides[0];
+  if (lead > INT64_C(0xffffffff))
+    return error(DP_ERR_LAYOUT, "{}: first stride {} elements, expected below 2^32 (the kernels take it as a 32-bit "
+                 "value)", what, lead);
+  if (kind >= DP_KV_CONV_Q && kind <= DP_KV_CONV_V)  // the KDA kernel takes one stride for the three conv states
+    for (int32_t other = DP_KV_CONV_Q; other <= DP_KV_CONV_V; ++other)
+      if (other != kind && kv[layer][other].bound && kv[layer][other].lead_stride != lead)
+        return error(DP_ERR_LAYOUT, "{}: first stride {} elements, but layer {} {} has {}: the three conv states of a "
+                     "layer must share one slot stride", what, lead, layer, kv_kind_name(other),
+                     kv[layer][other].lead_stride);
   b.bound = true;
   b.data = t.data;
   b.count = t.shape[0];
-  b.lead_stride = t.shape[0] > 1 ? t.strides[0] : want.strides[0];
+  b.lead_stride = lead;
   return ok();
 }
 

@@ -65,6 +65,7 @@ struct dp_step {
   int32_t width = 0, q = 1;
   size_t index = 0;                     // into the session's widths
   std::vector<uint8_t> layer_program;   // per layer: 1 if the bundle has its program at this width
+  std::vector<const dp::format::ProgramEntry*> program;  // per layer: that program, or null
   std::vector<std::string> why_not;     // per layer without one: why (for dp_launch_layer's message)
 };
 
@@ -126,7 +127,12 @@ struct dp_session {
                               const std::vector<int64_t>& shape, bool lead_free, dp_code shape_code) const;
   // `layer`: the decoder layer a layer program's kernel is loaded for (-1 otherwise); the per-layer
   // weight parameters of layer programs will be packed from it.
-  dp::rt::Status load_kernel(const dp::format::KernelEntry& k, int32_t layer, dp::rt::LoadedKernel* out);
+  // Loads k's function; with role_params, also packs the parameters its role (final_norm, prefetch) defines.
+  dp::rt::Status load_kernel(const dp::format::KernelEntry& k, int32_t layer, dp::rt::LoadedKernel* out,
+                             bool role_params = true);
+  dp::rt::Status load_program_step(const dp::format::ProgramEntry& prog, size_t step_index, int32_t layer,
+                                   dp::rt::LoadedKernel* out);
+  size_t layer_weight(int32_t layer, const std::string& key) const;
   dp::rt::Status build_prefetch_tables();
   const dp::format::KernelEntry* find_kernel(const std::string& role, int32_t width) const;
 };

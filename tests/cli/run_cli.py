@@ -8,7 +8,8 @@ Set UPDATE_GOLDEN=1 to rewrite golden files from the current output (then review
 
 In a case, "{tmp}" is a fresh temporary directory and "{tests}" this tests/ directory. A case's
 "setup" is a list of argument lists run first (each must exit 0); "pysetup" names a function of
-broken_checkpoints.py that writes a broken checkpoint to {tmp}/ck.
+broken_checkpoints.py that writes a broken checkpoint to {tmp}/ck. A case's "env" adds environment
+variables (values expanded like arguments) for its main command.
 """
 import json
 import os
@@ -37,6 +38,7 @@ def run_case(exe, case):
                 print(f"setup {setup} exited {r.returncode}:\n{r.stderr}")
                 return False
         args = [expand(a, tmp) for a in case["args"]]
+        env.update({k: expand(v, tmp) for k, v in case.get("env", {}).items()})
         r = subprocess.run([exe] + args, capture_output=True, text=True, env=env, timeout=300)
         ok = True
         if r.returncode != case.get("exit", 0):

@@ -102,7 +102,7 @@ class BindingTest(unittest.TestCase):
 
     def test_info(self):
         info = self.bundle.info
-        self.assertEqual(info["format_version"], (1, 0))
+        self.assertEqual(info["format_version"], (1, 1))
         self.assertTrue(info["digest"].startswith("sha256:"))
         self.assertEqual(info["widths"], [1, 2, 4])
         self.assertEqual(info["targets"], ["sm_90a"])
@@ -252,6 +252,13 @@ class BindingTest(unittest.TestCase):
             (dict(num_requests=2, query_lens=[1, 1], pp_stage_input=True), dp.REASON_PP_STAGE_INPUT, 0),
             (dict(num_requests=2, query_lens=[1, 7]), dp.REASON_NOT_UNIFORM, 0),
             (dict(num_requests=2, query_lens=[1, 1], state_indices=[1, 99]), dp.REASON_BAD_METADATA, 0),
+            # a 2-D block table as a list of rows (flattened row-major), or flat
+            (dict(num_requests=2, query_lens=[1, 1], block_table=[[1, 2], [3, 0]], block_table_stride=2,
+                  block_table_cols=2), dp.REASON_NONE, 2),
+            (dict(num_requests=2, query_lens=[1, 1], block_table=[[1, 2], [99, 0]], block_table_stride=2,
+                  block_table_cols=2), dp.REASON_BAD_METADATA, 0),
+            (dict(num_requests=2, query_lens=[1, 1], block_table=[1, 2, 99, 0], block_table_stride=2,
+                  block_table_cols=2), dp.REASON_BAD_METADATA, 0),
         ]
         for kw, reason, width in cases:
             with self.subTest(**{k: str(v) for k, v in kw.items()}):
@@ -261,7 +268,7 @@ class BindingTest(unittest.TestCase):
                 if reason == dp.REASON_NONE:
                     self.assertTrue(p.step)
                     self.assertEqual(p.rows, width)
-                    self.assertFalse(p.layer_kernel(0))  # no layer programs in bundles yet
+                    self.assertTrue(p.layer_kernel(0))  # the bundle has every class's program
                 else:
                     self.assertFalse(p.step)
                     self.assertTrue(p.message)
@@ -288,7 +295,7 @@ class BindingTest(unittest.TestCase):
         p = s.plan(2, [1, 1])
         with self.assertRaises(dp.DecodepackError) as e:
             s.launch_layer(p, 0, hidden=0x1000, out=0x1000, residual_out=0x2000)
-        self.assertEqual(e.exception.code, dp.ERR_NO_KERNEL)
+        self.assertEqual(e.exception.code, dp.ERR_NO_DEVICE)
         with self.assertRaises(dp.DecodepackError) as e:
             s.launch_final_norm(p, hidden=0x1000, out=0x1000, residual_out=0x2000)
         self.assertEqual(e.exception.code, dp.ERR_NO_DEVICE)

@@ -106,6 +106,16 @@ def mode_valid(c):
     m = c.check_valid("tiny with weights", member(os.path.join(c.work, "tiny.dpk"), "manifest.json"), d)
     c.check(m["weights_fingerprinted"] and all(w["sha256"] for r in m["ranks"] for w in r["weights"]),
             "tiny with weights: every weight has fingerprints")
+    c.check(m["format_version"] == {"major": 1, "minor": 1} and m["programs"] and
+            all(p["steps"] and not p["reason"] for p in m["programs"]),
+            "tiny with weights: format 1.1, every layer class has its program")
+    bad = copy.deepcopy(m)
+    bad["programs"][0]["steps"][0]["args"][0]["from"] = "register"
+    c.check(any(e.validator == "enum" and "/".join(map(str, e.absolute_path)) == "programs/0/steps/0/args/0/from"
+                for e in c.schema_errors(bad)), "schema refuses a program argument from an unknown source")
+    bad = copy.deepcopy(m)
+    del bad["programs"]
+    c.check(bool(c.schema_errors(bad)), "schema refuses a 1.1 manifest without programs")
 
     out = os.path.join(c.work, "k3-config-only")
     d = c.build("kimi-k3-tiny", {"targets": ["sm_90a", "gfx942"], "widths": [1], "tensor_parallel": 2}, out)
@@ -143,7 +153,7 @@ NEGATIVE = [
     ("wrong type: model.hidden_size is a string", _set(["model", "hidden_size"], "256"), "type", "model/hidden_size", 3),
     ("wrong type: kernels[0].grid is an object", _set(["kernels", 0, "grid"], {"x": 1}), "type", "kernels/0/grid", 3),
     ("missing field: workspace", lambda m: m.pop("workspace"), "required", "", 3),
-    ("format_version 1.99", _set(["format_version", "minor"], 99), "const", "format_version/minor", 3),
+    ("format_version 1.99", _set(["format_version", "minor"], 99), "enum", "format_version/minor", 3),
     ("format_version 2.0", _set(["format_version", "major"], 2), "const", "format_version/major", 3),
     ("format name", _set(["format"], "decodepack"), "const", "format", 3),
     ("uppercase sha256 in files", _set(["files", 0, "sha256"], "A" * 64), "pattern", "files/0/sha256", 3),

@@ -384,12 +384,18 @@ DP_API dp_status* dp_session_bind_weight(dp_session* session, const char* name, 
 /* Binds every expert of a group in one call: `group` is the name with "{e}" as listed in the bundle,
  * `data[e]` the device address of expert e (count = the group's expert count), and `expert` the dtype,
  * shape and strides of one expert (its data field is ignored). For a stacked tensor (vLLM's FusedMoE
- * [E, N, K]) pass data[e] = base + e * expert_stride_bytes. Same checks and codes as bind_weight. */
+ * [E, N, K]) pass data[e] = base + e * expert_stride_bytes. Same checks and codes as bind_weight.
+ * The kernels read a group as one stacked tensor: however its experts were bound (this call or
+ * dp_session_bind_weight per expert), expert e must lie at data[0] + e * stride for one positive
+ * stride that is a whole number of elements (it may exceed one expert's size, e.g. each half of
+ * vLLM's fused w13 [E, 2N, K] tensor); dp_session_finalize_weights refuses other bindings with
+ * DP_ERR_LAYOUT. */
 DP_API dp_status* dp_session_bind_expert_weights(dp_session* session, const char* group, const uint64_t* data,
                                                  int32_t count, const dp_tensor* expert);
 
 /* Ends weight binding: DP_ERR_MISSING_TENSOR when any weight of the rank is unbound, naming them (the
- * first few and the count). Afterwards weights may only be re-bound at the same addresses. */
+ * first few and the count); DP_ERR_LAYOUT when an expert group is not one stacked tensor (see
+ * dp_session_bind_expert_weights). Afterwards weights may only be re-bound at the same addresses. */
 DP_API dp_status* dp_session_finalize_weights(dp_session* session);
 
 /* Optional, after finalize: reads every bound weight back from the device and compares the SHA-256 of

@@ -332,7 +332,16 @@ def _i32_array(values):
         return None, None
     if _is_torch(values):
         values = values.flatten().tolist()
-    values = [int(v) for v in values]
+    flat = []
+
+    def walk(v):  # a row-major [rows, cols] array may come as a list of rows
+        if isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+        else:
+            flat.append(int(v))
+    walk(values)
+    values = flat
     arr = (_i32 * max(len(values), 1))(*values)
     return arr, ctypes.cast(arr, ctypes.POINTER(_i32))
 
@@ -573,7 +582,8 @@ class Session:
     # Steps
     def plan(self, num_requests, query_lens=None, num_accepted=None, state_indices=None, state_indices_stride=0,
              block_table=None, block_table_stride=0, block_table_cols=0, graph_mode=GRAPH_NONE, pp_stage_input=False):
-        """Plans a step from its host metadata (lists or CPU tensors); returns a Plan."""
+        """Plans a step from its host metadata (lists or CPU tensors; a 2-D array such as the block table
+        may be a list of rows); returns a Plan."""
         d = _StepDesc()
         _lib().dp_step_desc_init(ctypes.byref(d))
         keep = []

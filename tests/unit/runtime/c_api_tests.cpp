@@ -166,7 +166,7 @@ TEST_F(CApiTest, BundleInfo) {
   i.size = sizeof(i);
   DP_EXPECT_OK(dp_bundle_get_info(b_, &i));
   EXPECT_EQ(i.format_major, 1);
-  EXPECT_EQ(i.format_minor, 0);
+  EXPECT_EQ(i.format_minor, 1);
   EXPECT_EQ(std::string(i.digest).rfind("sha256:", 0), 0u);
   EXPECT_STREQ(i.model_type, "kimi_linear");
   EXPECT_EQ(i.num_layers, 4);
@@ -244,10 +244,10 @@ TEST_F(CApiTest, OpenErrorsCarryTheirCodes) {
   fs::remove_all(d);
   fs::copy(bundles().tiny_dir, d, fs::copy_options::recursive);
   std::string m = read_text(d / "manifest.json");
-  const std::string v = "\"format_version\":{\"major\":1,\"minor\":0}";
-  m.replace(m.find(v), v.size(), "\"format_version\":{\"major\":2,\"minor\":0}");
+  const std::string v = "\"format_version\":{\"major\":1,\"minor\":1}";
+  m.replace(m.find(v), v.size(), "\"format_version\":{\"major\":2,\"minor\":1}");
   write_text(d / "manifest.json", m);
-  DP_EXPECT_STATUS(dp_bundle_open(d.c_str(), nullptr, &b), DP_ERR_FORMAT_VERSION, "2.0", "supported: 1.0 to 1.0");
+  DP_EXPECT_STATUS(dp_bundle_open(d.c_str(), nullptr, &b), DP_ERR_FORMAT_VERSION, "2.1", "supported: 1.0 to 1.1");
   m.replace(m.find("\"major\":2"), 9, "\"major\":1");
   const std::string field = "\"hidden_size\":256,";
   m.erase(m.find(field), field.size());
@@ -309,7 +309,7 @@ TEST_F(CApiTest, CppWrapper) {
   p = s.plan(d);
   EXPECT_EQ(p.reason(), DP_REASON_NONE) << p.message();
   EXPECT_EQ(p.width(), 2);
-  EXPECT_FALSE(p.layer_kernel(0));
+  EXPECT_TRUE(p.layer_kernel(0));
   decodepack::Session moved = std::move(s);
   EXPECT_EQ(s.get(), nullptr);
   EXPECT_NE(moved.get(), nullptr);

@@ -9,6 +9,10 @@
 #include <vector>
 
 #include <algorithm>
+#include <functional>
+#include <stdexcept>
+
+#include <fmt/format.h>
 
 #include <nlohmann/json.hpp>
 
@@ -244,7 +248,7 @@ TEST_F(PlanningTest, StepsAreOwnedBySessionAndStable) {
   EXPECT_EQ(a.step, b.step);  // one step object per width: a plan baked into a graph stays valid
   const dp_plan_result c = plan(decode(4).desc());
   EXPECT_NE(a.step, c.step);
-  for (int l = 0; l < 4; ++l) EXPECT_EQ(dp_step_layer_kernel(a.step, l), 0) << l;  // no layer programs built yet
+  for (int l = 0; l < 4; ++l) EXPECT_EQ(dp_step_layer_kernel(a.step, l), 1) << l;  // every class has its program
   EXPECT_EQ(dp_step_layer_kernel(a.step, 99), 0);
   EXPECT_EQ(dp_step_layer_kernel(nullptr, 0), 0);
   EXPECT_EQ(dp_step_width(nullptr), 0);
@@ -335,8 +339,7 @@ TEST_F(PlanningTest, LaunchesOnAHostOnlySession) {
   dp_layer_io io;
   dp_layer_io_init(&io);
   io.hidden = io.out = io.residual = io.residual_out = 0x7a0000000000ull;
-  DP_EXPECT_STATUS(dp_launch_layer(s_, r.step, 1, &io, nullptr), DP_ERR_NO_KERNEL, "layer 1 (kda_moe)",
-                   "at width 2 on gfx942: the bundle has no program for this layer class at this width", "the host runs its own layer");
+  DP_EXPECT_STATUS(dp_launch_layer(s_, r.step, 1, &io, nullptr), DP_ERR_NO_DEVICE, "host-only");
   DP_EXPECT_STATUS(dp_launch_layer(s_, r.step, 4, &io, nullptr), DP_ERR_INVALID_ARGUMENT, "layer 4, expected 0..3");
   DP_EXPECT_STATUS(dp_launch_layer(s_, nullptr, 0, &io, nullptr), DP_ERR_INVALID_ARGUMENT, "the step is NULL");
   dp_final_norm_io n;
@@ -362,9 +365,8 @@ TEST_F(PlanningTest, LaunchesOnAHostOnlySession) {
 namespace dp::rttest {
 namespace {
 
-// A copy of the tiny bundle (directory form) with layer programs added to its manifest: one whose
-// parameters the runtime supplies (layer 0, kda_dense) and one that takes a parameter it does not know
-// (the kda_moe layers). The code object is the width-1 rmsnorm's: only the manifest matters here.
+// A copy of the tiny bundle (directory form) whose manifest the test edits: programs are data, so what
+// the runtime does with an edited program is what it does with a bundle from another build.
 class LayerProgramTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -372,77 +374,155 @@ class LayerProgramTest : public ::testing::Test {
     dir_ = fs::temp_directory_path() / ("dp-rt-layers-" + std::to_string(::getpid()));
     fs::remove_all(dir_);
     fs::copy(bundles().tiny_dir, dir_, fs::copy_options::recursive);
-    auto m = nlohmann::json::parse(read_text(dir_ / "manifest.json"));
-    const std::string cubin = "kernels/sm_90a/rmsnorm_w1_h256.sm_90a.cubin";
-    nlohmann::json base;
-    for (const auto& k : m["kernels"])
-      if (k["file"] == cubin) base = k;
-    nlohmann::json file;
-    for (const auto& f : m["files"])
-      if (f["path"] == cubin) file = f;
-    auto add = [&](const std::string& name, const std::string& cls, const nlohmann::json& params, uint32_t bytes) {
-      nlohmann::json k = base;
-      k["name"] = name;
-      k["key"] = name + ".sm_90a";
-      k["op"] = cls;
-      k["role"] = "layer:" + cls;
-      k["file"] = "kernels/sm_90a/" + name + ".sm_90a.cubin";
-      k["params"] = params;
-      k["param_bytes"] = bytes;
-      m["kernels"].push_back(k);
-      nlohmann::json f = file;
-      f["path"] = k["file"];
-      m["files"].push_back(f);
-      fs::copy_file(dir_ / cubin, dir_ / k["file"].get<std::string>());
-    };
-    auto param = [](const char* name, uint32_t offset) {
-      return nlohmann::json{{"name", name}, {"kind", "pointer"}, {"offset", offset}, {"size", 8}, {"shape", ""},
-                            {"nullable", false}};
-    };
-    add("kdadense_w1", "kda_dense", nlohmann::json::array({param("hidden", 0), param("kda_state", 8)}), 16);
-    add("kdamoe_w1", "kda_moe", nlohmann::json::array({param("hidden", 0), param("w_fb", 8)}), 16);
-    auto by = [](const char* key) {
-      return [key](const nlohmann::json& a, const nlohmann::json& b) { return a[key].get<std::string>() < b[key].get<std::string>(); };
-    };
-    std::sort(m["kernels"].begin(), m["kernels"].end(), by("key"));
-    std::sort(m["files"].begin(), m["files"].end(), by("path"));
-    write_text(dir_ / "manifest.json", m.dump() + "\n");
+    m_ = nlohmann::json::parse(read_text(dir_ / "manifest.json"));
   }
   void TearDown() override { fs::remove_all(dir_); }
+  nlohmann::json& program(const std::string& cls, int width) {
+    for (auto& p : m_["programs"])
+      if (p["class"] == cls && p["width"] == width) return p;
+    throw std::runtime_error("no program " + cls);
+  }
+  void save() { write_text(dir_ / "manifest.json", m_.dump() + "\n"); }
+  // A host-only session on the edited bundle with every weight and cache bound, planned at `width`.
+  const dp_step* plan_width(int width) {
+    EXPECT_EQ(outcome(dp_bundle_open(dir_.c_str(), nullptr, &b_)).message, "");
+    if (!b_) return nullptr;
+    dp_session_options o = host_options(0, "sm_90a");
+    EXPECT_EQ(outcome(dp_session_create(b_, &o, &s_)).message, "");
+    EXPECT_TRUE(bind_all_weights(b_, s_, 0).ok());
+    DP_EXPECT_OK(dp_session_finalize_weights(s_));
+    EXPECT_TRUE(bind_all_kv(b_, s_, kSlots, kBlocks).ok());
+    step_ = decode(width);
+    const dp_step_desc d = step_.desc();
+    dp_plan_result r;
+    dp_plan_result_init(&r);
+    DP_EXPECT_OK(dp_plan(s_, &d, &r));
+    EXPECT_EQ(r.width, width) << r.message;
+    return r.step;
+  }
+  void close() {
+    dp_session_destroy(s_);
+    dp_bundle_close(b_);
+    s_ = nullptr;
+    b_ = nullptr;
+  }
   fs::path dir_;
+  nlohmann::json m_;
+  dp_bundle* b_ = nullptr;
+  dp_session* s_ = nullptr;
+  Step step_;
 };
 
-TEST_F(LayerProgramTest, ProgramsTheRuntimeCannotRunFallBackPerLayer) {
-  dp_bundle* b = nullptr;
-  DP_EXPECT_OK(dp_bundle_open(dir_.c_str(), nullptr, &b));
-  ASSERT_NE(b, nullptr);
-  DP_EXPECT_OK(dp_bundle_query_validity(b, nullptr, 0));  // not a reason to refuse the bundle
-  dp_session_options o = host_options(0, "sm_90a");
-  dp_session* s = nullptr;
-  DP_EXPECT_OK(dp_session_create(b, &o, &s));
-  ASSERT_TRUE(bind_all_weights(b, s, 0).ok());
-  DP_EXPECT_OK(dp_session_finalize_weights(s));
-  ASSERT_TRUE(bind_all_kv(b, s, kSlots, kBlocks).ok());
-  const Step one = decode(1), two = decode(2);  // the descriptions point into these
-  dp_step_desc d = one.desc();
-  dp_plan_result r;
-  dp_plan_result_init(&r);
-  DP_EXPECT_OK(dp_plan(s, &d, &r));
-  ASSERT_EQ(r.width, 1) << r.message;
-  EXPECT_EQ(dp_step_layer_kernel(r.step, 0), 1);  // kda_dense: the bundle's program
-  EXPECT_EQ(dp_step_layer_kernel(r.step, 1), 0);  // kda_moe: a parameter the runtime cannot supply
-  EXPECT_EQ(dp_step_layer_kernel(r.step, 3), 0);  // mla_moe: no program
+TEST_F(LayerProgramTest, AProgramWithoutStepsFallsBackForItsLayersOnly) {
+  auto& p = program("kda_moe", 1);
+  p["steps"] = nlohmann::json::array();
+  p["reason"] = "kda_moe left out for this test";
+  save();
+  const dp_step* step = plan_width(1);
+  ASSERT_NE(step, nullptr);
+  EXPECT_EQ(dp_step_layer_kernel(step, 0), 1);  // kda_dense
+  EXPECT_EQ(dp_step_layer_kernel(step, 1), 0);  // kda_moe: no program
+  EXPECT_EQ(dp_step_layer_kernel(step, 2), 0);
+  EXPECT_EQ(dp_step_layer_kernel(step, 3), 1);  // mla_moe
   dp_layer_io io;
   dp_layer_io_init(&io);
   io.hidden = io.out = io.residual = io.residual_out = 0x7a0000000000ull;
-  DP_EXPECT_STATUS(dp_launch_layer(s, r.step, 1, &io, nullptr), DP_ERR_NO_KERNEL, "layer 1 (kda_moe)",
-                   "kernel kdamoe_w1.sm_90a", "takes parameter w_fb (pointer)", "cannot supply");
-  DP_EXPECT_STATUS(dp_launch_layer(s, r.step, 0, &io, nullptr), DP_ERR_NO_DEVICE, "host-only");
-  d = two.desc();
-  DP_EXPECT_OK(dp_plan(s, &d, &r));
-  EXPECT_EQ(dp_step_layer_kernel(r.step, 0), 0);  // built for width 1 only
-  dp_session_destroy(s);
-  dp_bundle_close(b);
+  DP_EXPECT_STATUS(dp_launch_layer(s_, step, 2, &io, nullptr), DP_ERR_NO_KERNEL, "layer 2 (kda_moe) at width 1",
+                   "the build made no program: kda_moe left out for this test", "the host runs its own layer");
+  DP_EXPECT_STATUS(dp_launch_layer(s_, step, 0, &io, nullptr), DP_ERR_NO_DEVICE, "host-only");
+  close();
+}
+
+TEST_F(LayerProgramTest, BrokenProgramsAreRefusedWhenTheBundleOpens) {
+  struct Case {
+    const char* what;
+    std::function<void(nlohmann::json&)> edit;
+    std::vector<std::string> fragments;
+  };
+  const std::vector<Case> cases = {
+      {"unknown source", [](nlohmann::json& p) { p["steps"][0]["args"][0]["from"] = "register"; },
+       {"from \"register\", expected io, weight"}},
+      {"unknown io field", [](nlohmann::json& p) { p["steps"][0]["args"][0] = {{"param", "hidden"}, {"from", "io"},
+                                                   {"name", "hiden"}, {"offset", 0}, {"value", 0}}; },
+       {"io field \"hiden\" is not a dp_layer_io field"}},
+      {"wrong parameter", [](nlohmann::json& p) { p["steps"][0]["args"][0]["param"] = "x"; }, {"binds x, the parameter is hidden"}},
+      {"missing argument", [](nlohmann::json& p) { p["steps"][0]["args"].erase(0); }, {"5 args for 6 parameters"}},
+      {"kind mismatch", [](nlohmann::json& p) { p["steps"][0]["args"][5] = {{"param", "eps"}, {"from", "u32"}, {"name", ""},
+                                                {"offset", 0}, {"value", 3}}; },
+       {"a u32 source (u32) for parameter eps of kind f32"}},
+      {"null for a required pointer", [](nlohmann::json& p) { p["steps"][0]["args"][0]["from"] = "null"; },
+       {"null for parameter hidden, which is not nullable"}},
+      {"workspace outside", [](nlohmann::json& p) { p["steps"][1]["args"][0]["offset"] = 1u << 30; },
+       {"workspace offset 1073741824 is not a 16-byte multiple inside"}},
+      {"kernel not built", [](nlohmann::json& p) { p["steps"][0]["kernel"] = "rmsnorm_w1_h512"; },
+       {"kernel rmsnorm_w1_h512 has no entry for target"}},
+      {"steps and reason", [](nlohmann::json& p) { p["reason"] = "both"; }, {"a program has steps or a reason, not both"}},
+  };
+  const nlohmann::json original = m_;
+  for (const Case& c : cases) {
+    m_ = original;
+    c.edit(program("kda_dense", 1));
+    save();
+    dp_bundle* b = nullptr;
+    const Outcome o = outcome(dp_bundle_open(dir_.c_str(), nullptr, &b));
+    EXPECT_EQ(o.code, DP_ERR_FORMAT) << c.what << ": " << o.message;
+    for (const std::string& f : c.fragments) EXPECT_NE(o.message.find(f), std::string::npos) << c.what << ": " << o.message;
+    EXPECT_NE(o.message.find("programs["), std::string::npos) << c.what << ": " << o.message;
+    dp_bundle_close(b);
+  }
+}
+
+TEST_F(LayerProgramTest, ExpertGroupsMustBeOneStackedTensor) {
+  ASSERT_TRUE(outcome(dp_bundle_open(dir_.c_str(), nullptr, &b_)).ok());
+  dp_session_options o = host_options(0, "sm_90a");
+  ASSERT_TRUE(outcome(dp_session_create(b_, &o, &s_)).ok());
+  // Every weight at its own place, then one group re-bound with a gap before its last expert.
+  const char* group = "model.layers.1.block_sparse_moe.experts.{e}.w1.weight";
+  dp_weight_info wi;
+  wi.size = sizeof(wi);
+  const int32_t n = dp_bundle_weight_count(b_, 0);
+  dp_tensor one;
+  int32_t experts = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    DP_EXPECT_OK(dp_bundle_get_weight(b_, 0, i, &wi));
+    if (std::string(wi.name) == group) {
+      dp_tensor_init(&one, 0, wi.dtype, wi.ndim, wi.shape);
+      experts = wi.experts;
+    }
+  }
+  ASSERT_GT(experts, 2);
+  const uint64_t bytes = static_cast<uint64_t>(one.shape[0] * one.shape[1]) * 2;
+  std::vector<uint64_t> ptrs;
+  for (int32_t e = 0; e < experts; ++e) ptrs.push_back(0x7e0000000000ull + e * bytes + (e == experts - 1 ? 256 : 0));
+  DP_EXPECT_OK(dp_session_bind_expert_weights(s_, group, ptrs.data(), experts, &one));
+  const Outcome w = bind_all_weights(b_, s_, 0, 0x7f0000000000ull, group);  // the rest
+  ASSERT_TRUE(w.ok()) << w.message;
+  const std::string last = fmt::format("expert {} at", experts - 1);
+  DP_EXPECT_STATUS(dp_session_finalize_weights(s_), DP_ERR_LAYOUT, group, "one stacked tensor", last.c_str());
+  close();
+}
+
+TEST_F(LayerProgramTest, BundlesBeforeFormat11HaveNoPrograms) {
+  const fs::path v10 = fs::path(DP_TEST_DATA_DIR) / "fixtures/bundle-v1/tiny-v1.dpk";
+  ASSERT_TRUE(outcome(dp_bundle_open(v10.c_str(), nullptr, &b_)).ok());
+  dp_session_options o = host_options(0, "sm_90a");
+  ASSERT_TRUE(outcome(dp_session_create(b_, &o, &s_)).ok());
+  ASSERT_TRUE(bind_all_weights(b_, s_, 0).ok());
+  DP_EXPECT_OK(dp_session_finalize_weights(s_));
+  ASSERT_TRUE(bind_all_kv(b_, s_, kSlots, kBlocks).ok());
+  const Step one = decode(1);
+  const dp_step_desc d = one.desc();
+  dp_plan_result r;
+  dp_plan_result_init(&r);
+  DP_EXPECT_OK(dp_plan(s_, &d, &r));
+  ASSERT_NE(r.step, nullptr) << r.message;
+  EXPECT_EQ(dp_step_layer_kernel(r.step, 0), 0);
+  dp_layer_io io;
+  dp_layer_io_init(&io);
+  io.hidden = io.out = io.residual = io.residual_out = 0x7a0000000000ull;
+  DP_EXPECT_STATUS(dp_launch_layer(s_, r.step, 0, &io, nullptr), DP_ERR_NO_KERNEL,
+                   "the bundle (format 1.0) predates layer programs (format 1.1)");
+  close();
 }
 
 }  // namespace

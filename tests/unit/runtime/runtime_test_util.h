@@ -158,8 +158,9 @@ inline dp_session_options host_options(int32_t rank = 0, const char* target = nu
 }
 
 // Binds every weight of `rank` at fake, 16-byte-aligned, distinct addresses (host-only sessions never
-// dereference them); expert groups through the grouped call.
-inline Outcome bind_all_weights(const dp_bundle* b, dp_session* s, int32_t rank, uint64_t base = 0x7f0000000000ull) {
+// dereference them); expert groups through the grouped call. A weight named `skip` is left alone.
+inline Outcome bind_all_weights(const dp_bundle* b, dp_session* s, int32_t rank, uint64_t base = 0x7f0000000000ull,
+                                const std::string& skip = {}) {
   const int32_t n = dp_bundle_weight_count(b, rank);
   uint64_t next = base;
   for (int32_t i = 0; i < n; ++i) {
@@ -167,6 +168,7 @@ inline Outcome bind_all_weights(const dp_bundle* b, dp_session* s, int32_t rank,
     w.size = sizeof(w);
     Outcome o = outcome(dp_bundle_get_weight(b, rank, i, &w));
     if (!o.ok()) return o;
+    if (w.name == skip) continue;
     dp_tensor t;
     dp_tensor_init(&t, 0, w.dtype, w.ndim, w.shape);
     uint64_t bytes = dp_dtype_size(w.dtype);

@@ -1,0 +1,388 @@
+#include "plan/program.h"
+
+#include <cmath>
+#include <map>
+
+#include "common/error.h"
+#include "plan/plan.h"
+
+namespace dp::plan {
+
+using model::Ffn;
+using model::Mixer;
+using model::Model;
+using model::WeightSpec;
+using From = ProgramArg::From;
+
+const char* to_string(From f) {
+  switch (f) {
+    case From::io: return "io";
+    case From::weight: return "weight";
+    case From::expert_stride: return "expert_stride";
+    case From::workspace: return "workspace";
+    case From::kv: return "kv";
+    case From::kv_stride: return "kv_stride";
+    case From::f32: return "f32";
+    case From::u32: return "u32";
+    case From::null: return "null";
+  }
+  return "?";
+}
+
+namespace {
+
+constexpr uint64_t align256(uint64_t x) { return (x + 255) / 256 * 256; }
+
+// Thrown inside the builder when this version cannot build the class: the message becomes the reason.
+struct Unavailable {
+  std::string why;
+};
+
+// The weights of the first layer of a class, by layer-relative key, with the rank-0 shard shapes.
+class LayerWeightsView {
+ public:
+  LayerWeightsView(const Model& m, const model::LayerSpec& l, int64_t tp) : m_(m), l_(l), tp_(tp) {}
+
+  const WeightSpec* find(const std::string& key) const {
+    const std::string k = group_key(key);
+    for (size_t i : l_.weights)
+      if (m_.weights[i].key == k) return &m_.weights[i];
+    return nullptr;
+  }
+  const WeightSpec& get(const std::string& key) const {
+    if (const WeightSpec* w = find(key)) return *w;
+    fail(Errc::internal, "layer program: layer {} has no weight {}", l_.index, key);
+  }
+  // Rank 0's shard shape (equal shards on every rank).
+  std::vector<int64_t> shape(const std::string& key) const {
+    const WeightSpec& w = get(key);
+    std::vector<int64_t> s = w.shape;
+    if (w.split.kind == model::Split::Kind::dim) s[static_cast<size_t>(w.split.dim)] /= tp_;
+    return s;
+  }
+  int64_t rows(const std::string& key) const { return shape(key).at(0); }
+
+  // "experts.{e}.w1.weight" is stored per expert; expert 0 stands for the group.
+  static std::string group_key(const std::string& key) {
+    std::string k = key;
+    if (auto p = k.find("{e}"); p != std::string::npos) k.replace(p, 3, "0");
+    return k;
+  }
+
+ private:
+  const Model& m_;
+  const model::LayerSpec& l_;
+  int64_t tp_;
+};
+
+// Sequential scratch: every buffer of a program gets its own 256-byte aligned range (no reuse: at the
+// decode widths the whole program's scratch is a few MB at most).
+struct Scratch {
+  uint64_t top = 0;
+  uint64_t take(uint64_t bytes) {
+    const uint64_t at = top;
+    top = align256(top + bytes);
+    return at;
+  }
+};
+
+class StepBuilder {
+ public:
+  StepBuilder(std::string op, std::map<std::string, int64_t> params) { kernel_ = {std::move(op), std::move(params), ""}; }
+
+  StepBuilder& io(const char* p, const char* field) { return put(p, From::io, field); }
+  StepBuilder& weight(const char* p, const std::string& key) { return put(p, From::weight, key); }
+  StepBuilder& expert_stride(const char* p, const std::string& key) { return put(p, From::expert_stride, key); }
+  StepBuilder& ws(const char* p, uint64_t offset) { return put(p, From::workspace, "", offset); }
+  StepBuilder& kv(const char* p, const char* kind) { return put(p, From::kv, kind); }
+  StepBuilder& kv_stride(const char* p, const char* kind) { return put(p, From::kv_stride, kind); }
+  StepBuilder& f32(const char* p, double v) { return put(p, From::f32, "", 0, v); }
+  StepBuilder& u32(const char* p, int64_t v) { return put(p, From::u32, "", 0, static_cast<double>(v)); }
+  StepBuilder& null(const char* p) { return put(p, From::null, ""); }
+
+  // Orders the bindings by the kernel's signature and checks that they cover it exactly, with kinds
+  // that fit and weights whose dtype is the parameter's; a mismatch is a bug in this file.
+  ProgramStep finish(const LayerWeightsView& lw) {
+    try {
+      codegen::validate_instance(kernel_);
+    } catch (const Error& e) {
+      throw Unavailable{e.what()};
+    }
+    ProgramStep s;
+    s.kernel = kernel_;
+    s.name = codegen::kernel_name(kernel_);
+    for (const codegen::KernelParam& p : codegen::kernel_signature(kernel_).params) {
+      auto it = args_.find(p.name);
+      if (it == args_.end()) fail(Errc::internal, "layer program: {}: parameter {} is not bound", s.name, p.name);
+      const ProgramArg& a = it->second;
+      const bool is_u32 = a.from == From::expert_stride || a.from == From::kv_stride || a.from == From::u32 ||
+                          (a.from == From::io && a.name == "block_table_stride");
+      const codegen::KernelParam::Kind want = a.from == From::f32 ? codegen::KernelParam::Kind::f32
+                                              : is_u32            ? codegen::KernelParam::Kind::u32
+                                                                  : codegen::KernelParam::Kind::pointer;
+      if (want != p.kind || (a.from == From::null && !p.nullable))
+        fail(Errc::internal, "layer program: {}: parameter {} bound from {} does not fit its kind", s.name, p.name,
+             to_string(a.from));
+      if (a.from == From::weight) {
+        const WeightSpec& w = lw.get(a.name);
+        const char* dt = w.dtype == DType::F32 ? "fp32" : w.dtype == DType::BF16 ? "bf16" : "?";
+        if (p.shape.size() < 4 || p.shape.substr(p.shape.size() - 4) != dt)
+          fail(Errc::internal, "layer program: {}: parameter {} ({}) bound to {} of dtype {}", s.name, p.name, p.shape,
+               a.name, dtype_name(w.dtype));
+      }
+      s.args.push_back(a);
+      args_.erase(it);
+    }
+    if (!args_.empty())
+      fail(Errc::internal, "layer program: {}: binding {} names no parameter", s.name, args_.begin()->first);
+    return s;
+  }
+
+ private:
+  StepBuilder& put(const char* p, From f, std::string name, uint64_t offset = 0, double value = 0) {
+    args_[p] = ProgramArg{p, f, std::move(name), offset, value};
+    return *this;
+  }
+  codegen::KernelInstance kernel_;
+  std::map<std::string, ProgramArg> args_;
+};
+
+// Split-KV partitions per request: enough blocks for about two per SM of a 132-SM H200 at this width.
+int64_t mla_splits(int64_t width, int64_t q, int64_t heads) {
+  int64_t hb = std::max<int64_t>(1, 8 / q);
+  while (hb > 1 && heads % hb != 0) --hb;
+  const int64_t blocks = width * std::max<int64_t>(1, heads / hb);
+  int64_t ns = 1;
+  while (ns < 64 && blocks * ns < 264) ns *= 2;
+  return ns;
+}
+
+class Builder {
+ public:
+  Builder(const Model& m, const deploy::Deploy& d, LayerClass cls, int64_t width, const model::LayerSpec& l)
+      : m_(m), d_(d), cls_(cls), w_(width), q_(d.q()), t_(width * d.q()), lw_(m, l, d.tensor_parallel) {}
+
+  LayerProgram build() {
+    LayerProgram p;
+    p.cls = cls_;
+    p.width = w_;
+    try {
+      check_supported();
+      const int64_t H = m_.hidden;
+      x_ = ws_.take(t_ * H * 2);
+      push(StepBuilder("rmsnorm", {{"W", t_}, {"H", H}})
+               .io("hidden", "hidden").io("residual", "residual").weight("weight", "input_layernorm.weight")
+               .ws("out", x_).io("residual_out", "residual_out").f32("eps", m_.rms_norm_eps));
+      a_ = ws_.take(t_ * H * 2);
+      if (mixer() == Mixer::kda) kda(); else mla();
+      x2_ = ws_.take(t_ * H * 2);
+      push(StepBuilder("rmsnorm", {{"W", t_}, {"H", H}})
+               .ws("hidden", a_).io("residual", "residual_out").weight("weight", "post_attention_layernorm.weight")
+               .ws("out", x2_).io("residual_out", "residual_out").f32("eps", m_.rms_norm_eps));
+      if (ffn() == Ffn::dense) dense(); else moe();
+      p.steps = std::move(steps_);
+      p.workspace = ws_.top;
+    } catch (const Unavailable& u) {
+      p.steps.clear();
+      p.workspace = 0;
+      p.unavailable = u.why;
+    }
+    return p;
+  }
+
+ private:
+  Mixer mixer() const {
+    return cls_ == LayerClass::kda_dense || cls_ == LayerClass::kda_moe || cls_ == LayerClass::kda_latent_moe
+               ? Mixer::kda : Mixer::mla;
+  }
+  Ffn ffn() const {
+    if (cls_ == LayerClass::kda_dense || cls_ == LayerClass::mla_dense) return Ffn::dense;
+    if (cls_ == LayerClass::kda_latent_moe || cls_ == LayerClass::mla_latent_moe) return Ffn::latent_moe;
+    return Ffn::moe;
+  }
+
+  void check_supported() const {
+    if (m_.type == model::ModelType::kimi_k3)
+      throw Unavailable{"Kimi-K3 layers (block attention residuals, latent MXFP4 experts, q_lora MLA, full-rank "
+                        "KDA gate) have no layer program in this version"};
+    if (ffn() == Ffn::latent_moe) throw Unavailable{"latent MoE has no layer program in this version"};
+    if (m_.moe.expert_format != model::ExpertFormat::bf16 && ffn() != Ffn::dense)
+      throw Unavailable{"MXFP4 experts have no layer program in this version"};
+    if (d_.tensor_parallel > 1)
+      throw Unavailable{fmt::format("tensor_parallel {}: the in-kernel all-reduce after o_proj and the FFN is not "
+                                    "built yet (layer programs run at tensor_parallel 1)", d_.tensor_parallel)};
+    if (t_ > 32)
+      throw Unavailable{fmt::format("width {} x q {} = {} rows: the skinny GEMMs hold at most 32 rows", w_, q_, t_)};
+    if (mixer() == Mixer::kda) {
+      if (d_.kda_state.layout != deploy::KdaStateLayout::kv)
+        throw Unavailable{"kda_state.layout \"vk\": the KDA kernel reads the k-major \"kv\" layout"};
+      if (d_.conv_state.layout != deploy::ConvStateLayout::sd || d_.conv_state.dtype != deploy::ConvStateDtype::bf16)
+        throw Unavailable{fmt::format("conv_state {} {}: the KDA kernel reads bf16 \"sd\" conv states",
+                                      deploy::to_string(d_.conv_state.dtype), deploy::to_string(d_.conv_state.layout))};
+    } else {
+      if (d_.kv_cache.dtype != deploy::KvCacheDtype::bf16)
+        throw Unavailable{"kv_cache.dtype fp8: the MLA kernels read bf16 latent caches"};
+      if (d_.dcp.size > 1)
+        throw Unavailable{fmt::format("dcp.size {}: decode context parallelism has no layer program yet", d_.dcp.size)};
+      if (m_.indexer.present())
+        throw Unavailable{"MLA with a sparse-attention indexer: the decode kernels attend densely, which differs from "
+                          "top-k sparse attention once a context exceeds index_topk; no program until sparse MLA exists"};
+      if (m_.mla.q_lora_rank > 0 || m_.mla.output_gate)
+        throw Unavailable{"MLA with q_lora_rank > 0 or an output gate has no layer program in this version"};
+    }
+  }
+
+  void push(StepBuilder& b) { steps_.push_back(b.finish(lw_)); }
+  void push(StepBuilder&& b) { push(b); }
+
+  void kda() {
+    const model::KdaConfig& k = m_.kda;
+    const int64_t H = m_.hidden, NH = k.num_heads / d_.tensor_parallel, D = k.head_dim, P = NH * D;
+    const int64_t FR = lw_.rows("self_attn.f_a_proj.weight"), GR = lw_.rows("self_attn.g_a_proj.weight");
+    const int64_t NP = 3 * P + FR + GR + NH;
+    const uint64_t proj = ws_.take(t_ * NP * 2), o = ws_.take(t_ * P * 2);
+    push(StepBuilder("gemm", {{"W", t_}, {"K", H}, {"NA", P}, {"NB", P}, {"NC", P}, {"ND", FR}, {"NE", GR},
+                              {"NF", NH}, {"F", 0}})
+             .ws("x", x_).ws("out", proj)
+             .weight("w0", "self_attn.q_proj.weight").weight("w1", "self_attn.k_proj.weight")
+             .weight("w2", "self_attn.v_proj.weight").weight("w3", "self_attn.f_a_proj.weight")
+             .weight("w4", "self_attn.g_a_proj.weight").weight("w5", "self_attn.b_proj.weight"));
+    const bool onorm_f32 = lw_.get("self_attn.o_norm.weight").dtype == DType::F32;
+    StepBuilder step("kda_step", {{"W", w_}, {"Q", q_}, {"NH", NH}, {"D", D}, {"CV", k.conv_kernel}, {"FR", FR},
+                                  {"GR", GR}, {"SG", 0}, {"ON", onorm_f32 ? 1 : 0}});
+    step.ws("proj", proj).weight("w_fb", "self_attn.f_b_proj.weight").weight("w_gb", "self_attn.g_b_proj.weight")
+        .weight("conv_wq", "self_attn.q_conv1d.weight").weight("conv_wk", "self_attn.k_conv1d.weight")
+        .weight("conv_wv", "self_attn.v_conv1d.weight").weight("dt_bias", "self_attn.dt_bias")
+        .weight("a_log", "self_attn.A_log").weight("o_norm", "self_attn.o_norm.weight")
+        .kv("state", "kda_state").kv("conv_q", "conv_q").kv("conv_k", "conv_k").kv("conv_v", "conv_v")
+        .kv_stride("state_stride", "kda_state").kv_stride("conv_stride", "conv_q")
+        .io("slots", "state_indices").ws("out", o).f32("lower_bound", 0).f32("onorm_eps", 1e-5);
+    if (q_ > 1) step.io("num_accepted", "num_accepted"); else step.null("num_accepted");
+    push(step);
+    push(StepBuilder("gemm", {{"W", t_}, {"K", P}, {"NA", H}, {"NB", 0}, {"NC", 0}, {"ND", 0}, {"NE", 0}, {"NF", 0},
+                              {"F", 0}})
+             .ws("x", o).weight("w0", "self_attn.o_proj.weight").ws("out", a_));
+  }
+
+  void mla() {
+    const model::MlaConfig& a = m_.mla;
+    const int64_t H = m_.hidden, N = a.num_heads / d_.tensor_parallel, L = a.kv_lora_rank, R = a.qk_rope_head_dim;
+    const int64_t PN = a.qk_nope_head_dim, V = a.v_head_dim, BS = d_.kv_cache.block_size;
+    const int64_t QW = N * (PN + R), row = QW + L + R;
+    if ((QW * 2) % 16 != 0)
+      throw Unavailable{fmt::format("MLA q width {} x 2 bytes is not a multiple of 16: the kv half of the fused "
+                                    "projection output would be misaligned", QW)};
+    const int64_t NS = mla_splits(w_, q_, N);
+    const uint64_t qkv = ws_.take(t_ * row * 2), qabs = ws_.take(t_ * N * (L + R) * 2);
+    const uint64_t part_o = ws_.take(w_ * NS * q_ * N * L * 4), part_ml = ws_.take(w_ * NS * q_ * N * 2 * 4);
+    const uint64_t o = ws_.take(t_ * N * V * 2);
+    push(StepBuilder("gemm", {{"W", t_}, {"K", H}, {"NA", QW}, {"NB", L + R}, {"NC", 0}, {"ND", 0}, {"NE", 0},
+                              {"NF", 0}, {"F", 0}})
+             .ws("x", x_).ws("out", qkv).weight("w0", "self_attn.q_proj.weight")
+             .weight("w1", "self_attn.kv_a_proj_with_mqa.weight"));
+    push(StepBuilder("mla_prep", {{"W", w_}, {"Q", q_}, {"N", N}, {"L", L}, {"R", R}, {"PN", PN}, {"V", V}, {"BS", BS}})
+             .ws("q", qkv).u32("stride_q", row).ws("kv", qkv + static_cast<uint64_t>(QW) * 2).u32("stride_kv", row)
+             .weight("kv_norm_w", "self_attn.kv_a_layernorm.weight").weight("kv_b", "self_attn.kv_b_proj.weight")
+             .io("seq_lens", "seq_lens").io("slot_mapping", "slot_mapping").kv("cache", "mla_latent")
+             .kv_stride("cache_stride", "mla_latent").ws("q_abs", qabs).f32("eps", m_.rms_norm_eps));
+    push(StepBuilder("mla_attn", {{"W", w_}, {"Q", q_}, {"N", N}, {"L", L}, {"R", R}, {"BS", BS}, {"NS", NS}})
+             .ws("q_abs", qabs).kv("cache", "mla_latent").kv_stride("cache_stride", "mla_latent")
+             .io("block_table", "block_table").io("stride_bt", "block_table_stride").io("seq_lens", "seq_lens")
+             .ws("part_o", part_o).ws("part_ml", part_ml).f32("scale", 1.0 / std::sqrt(static_cast<double>(PN + R))));
+    push(StepBuilder("mla_combine", {{"W", w_}, {"Q", q_}, {"N", N}, {"L", L}, {"PN", PN}, {"V", V}, {"NS", NS}, {"OG", 0}})
+             .ws("part_o", part_o).ws("part_ml", part_ml).io("seq_lens", "seq_lens")
+             .weight("kv_b", "self_attn.kv_b_proj.weight").null("gate").u32("stride_g", 0).ws("out", o));
+    push(StepBuilder("gemm", {{"W", t_}, {"K", N * V}, {"NA", H}, {"NB", 0}, {"NC", 0}, {"ND", 0}, {"NE", 0},
+                              {"NF", 0}, {"F", 0}})
+             .ws("x", o).weight("w0", "self_attn.o_proj.weight").ws("out", a_));
+  }
+
+  void dense() {
+    const int64_t H = m_.hidden, I = lw_.rows("mlp.gate_proj.weight");
+    const uint64_t h = ws_.take(t_ * I * 2);
+    const int64_t act = m_.activation == model::Activation::situ ? 1 : 0;
+    StepBuilder up("mlp_up", {{"W", t_}, {"D", H}, {"I", I}, {"ACT", act}});
+    up.ws("x", x2_).weight("w_gate", "mlp.gate_proj.weight").weight("w_up", "mlp.up_proj.weight").ws("h", h);
+    if (act) up.f32("act_beta", m_.situ_beta).f32("act_linear_beta", m_.situ_linear_beta);
+    push(up);
+    push(StepBuilder("gemm", {{"W", t_}, {"K", I}, {"NA", H}, {"NB", 0}, {"NC", 0}, {"ND", 0}, {"NE", 0}, {"NF", 0},
+                              {"F", 0}})
+             .ws("x", h).weight("w0", "mlp.down_proj.weight").io("out", "out"));
+  }
+
+  void moe() {
+    const model::MoeConfig& e = m_.moe;
+    const int64_t H = m_.hidden, E = e.num_experts, K = e.top_k;
+    const std::string ex = "block_sparse_moe.experts.{e}.";
+    const int64_t I = lw_.rows(ex + "w1.weight");
+    const bool shared = lw_.find("block_sparse_moe.shared_experts.gate_proj.weight") != nullptr;
+    const int64_t S = shared ? lw_.rows("block_sparse_moe.shared_experts.gate_proj.weight") : 0;
+    const int64_t U = std::min(E, t_ * K), act = m_.activation == model::Activation::situ ? 1 : 0;
+    const uint64_t logits = ws_.take(t_ * E * 4), ids = ws_.take(t_ * K * 4), tw = ws_.take(t_ * K * 4);
+    const uint64_t experts = ws_.take((1 + U) * 4), slots = ws_.take(U * t_ * 4);
+    const uint64_t h = ws_.take(t_ * K * I * 2), hs = ws_.take(t_ * std::max<int64_t>(S, 1) * 2);
+    push(StepBuilder("gemm", {{"W", t_}, {"K", H}, {"NA", E}, {"NB", 0}, {"NC", 0}, {"ND", 0}, {"NE", 0}, {"NF", 0},
+                              {"F", 1}})
+             .ws("x", x2_).weight("w0", "block_sparse_moe.gate.weight").ws("out", logits));
+    push(StepBuilder("moe_route", {{"W", t_}, {"E", E}, {"K", K}, {"RN", e.renormalize ? 1 : 0}})
+             .ws("logits", logits).weight("bias", "block_sparse_moe.gate.e_score_correction_bias")
+             .ws("topk_ids", ids).ws("topk_weights", tw).ws("experts", experts).ws("expert_slots", slots));
+    StepBuilder up("moe_up", {{"W", t_}, {"D", H}, {"I", I}, {"E", E}, {"K", K}, {"S", S}, {"ACT", act}});
+    up.ws("x", x2_).weight("w1", ex + "w1.weight").weight("w3", ex + "w3.weight")
+        .expert_stride("stride_w1", ex + "w1.weight").expert_stride("stride_w3", ex + "w3.weight")
+        .ws("experts", experts).ws("expert_slots", slots).ws("h", h).ws("hs", hs);
+    if (shared)
+      up.weight("shared_gate", "block_sparse_moe.shared_experts.gate_proj.weight")
+          .weight("shared_up", "block_sparse_moe.shared_experts.up_proj.weight");
+    else
+      up.null("shared_gate").null("shared_up");
+    if (act) up.f32("act_beta", m_.situ_beta).f32("act_linear_beta", m_.situ_linear_beta);
+    push(up);
+    StepBuilder down("moe_down", {{"W", t_}, {"D", H}, {"I", I}, {"E", E}, {"K", K}, {"S", S}});
+    down.ws("h", h).ws("hs", hs).weight("w2", ex + "w2.weight").expert_stride("stride_w2", ex + "w2.weight")
+        .ws("experts", experts).ws("expert_slots", slots).ws("topk_weights", tw).io("out", "out")
+        .f32("routed_scaling", e.routed_scaling);
+    if (shared) down.weight("shared_down", "block_sparse_moe.shared_experts.down_proj.weight");
+    else down.null("shared_down");
+    push(down);
+  }
+
+  const Model& m_;
+  const deploy::Deploy& d_;
+  LayerClass cls_;
+  int64_t w_, q_, t_;
+  LayerWeightsView lw_;
+  Scratch ws_;
+  uint64_t x_ = 0, a_ = 0, x2_ = 0;
+  std::vector<ProgramStep> steps_;
+};
+
+}  // namespace
+
+LayerProgram layer_program(const Model& m, const deploy::Deploy& d, LayerClass cls, int64_t width) {
+  const model::LayerSpec* first = nullptr;
+  for (const model::LayerSpec& l : m.layers)
+    if (layer_class(l) == cls) {
+      first = &l;
+      break;
+    }
+  if (!first) fail(Errc::internal, "layer program for class {}: the model has no layer of it", to_string(cls));
+  LayerProgram p = Builder(m, d, cls, width, *first).build();
+  // Every layer of the class must hold the same weights (by key, dtype and shape) as the first.
+  for (const model::LayerSpec& l : m.layers) {
+    if (layer_class(l) != cls || &l == first) continue;
+    const LayerWeightsView a(m, *first, d.tensor_parallel), b(m, l, d.tensor_parallel);
+    for (const ProgramStep& s : p.steps)
+      for (const ProgramArg& arg : s.args) {
+        if (arg.from != From::weight) continue;
+        const WeightSpec* wb = b.find(arg.name);
+        if (!wb || wb->dtype != a.get(arg.name).dtype || b.shape(arg.name) != a.shape(arg.name))
+          fail(Errc::input, "{}: layer {} ({}) {} weight {} differs from layer {}'s: layers of one class must hold equal "
+               "weights", m.config_source, l.index, to_string(cls), wb ? "has a" : "lacks the",
+               LayerWeightsView::group_key(arg.name), first->index);
+      }
+  }
+  return p;
+}
+
+}  // namespace dp::plan

@@ -1,0 +1,63 @@
+// Layer programs: the ordered kernel launches that run one decoder layer of a layer class at one width,
+// with every kernel parameter bound to where its value comes from (templates/README.md lists them).
+//
+// A program is target-independent (the same kernel names compile for every target) and
+// layer-independent: weights are named by their key relative to the layer ("self_attn.q_proj.weight"),
+// so one program serves every layer of its class. The bundle records programs in its manifest and the
+// runtime interprets them; adding a layer class never needs a runtime change.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "codegen/kernel.h"
+#include "deploy/deploy.h"
+#include "model/ir.h"
+
+namespace dp::plan {
+
+enum class LayerClass;
+
+// Where one kernel parameter's value comes from.
+struct ProgramArg {
+  enum class From {
+    io,             // a field of the launch's dp_layer_io (`name`: "hidden", "block_table_stride", ...)
+    weight,         // the layer's bound weight `name` (layer-relative key; expert groups: expert 0) + `offset` bytes
+    expert_stride,  // u32: elements between consecutive experts of the bound group `name`
+    workspace,      // the step workspace + `offset` bytes
+    kv,             // the layer's bound cache `name` ("kda_state", "conv_q", "conv_k", "conv_v", "mla_latent")
+    kv_stride,      // u32: elements between consecutive slots / blocks of the bound cache `name`
+    f32,            // the constant `value`
+    u32,            // the constant `value`
+    null,           // a null pointer (nullable parameters only)
+  };
+  std::string param;
+  From from = From::null;
+  std::string name;
+  uint64_t offset = 0;
+  double value = 0;
+};
+const char* to_string(ProgramArg::From f);
+
+struct ProgramStep {
+  codegen::KernelInstance kernel;  // target left empty
+  std::string name;                // codegen::kernel_name(kernel)
+  std::vector<ProgramArg> args;    // one per kernel parameter, in signature order
+};
+
+struct LayerProgram {
+  LayerClass cls;
+  int64_t width = 0;
+  std::vector<ProgramStep> steps;  // empty when unavailable
+  uint64_t workspace = 0;          // bytes of scratch the steps use (256-byte aligned parts)
+  std::string unavailable;         // why this version builds no program for it ("" when it does)
+};
+
+// The program of layer class `cls` at `width` requests. Every layer of the class must hold the
+// weights it names with equal shapes (checked: dp::Error(input) otherwise). A class this version
+// cannot run (K3 parts, fp8 caches, other state layouts, TP > 1 without the all-reduce, too many rows)
+// gets a program with no steps and the reason.
+LayerProgram layer_program(const model::Model& m, const deploy::Deploy& d, LayerClass cls, int64_t width);
+
+}  // namespace dp::plan

@@ -1,0 +1,1289 @@
+#include "run_harness.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <thread>
+#include <unordered_map>
+
+#include <fmt/ranges.h>
+
+#include "bundle/bundle.h"
+#include "common/dtype.h"
+#include "common/error.h"
+#include "cuda_driver.h"
+#include "decodepack/decodepack.h"
+#include "model/ir.h"
+#include "model/safetensors.h"
+#include "model/synth.h"
+#include "reference/layer.h"
+#include "reference/numeric.h"
+
+namespace dp::tools {
+
+int RunResult::failures() const {
+  return static_cast<int>(std::count_if(checks.begin(), checks.end(), [](const RunCheck& c) { return !c.ok; }));
+}
+
+namespace {
+
+namespace fs = std::filesystem;
+using cuda::CUdeviceptr;
+using cuda::Driver;
+
+constexpr double kBf16Limit = 1e-2, kF32Limit = 1e-4;
+
+// ---- libdecodepack status -> dp::Error ------------------------------------------------------------
+
+Errc errc_of(dp_code c) {
+  switch (c) {
+    case DP_ERR_IO: return Errc::io;
+    case DP_ERR_FORMAT_VERSION:
+    case DP_ERR_FORMAT:
+    case DP_ERR_NO_KERNEL: return Errc::input;
+    case DP_ERR_INTEGRITY: return Errc::verify;
+    case DP_ERR_RANK:
+    case DP_ERR_CONFIG: return Errc::usage;
+    case DP_ERR_DRIVER_UNAVAILABLE:
+    case DP_ERR_DRIVER:
+    case DP_ERR_NO_DEVICE:
+    case DP_ERR_TARGET:
+    case DP_ERR_DRIVER_VERSION:
+    case DP_ERR_DEVICE_LIMITS:
+    case DP_ERR_ABORTED:
+    case DP_ERR_NOT_SUPPORTED: return Errc::device;
+    default: return Errc::internal;  // binding/launch refusals: `run` itself got something wrong
+  }
+}
+
+// Throws for a non-NULL status (and frees it), prefixing what `run` was doing.
+void rt(dp_status* s, const std::string& doing) {
+  if (!s) return;
+  const dp_code code = dp_status_code(s);
+  const std::string message = dp_status_message(s);
+  dp_status_free(s);
+  fail(errc_of(code), "{}: {} ({})", doing, message, dp_code_name(code));
+}
+
+// ---- random numbers (splitmix64: the same stream on every platform) -------------------------------
+
+struct Rng {
+  uint64_t s;
+  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 0x5DEECE66Dull) {}
+  uint64_t next() {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  double uniform(double lo, double hi) { return lo + (hi - lo) * static_cast<double>(next() >> 11) * 0x1.0p-53; }
+  // Uniform in [lo, hi] but never 0 (inputs are non-zero, so a kernel that ignores one shows).
+  double nonzero(double lo, double hi) {
+    const double x = uniform(lo, hi);
+    return x == 0 ? hi : x;
+  }
+  int64_t below(int64_t n) { return static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
+  template <class T>
+  void shuffle(std::vector<T>& v) {
+    for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[static_cast<size_t>(below(static_cast<int64_t>(i)))]);
+  }
+};
+
+// ---- element conversions ---------------------------------------------------------------------------
+
+DType dtype_of(int32_t dp_dtype_value) {
+  auto d = dtype_from_name(dp_dtype_name(dp_dtype_value));
+  if (!d) fail(Errc::internal, "libdecodepack dtype {} has no checkpoint spelling", dp_dtype_value);
+  return *d;
+}
+
+void put_bf16(uint8_t* p, double v) {
+  const uint16_t b = ref::double_to_bf16_bits(v);
+  std::memcpy(p, &b, 2);
+}
+void put_f32(uint8_t* p, double v) {
+  const float f = static_cast<float>(v);
+  std::memcpy(p, &f, 4);
+}
+double get_bf16(const uint8_t* p) {
+  uint16_t b;
+  std::memcpy(&b, p, 2);
+  return ref::bf16_bits_to_double(b);
+}
+double get_f32(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
+}
+// One stored element of a bf16 or f32 cache / activation as a double.
+double get_value(const uint8_t* p, DType t) { return t == DType::F32 ? get_f32(p) : get_bf16(p); }
+void put_value(uint8_t* p, DType t, double v) { t == DType::F32 ? put_f32(p, v) : put_bf16(p, v); }
+
+// A checkpoint tensor's bytes in the dtype the bundle binds (the IR's alt dtypes: bf16 <-> f32,
+// rounded to nearest even like the fingerprints and vLLM's loader do).
+std::vector<uint8_t> convert_bytes(std::span<const uint8_t> src, DType from, DType to, const std::string& what) {
+  if (from == to) return {src.begin(), src.end()};
+  const bool float_from = from == DType::BF16 || from == DType::F16 || from == DType::F32 || from == DType::F64;
+  if (!float_from || (to != DType::BF16 && to != DType::F32))
+    fail(Errc::input, "checkpoint tensor {}: dtype {} cannot be converted to the bound dtype {}", what, dtype_name(from),
+         dtype_name(to));
+  const std::vector<double> v = ref::decode_tensor(src, from, what);
+  std::vector<uint8_t> out(v.size() * dtype_size(to));
+  for (size_t i = 0; i < v.size(); ++i) put_value(out.data() + i * dtype_size(to), to, v[i]);
+  return out;
+}
+
+// Rank `rank`'s contiguous range along `dim` of a row-major tensor of `elem`-byte elements.
+std::vector<uint8_t> shard_bytes(std::vector<uint8_t> full, const std::vector<int64_t>& shape, int dim, int64_t part,
+                                 int64_t rank, size_t elem) {
+  if (dim < 0 || part == shape.at(static_cast<size_t>(dim))) return full;
+  int64_t outer = 1, inner = 1;
+  for (int i = 0; i < dim; ++i) outer *= shape[static_cast<size_t>(i)];
+  for (size_t i = static_cast<size_t>(dim) + 1; i < shape.size(); ++i) inner *= shape[i];
+  const int64_t n = shape[static_cast<size_t>(dim)], begin = part * rank;
+  const size_t run = static_cast<size_t>(part * inner) * elem;
+  std::vector<uint8_t> out(static_cast<size_t>(outer) * run);
+  for (int64_t o = 0; o < outer; ++o)
+    std::memcpy(out.data() + static_cast<size_t>(o) * run, full.data() + static_cast<size_t>((o * n + begin) * inner) * elem,
+                run);
+  return out;
+}
+
+std::string human_bytes(uint64_t b) {
+  if (b >= (1ull << 30)) return fmt::format("{:.2f} GiB", static_cast<double>(b) / double(1ull << 30));
+  if (b >= (1ull << 20)) return fmt::format("{:.1f} MiB", static_cast<double>(b) / double(1ull << 20));
+  if (b >= (1ull << 10)) return fmt::format("{:.1f} KiB", static_cast<double>(b) / double(1ull << 10));
+  return fmt::format("{} B", b);
+}
+
+// Runs f(i) for i in [0, n) on up to `threads` threads.
+template <class F>
+void parallel_for(size_t n, unsigned threads, F&& f) {
+  threads = std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(n)));
+  if (threads == 1) {
+    for (size_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  std::vector<std::thread> pool;
+  std::vector<std::exception_ptr> errors(threads);
+  for (unsigned t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      try {
+        for (size_t i = t; i < n; i += threads) f(i);
+      } catch (...) {
+        errors[t] = std::current_exception();
+      }
+    });
+  for (auto& th : pool) th.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+// ---- where weight values come from ------------------------------------------------------------------
+
+// The full (unsharded) tensor of a weight in its bound dtype: the checkpoint's, converted, or the
+// deterministic synth fill (`decodepack synth --seed S` writes the same bytes). The CPU reference reads
+// the same bytes through lookup(), so both sides see identical values.
+class WeightSource {
+ public:
+  WeightSource(const model::Model& m, const st::Checkpoint* ckpt, uint64_t seed) : m_(m), ckpt_(ckpt), seed_(seed) {}
+
+  std::vector<uint8_t> full_bytes(const model::WeightSpec& w) const {
+    if (!ckpt_) return model::synth_tensor(w, w.dtype, seed_);
+    const st::TensorInfo* t = ckpt_->find(w.name);
+    for (size_t i = 0; !t && i < w.aliases.size(); ++i) t = ckpt_->find(w.aliases[i]);
+    if (!t) fail(Errc::input, "checkpoint {}: tensor {} is missing", ckpt_->dir().string(), w.name);
+    if (static_cast<int64_t>(t->numel()) != w.numel())
+      fail(Errc::input, "checkpoint tensor {}: shape {} has {} elements, expected {} (shape {})", t->name,
+           st::shape_string(t->shape), t->numel(), w.numel(), st::shape_string(w.shape));
+    return convert_bytes(ckpt_->data(*t), t->dtype, w.dtype, t->name);
+  }
+
+  ref::WeightLookup lookup(int layer) const {
+    return [this, layer](const std::string& key) {
+      const model::WeightSpec& w = ref::find_weight(m_, layer, key);
+      const std::vector<uint8_t> b = full_bytes(w);
+      return ref::decode_tensor(b, w.dtype, w.name);
+    };
+  }
+
+ private:
+  const model::Model& m_;
+  const st::Checkpoint* ckpt_;
+  uint64_t seed_;
+};
+
+// ---- device objects ---------------------------------------------------------------------------------
+
+class DeviceMemory {
+ public:
+  explicit DeviceMemory(const Driver& d) : d_(d) {}
+  ~DeviceMemory() {
+    for (CUdeviceptr p : ptrs_) d_.MemFree(p);
+  }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+
+  CUdeviceptr alloc(size_t bytes, const std::string& what) {
+    CUdeviceptr p = 0;
+    const cuda::CUresult r = d_.MemAlloc(&p, std::max<size_t>(bytes, 16));
+    if (r != cuda::CUDA_SUCCESS) {
+      size_t free = 0, total = 0;
+      d_.MemGetInfo(&free, &total);
+      d_.check(r, "cuMemAlloc", fmt::format("{} ({}; {} free of {}, {} allocated by run so far)", what,
+                                            human_bytes(bytes), human_bytes(free), human_bytes(total),
+                                            human_bytes(total_)));
+    }
+    ptrs_.push_back(p);
+    total_ += bytes;
+    return p;
+  }
+  uint64_t total() const { return total_; }
+
+ private:
+  const Driver& d_;
+  std::vector<CUdeviceptr> ptrs_;
+  uint64_t total_ = 0;
+};
+
+// The primary context of the device, current on this thread (the one libdecodepack's session uses).
+class Context {
+ public:
+  Context(const Driver& d, int ordinal) : d_(d) {
+    int count = 0;
+    d.check(d.DeviceGetCount(&count), "cuDeviceGetCount");
+    if (count == 0) fail(Errc::device, "no CUDA device visible (cuDeviceGetCount: 0)");
+    if (ordinal < 0 || ordinal >= count)
+      fail(Errc::device, "--device {}: this host has {} CUDA device{} (ordinals 0..{})", ordinal, count,
+           count == 1 ? "" : "s", count - 1);
+    d.check(d.DeviceGet(&dev_, ordinal), "cuDeviceGet");
+    char name[256] = {};
+    d.check(d.DeviceGetName(name, sizeof name, dev_), "cuDeviceGetName");
+    name_ = name;
+    d.check(d.DevicePrimaryCtxRetain(&ctx_, dev_), "cuDevicePrimaryCtxRetain");
+    d.check(d.CtxSetCurrent(ctx_), "cuCtxSetCurrent");
+  }
+  ~Context() {
+    if (ctx_) d_.DevicePrimaryCtxRelease(dev_);
+  }
+  Context(const Context&) = delete;
+  Context& operator=(const Context&) = delete;
+  const std::string& name() const { return name_; }
+
+ private:
+  const Driver& d_;
+  cuda::CUdevice dev_ = 0;
+  cuda::CUcontext ctx_ = nullptr;
+  std::string name_;
+};
+
+struct Stream {
+  const Driver& d;
+  cuda::CUstream s = nullptr;
+  explicit Stream(const Driver& drv) : d(drv) { d.check(d.StreamCreate(&s, cuda::CU_STREAM_NON_BLOCKING), "cuStreamCreate"); }
+  ~Stream() {
+    if (s) d.StreamDestroy(s);
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+};
+
+struct Event {
+  const Driver& d;
+  cuda::CUevent e = nullptr;
+  explicit Event(const Driver& drv) : d(drv) { d.check(d.EventCreate(&e, 0), "cuEventCreate"); }
+  ~Event() {
+    if (e) d.EventDestroy(e);
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+};
+
+struct Graph {
+  const Driver& d;
+  cuda::CUgraph g = nullptr;
+  cuda::CUgraphExec exec = nullptr;
+  explicit Graph(const Driver& drv) : d(drv) {}
+  ~Graph() {
+    if (exec) d.GraphExecDestroy(exec);
+    if (g) d.GraphDestroy(g);
+  }
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+};
+
+struct SessionHandle {
+  dp_bundle* b = nullptr;
+  dp_session* s = nullptr;
+  ~SessionHandle() {
+    dp_session_destroy(s);
+    dp_bundle_close(b);
+  }
+};
+
+// ---- the model a bundle was built from ---------------------------------------------------------------
+
+struct ResolvedModel {
+  model::Model m;
+  std::string source;
+  std::optional<st::Checkpoint> ckpt;
+};
+
+ResolvedModel resolve_model(const RunOptions& o, const format::Manifest& man) {
+  const std::string want = man.model.config_digest;  // "sha256:<hex>"
+  ResolvedModel r;
+  if (!o.model.empty()) {
+    r.m = model::load_model(o.model);
+    if ("sha256:" + r.m.config_digest != want)
+      fail(Errc::input, "--model {}: its config (sha256:{}) is not the one the bundle was built from ({}): pass the "
+           "checkpoint or config the bundle was built with", o.model, r.m.config_digest, want);
+    r.source = o.model;
+    std::error_code ec;
+    if (!o.random_weights && fs::is_directory(o.model, ec) && st::Checkpoint::present(o.model))
+      r.ckpt.emplace(st::Checkpoint::open(o.model));
+    return r;
+  }
+  for (const std::string& p : model::preset_names()) {
+    model::Model m = model::load_model(p);
+    if ("sha256:" + m.config_digest == want) {
+      r.m = std::move(m);
+      r.source = "preset " + p;
+      return r;
+    }
+  }
+  fail(Errc::usage, "{}: the bundle was built from a model config that is not a built-in preset (config {}): pass "
+       "--model DIR (the checkpoint or config.json it was built from)", o.bundle, want);
+}
+
+// ---- one bound cache tensor ---------------------------------------------------------------------------
+
+struct Cache {
+  int32_t kind = 0;
+  dp_tensor desc{};
+  DType dtype = DType::F32;
+  size_t elem = 0;
+  size_t slot_bytes = 0;  // bytes per slot (KDA) or block (MLA)
+  int64_t count = 0;      // slots or blocks
+  CUdeviceptr ptr = 0;
+  std::vector<uint8_t> host;  // the device contents as `run` last knew them
+  size_t bytes() const { return slot_bytes * static_cast<size_t>(count); }
+};
+
+struct LayerCaches {
+  bool kda = false;
+  std::vector<Cache> c;  // KDA: state, conv q, conv k, conv v; MLA: latent
+  Cache* find(int32_t kind) {
+    for (Cache& x : c)
+      if (x.kind == kind) return &x;
+    return nullptr;
+  }
+};
+
+// ---- step metadata ------------------------------------------------------------------------------------
+
+struct Meta {
+  int W = 0, q = 1, stride = 0;  // stride: block-table columns
+  int64_t block_size = 0;
+  std::vector<bool> real;        // [W]
+  std::vector<int32_t> state_indices, num_accepted, seq_lens, block_table;
+  std::vector<int64_t> positions, slot_mapping;
+  int64_t slots = 0, blocks = 0;  // cache sizes the metadata needs
+
+  int rows() const { return W * q; }
+
+  void refresh() {
+    positions.assign(static_cast<size_t>(rows()), 0);
+    slot_mapping.assign(static_cast<size_t>(rows()), ref::kPadSlotId);
+    for (int r = 0; r < W; ++r) {
+      if (!real[r]) continue;
+      for (int i = 0; i < q; ++i) {
+        const int64_t pos = seq_lens[r] - q + i;
+        const size_t t = static_cast<size_t>(r * q + i);
+        positions[t] = pos;
+        slot_mapping[t] = static_cast<int64_t>(block_table[static_cast<size_t>(r * stride + pos / block_size)]) * block_size +
+                          pos % block_size;
+      }
+    }
+  }
+
+  void advance(Rng& rng) {
+    for (int r = 0; r < W; ++r) {
+      if (!real[r]) continue;
+      const int32_t a = q > 1 ? static_cast<int32_t>(1 + rng.below(q)) : 1;
+      num_accepted[r] = a;
+      seq_lens[r] += a;  // the previous step's q rows minus the rejected ones, plus q new rows
+    }
+    refresh();
+  }
+
+  ref::StepMeta step_meta() const {
+    ref::StepMeta m;
+    m.num_requests = W;
+    m.q = q;
+    for (int r = 0; r < W; ++r) {
+      std::vector<int64_t> slots, bt;
+      for (int i = 0; i < q; ++i) slots.push_back(state_indices[static_cast<size_t>(r * q + i)]);
+      for (int c = 0; c < stride; ++c) bt.push_back(block_table[static_cast<size_t>(r * stride + c)]);
+      m.kda_slots.push_back(slots);
+      m.block_table.push_back(bt);
+      m.num_accepted.push_back(num_accepted[r]);
+      m.seq_lens.push_back(seq_lens[r]);
+    }
+    m.slot_mapping = slot_mapping;
+    return m;
+  }
+};
+
+Meta make_meta(int W, int requests, int q, int steps, int64_t context, int64_t block_size, Rng& rng) {
+  Meta m;
+  m.W = W;
+  m.q = q;
+  m.block_size = block_size;
+  m.real.assign(static_cast<size_t>(W), false);
+  for (int r = 0; r < requests; ++r) m.real[r] = true;
+  // Context lengths: different per request where [context/2, context] has room for them.
+  const int64_t lo = context / 2, span = context - lo + 1;
+  std::vector<int64_t> ctx;
+  std::set<int64_t> used;
+  for (int r = 0; r < requests; ++r) {
+    int64_t c = lo + rng.below(span);
+    for (int tries = 0; used.count(c) && tries < 64 && span >= requests; ++tries) c = lo + rng.below(span);
+    used.insert(c);
+    ctx.push_back(c);
+  }
+  // KDA slots: a random permutation of 1..S-1 (0 is the null block), W spare slots nobody uses.
+  m.slots = 1 + static_cast<int64_t>(W) * q + W;
+  std::vector<int32_t> perm(static_cast<size_t>(m.slots - 1));
+  for (size_t i = 0; i < perm.size(); ++i) perm[i] = static_cast<int32_t>(i + 1);
+  rng.shuffle(perm);
+  m.state_indices.assign(static_cast<size_t>(W * q), DP_NULL_BLOCK_ID);
+  for (int r = 0; r < requests; ++r)
+    for (int i = 0; i < q; ++i) m.state_indices[static_cast<size_t>(r * q + i)] = perm[static_cast<size_t>(r * q + i)];
+  // MLA blocks: enough for the context and every step's rows, a random permutation, 2 spare blocks.
+  std::vector<int64_t> need(static_cast<size_t>(W), 0);
+  int64_t total = 0;
+  for (int r = 0; r < requests; ++r) {
+    need[r] = std::max<int64_t>(1, (ctx[r] + static_cast<int64_t>(steps) * q + block_size - 1) / block_size);
+    total += need[r];
+  }
+  m.stride = static_cast<int>(std::max<int64_t>(1, *std::max_element(need.begin(), need.end())));
+  m.blocks = 1 + total + 2;
+  std::vector<int32_t> bperm(static_cast<size_t>(m.blocks - 1));
+  for (size_t i = 0; i < bperm.size(); ++i) bperm[i] = static_cast<int32_t>(i + 1);
+  rng.shuffle(bperm);
+  m.block_table.assign(static_cast<size_t>(W * m.stride), DP_NULL_BLOCK_ID);
+  size_t next = 0;
+  for (int r = 0; r < requests; ++r)
+    for (int64_t b = 0; b < need[r]; ++b) m.block_table[static_cast<size_t>(r * m.stride + b)] = bperm[next++];
+  m.num_accepted.assign(static_cast<size_t>(W), 1);
+  m.seq_lens.assign(static_cast<size_t>(W), 0);
+  for (int r = 0; r < requests; ++r) {
+    m.num_accepted[r] = q > 1 ? static_cast<int32_t>(1 + rng.below(q)) : 1;
+    m.seq_lens[r] = static_cast<int32_t>(ctx[r] + q);
+  }
+  m.refresh();
+  return m;
+}
+
+// ---- reference views of the caches ------------------------------------------------------------------
+
+struct CacheLayouts {
+  std::string kda_state = "kv";  // "kv": [slot][head][k][v]; "vk": [slot][head][v][k]
+  std::string conv = "sd";       // "sd": [slot][K-1][dim]; "ds": [slot][dim][K-1]
+};
+
+ref::KdaState kda_from_raw(const model::Model& m, ref::Shard shard, LayerCaches& lc, const CacheLayouts& lay) {
+  const Cache& st = *lc.find(DP_KV_KDA_STATE);
+  const Cache& cq = *lc.find(DP_KV_CONV_Q);
+  const int64_t S = st.count, h = st.desc.shape[1], d = st.desc.shape[2];
+  const bool sd = lay.conv == "sd";
+  const int64_t width = sd ? cq.desc.shape[1] : cq.desc.shape[2], P = sd ? cq.desc.shape[2] : cq.desc.shape[1];
+  ref::KdaState k = ref::KdaState::zeros(m, shard, S, width);
+  if (k.heads != h || k.head_dim != d || k.conv_dim != P)
+    fail(Errc::internal, "KDA cache [{} heads, dim {}, {} conv channels], the reference expects [{}, {}, {}]", h, d, P,
+         k.heads, k.head_dim, k.conv_dim);
+  const bool vk = lay.kda_state == "vk";
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t j = 0; j < h; ++j) {
+      std::span<double> dst = k.slot_state(s, j);
+      const uint8_t* src = st.host.data() + static_cast<size_t>(s) * st.slot_bytes + static_cast<size_t>(j * d * d) * 4;
+      for (int64_t a = 0; a < d; ++a)
+        for (int64_t b = 0; b < d; ++b)
+          dst[static_cast<size_t>(a * d + b)] = get_f32(src + static_cast<size_t>(vk ? b * d + a : a * d + b) * 4);
+    }
+  for (int which = 0; which < 3; ++which) {
+    const Cache& c = *lc.find(DP_KV_CONV_Q + which);
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t ch = 0; ch < P; ++ch) {
+        std::span<double> dst = k.conv(which, s, ch);
+        const uint8_t* base = c.host.data() + static_cast<size_t>(s) * c.slot_bytes;
+        for (int64_t w = 0; w < width; ++w)
+          dst[static_cast<size_t>(w)] = get_value(base + static_cast<size_t>(sd ? w * P + ch : ch * width + w) * c.elem, c.dtype);
+      }
+  }
+  return k;
+}
+
+ref::MlaCache mla_from_raw(const model::Model& m, LayerCaches& lc) {
+  const Cache& c = *lc.find(DP_KV_MLA_LATENT);
+  ref::MlaCache out = ref::MlaCache::zeros(m, c.count, c.desc.shape[1]);
+  if (out.row != c.desc.shape[2])
+    fail(Errc::internal, "MLA cache rows of {} values, the reference expects {}", c.desc.shape[2], out.row);
+  for (size_t i = 0; i < out.data.size(); ++i) out.data[i] = get_bf16(c.host.data() + i * 2);
+  return out;
+}
+
+// Elements of `now` that differ from `before` (bitwise) outside the units (slots, or cache rows) in
+// `skip`; a unit is `unit_bytes` long, an element `elem`.
+int64_t changed_outside(const std::vector<uint8_t>& before, const std::vector<uint8_t>& now, size_t unit_bytes,
+                        size_t elem, const std::set<int64_t>& skip) {
+  int64_t n = 0;
+  const int64_t units = static_cast<int64_t>(before.size() / unit_bytes);
+  for (int64_t s = 0; s < units; ++s) {
+    if (skip.count(s)) continue;
+    const size_t off = static_cast<size_t>(s) * unit_bytes;
+    if (std::memcmp(before.data() + off, now.data() + off, unit_bytes) == 0) continue;
+    for (size_t e = 0; e < unit_bytes; e += elem) n += std::memcmp(before.data() + off + e, now.data() + off + e, elem) != 0;
+  }
+  return n;
+}
+
+ref::Mat bf16_mat(const std::vector<uint8_t>& raw, int64_t rows, int64_t cols) {
+  ref::Mat m(rows, cols);
+  for (size_t i = 0; i < m.v.size(); ++i) m.v[i] = get_bf16(raw.data() + 2 * i);
+  return m;
+}
+
+// Padded requests' rows are don't-care: whatever the GPU left there (even NaN) must not reach the
+// reference, whose routing and norms are per row anyway.
+void zero_rows(ref::Mat& m, const std::vector<bool>& valid) {
+  for (int64_t t = 0; t < m.rows; ++t)
+    if (!valid[static_cast<size_t>(t)])
+      for (double& v : m.row(t)) v = 0;
+}
+
+// MoE routing near-ties. The GPU layer computes the router from its own bf16 activations, which may
+// differ from the reference's by an ulp here and there; where the k-th and (k+1)-th biased scores of a
+// row are closer than kNearTie, the two sides may legitimately pick different experts, and that row's
+// FFN output then differs entirely. For such rows the reference FFN is also computed with the
+// alternative choice (the weakest chosen expert swapped for the near-tied one, done by moving the
+// selection-only correction bias, so the weights stay the router's), and the row takes whichever
+// candidate is closer to the GPU's. Returns the rows that took an alternative.
+constexpr double kNearTie = 1e-2;
+
+int64_t match_near_ties(const model::Model& m, const WeightSource& src, int layer, ref::Shard shard,
+                        const ref::LayerWeights& w, const ref::Trace& trace, const ref::Mat& gpu,
+                        const std::vector<bool>& valid, const ref::Options& opt, ref::Mat& want) {
+  if (w.spec().ffn == model::Ffn::dense || !trace.t.count("router_logits")) return 0;
+  const int64_t E = m.moe.num_experts, k = m.moe.top_k;
+  if (k < 1 || k >= E) return 0;
+  const std::string bias_key = "block_sparse_moe.gate.e_score_correction_bias";
+  const std::vector<double> bias = w.get(bias_key).data;
+  const ref::Mat& logits = trace.at("router_logits");
+  const ref::Mat& x2 = trace.at("x2");
+  auto sqdist = [&](int64_t t, std::span<const double> ref_row) {
+    double d = 0;
+    for (int64_t c = 0; c < gpu.cols; ++c) {
+      const double e = gpu(t, c) - ref_row[static_cast<size_t>(c)];
+      d += e * e;
+    }
+    return std::isnan(d) ? std::numeric_limits<double>::infinity() : d;
+  };
+  int64_t taken = 0;
+  for (int64_t t = 0; t < logits.rows; ++t) {
+    if (!valid[static_cast<size_t>(t)]) continue;
+    std::vector<double> sel(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e)
+      sel[static_cast<size_t>(e)] = ref::sigmoid(logits(t, e)) + (bias.empty() ? 0.0 : bias[static_cast<size_t>(e)]);
+    std::vector<int64_t> order(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) order[static_cast<size_t>(e)] = e;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return sel[static_cast<size_t>(a)] > sel[static_cast<size_t>(b)]; });
+    const int64_t a = order[static_cast<size_t>(k - 1)];
+    double best = sqdist(t, want.row(t));
+    std::vector<double> best_row;
+    for (int64_t j = k; j < E; ++j) {
+      const int64_t b = order[static_cast<size_t>(j)];
+      const double gap = sel[static_cast<size_t>(a)] - sel[static_cast<size_t>(b)];
+      if (gap > kNearTie || bias.empty()) break;
+      std::vector<double> nb = bias;
+      nb[static_cast<size_t>(b)] += gap + 1e-9;
+      nb[static_cast<size_t>(a)] -= 1e-9;
+      ref::LayerWeights alt(m, layer,
+                            [base = src.lookup(layer), nb, bias_key](const std::string& key) {
+                              return key == bias_key ? nb : base(key);
+                            },
+                            shard);
+      ref::Mat xr(1, x2.cols);
+      std::copy(x2.row(t).begin(), x2.row(t).end(), xr.row(0).begin());
+      const ref::LayerWeights* ranks[1] = {&alt};
+      const ref::Mat y = ref::ffn(ranks, xr, opt);
+      const double d = sqdist(t, y.row(0));
+      if (d < best) {
+        best = d;
+        best_row = y.v;
+      }
+    }
+    if (!best_row.empty()) {
+      std::copy(best_row.begin(), best_row.end(), want.row(t).begin());
+      ++taken;
+    }
+  }
+  return taken;
+}
+
+// ---- the harness ------------------------------------------------------------------------------------
+
+class Harness {
+ public:
+  Harness(const RunOptions& o, RunResult& res) : o_(o), res_(res) {}
+  void run();
+
+ private:
+  void log(const std::string& s) const {
+    if (o_.log) o_.log(s);
+  }
+  void open_and_validate();
+  void open_device();
+  void bind_weights();
+  void bind_caches();
+  void allocate_io();
+  void enqueue_step(const dp_step* step);
+  const dp_step* plan(int32_t graph_mode);
+  void upload_step_inputs(Rng& rng);
+  void check_step(int index, const std::string& mode);
+  std::vector<uint8_t> download(CUdeviceptr p, size_t bytes);
+  void sync() { drv_->check(drv_->StreamSynchronize(stream_->s), "cuStreamSynchronize"); }
+
+  const RunOptions& o_;
+  RunResult& res_;
+
+  // Host side.
+  std::optional<bundle::Bundle> manifest_bundle_;
+  std::optional<ResolvedModel> model_;
+  std::optional<WeightSource> source_;
+  CacheLayouts layouts_;
+  int num_layers_ = 0, q_ = 1, tp_ = 1;
+  int64_t hidden_ = 0;
+  std::string kv_dtype_;
+  std::vector<std::string> mixers_;
+  std::vector<bool> run_layer_;
+  Meta meta_;
+  std::vector<std::unique_ptr<ref::LayerWeights>> ref_weights_;
+  std::vector<double> norm_weight_;
+  bool drop_reference_cache_ = false;
+
+  // Device side, in construction order (destroyed in reverse: graph, events, stream, session, memory,
+  // context).
+  const Driver* drv_ = nullptr;
+  std::unique_ptr<Context> ctx_;
+  std::unique_ptr<DeviceMemory> mem_;
+  SessionHandle sh_;
+  std::unique_ptr<Stream> stream_;
+  std::unique_ptr<Event> start_, stop_;
+  std::unique_ptr<Graph> graph_;
+
+  std::vector<LayerCaches> caches_;
+  std::vector<CUdeviceptr> hidden_bufs_, residual_bufs_;  // [L+1]; residual_bufs_[0] = 0 (layer 0 has none)
+  CUdeviceptr final_out_ = 0, final_residual_ = 0;
+  CUdeviceptr d_positions_ = 0, d_state_indices_ = 0, d_block_table_ = 0, d_seq_lens_ = 0, d_slot_mapping_ = 0,
+              d_num_accepted_ = 0;
+  size_t act_bytes_ = 0;  // one [rows, H] bf16 buffer
+};
+
+void Harness::open_and_validate() {
+  // The compiler's reader for the manifest (deploy settings, config digest), with the CLI's exit codes
+  // for unreadable or malformed bundles; then libdecodepack's own open, as a host does.
+  manifest_bundle_.emplace(bundle::Bundle::open(o_.bundle));
+  const format::Manifest& man = manifest_bundle_->manifest();
+  rt(dp_bundle_open(o_.bundle.c_str(), nullptr, &sh_.b), "opening " + o_.bundle);
+  dp_bundle_info info{};
+  info.size = sizeof(info);
+  rt(dp_bundle_get_info(sh_.b, &info), "bundle info");
+  res_.digest = info.digest;
+  num_layers_ = info.num_layers;
+  hidden_ = info.hidden_size;
+  q_ = info.q;
+  tp_ = info.tensor_parallel;
+  res_.q = q_;
+  res_.tensor_parallel = tp_;
+  res_.rank = o_.rank;
+
+  std::vector<int32_t> widths(info.widths, info.widths + info.num_widths);
+  if (std::find(widths.begin(), widths.end(), o_.width) == widths.end())
+    fail(Errc::usage, "--width {}: {} has no kernels for width {} (built widths: {})", o_.width, o_.bundle, o_.width,
+         fmt::join(widths, ", "));
+  res_.width = o_.width;
+  res_.requests = o_.requests > 0 ? o_.requests : o_.width;
+  if (res_.requests > o_.width)
+    fail(Errc::usage, "--requests {}: more than --width {} (the rest of a width's rows are padding)", o_.requests,
+         o_.width);
+  res_.rows = o_.width * q_;
+  if (dp_bundle_weight_count(sh_.b, o_.rank) < 0) {
+    std::vector<int32_t> ranks(info.ranks, info.ranks + info.num_ranks);
+    fail(Errc::usage, "--rank {}: not built into {} (ranks: {})", o_.rank, o_.bundle, fmt::join(ranks, ", "));
+  }
+  if (tp_ > 1 && o_.check)
+    fail(Errc::usage, "--check: {} is built for tensor_parallel {}; its layer programs all-reduce with their peer "
+         "ranks, which one `run` process does not start, so their outputs cannot be checked on one rank (build a "
+         "tensor_parallel 1 bundle to check the kernels)", o_.bundle, tp_);
+
+  const Json& d = man.deploy;
+  layouts_.kda_state = d.at("kda_state").at("layout").get<std::string>();
+  layouts_.conv = d.at("conv_state").at("layout").get<std::string>();
+  kv_dtype_ = d.at("kv_cache").at("dtype").get<std::string>();
+  if (o_.check && kv_dtype_ != "bf16")
+    fail(Errc::usage, "--check: {} keeps the MLA cache in {}; the CPU reference models bf16 caches only", o_.bundle,
+         kv_dtype_);
+
+  for (int32_t l = 0; l < num_layers_; ++l) {
+    dp_layer_info li{};
+    li.size = sizeof(li);
+    rt(dp_bundle_get_layer(sh_.b, l, &li), "bundle layer");
+    mixers_.push_back(li.mixer == DP_MIXER_KDA ? "kda" : "mla");
+    res_.layer_classes.push_back(li.layer_class);
+  }
+
+  model_.emplace(resolve_model(o_, man));
+  const model::Model& m = model_->m;
+  res_.model = model_->source;
+  if (m.num_layers != num_layers_ || m.hidden != hidden_)
+    fail(Errc::input, "{}: {} layers of hidden size {}, the bundle has {} of {}", model_->source, m.num_layers, m.hidden,
+         num_layers_, hidden_);
+  if (o_.check && m.attn_res_block > 0)
+    fail(Errc::usage, "--check: {} uses Kimi-K3 block attention residuals, which the CPU reference's layer skeleton "
+         "does not model yet", model_->source);
+  source_.emplace(m, model_->ckpt ? &*model_->ckpt : nullptr, o_.seed);
+  res_.weights = model_->ckpt ? "the checkpoint's" : fmt::format("random (the synth fill of seed {})", o_.seed);
+}
+
+void Harness::open_device() {
+  drv_ = &Driver::get();
+  ctx_ = std::make_unique<Context>(*drv_, o_.device);
+  int version = 0;
+  drv_->DriverGetVersion(&version);
+  res_.device = fmt::format("{} (device {}, CUDA driver {}.{})", ctx_->name(), o_.device, version / 1000,
+                            (version % 1000) / 10);
+  mem_ = std::make_unique<DeviceMemory>(*drv_);
+  dp_session_options so;
+  dp_session_options_init(&so);
+  so.device = o_.device;
+  so.rank = o_.rank;
+  so.tensor_parallel = tp_;
+  so.num_speculative_tokens = q_ - 1;
+  if (!o_.prefetch) so.flags |= DP_SESSION_NO_PREFETCH;
+  rt(dp_session_create(sh_.b, &so, &sh_.s), fmt::format("creating a session on device {}", o_.device));
+  res_.target = dp_session_target(sh_.s);
+  stream_ = std::make_unique<Stream>(*drv_);
+  start_ = std::make_unique<Event>(*drv_);
+  stop_ = std::make_unique<Event>(*drv_);
+  log(fmt::format("device: {}, target {}", res_.device, res_.target));
+}
+
+void Harness::bind_weights() {
+  const model::Model& m = model_->m;
+  std::unordered_map<std::string, const model::WeightSpec*> by_name;
+  for (const model::WeightSpec& w : m.weights) by_name.emplace(w.name, &w);
+  const int32_t n = dp_bundle_weight_count(sh_.b, o_.rank);
+  log(fmt::format("weights: binding {} tensors of rank {} from {}", n, o_.rank, res_.weights));
+  const auto t0 = std::chrono::steady_clock::now();
+  uint64_t bytes = 0;
+  const unsigned threads = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
+  for (int32_t i = 0; i < n; ++i) {
+    dp_weight_info wi{};
+    wi.size = sizeof(wi);
+    rt(dp_bundle_get_weight(sh_.b, o_.rank, i, &wi), "bundle weight");
+    const std::string group = wi.name;
+    const DType dt = dtype_of(wi.dtype);
+    const size_t elem = dp_dtype_size(wi.dtype);
+    size_t shard = elem;
+    for (int32_t k = 0; k < wi.ndim; ++k) shard *= static_cast<size_t>(wi.shape[k]);
+    const size_t count = wi.experts > 0 ? static_cast<size_t>(wi.experts) : 1;
+    // Experts are one stacked tensor [E, rows, cols] (vLLM's FusedMoE layout): expert e at
+    // base + e * stride. The stride is the expert's size, rounded to the 16 bytes binding requires.
+    const size_t stride = wi.experts > 0 ? (shard + 15) / 16 * 16 : shard;
+    const CUdeviceptr base = mem_->alloc(stride * count, "weight " + group);
+    bytes += stride * count;
+    std::vector<uint8_t> host(stride * count, 0);
+    parallel_for(count, wi.experts > 0 ? threads : 1, [&](size_t e) {
+      std::string name = group;
+      if (wi.experts > 0) name.replace(name.find("{e}"), 3, std::to_string(e));
+      const auto it = by_name.find(name);
+      const model::WeightSpec* spec = it == by_name.end() ? nullptr : it->second;
+      if (!spec) fail(Errc::input, "{} lists weight {}, which model {} does not have", o_.bundle, name, model_->source);
+      if (spec->dtype != dt)
+        fail(Errc::input, "{} binds {} as {}, model {} says {}", o_.bundle, name, dtype_name(dt), model_->source,
+             dtype_name(spec->dtype));
+      int64_t part = 0;
+      if (wi.split_dim >= 0) {
+        part = wi.shape[wi.split_dim];
+        if (spec->shape.at(static_cast<size_t>(wi.split_dim)) != part * tp_)
+          fail(Errc::input, "{}: weight {} dimension {} is {} on rank {}, the model's {} is not {} x tensor_parallel {}",
+               o_.bundle, name, wi.split_dim, part, o_.rank, spec->shape[static_cast<size_t>(wi.split_dim)], part, tp_);
+      }
+      std::vector<uint8_t> b = shard_bytes(source_->full_bytes(*spec), spec->shape, wi.split_dim, part, o_.rank, elem);
+      if (b.size() != shard) fail(Errc::internal, "weight {}: {} bytes for a shard of {}", name, b.size(), shard);
+      std::memcpy(host.data() + e * stride, b.data(), shard);
+    });
+    drv_->check(drv_->MemcpyHtoD(base, host.data(), host.size()), "cuMemcpyHtoD", "weight " + group);
+    dp_tensor t;
+    dp_tensor_init(&t, base, wi.dtype, wi.ndim, wi.shape);
+    if (wi.experts > 0) {
+      std::vector<uint64_t> ptrs(count);
+      for (size_t e = 0; e < count; ++e) ptrs[e] = base + e * stride;
+      rt(dp_session_bind_expert_weights(sh_.s, group.c_str(), ptrs.data(), wi.experts, &t), "binding " + group);
+    } else {
+      rt(dp_session_bind_weight(sh_.s, group.c_str(), &t), "binding " + group);
+    }
+  }
+  rt(dp_session_finalize_weights(sh_.s), "finalizing weights");
+  res_.weight_bytes = static_cast<int64_t>(bytes);
+  log(fmt::format("weights: {} bound in {:.1f} s", human_bytes(bytes),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()));
+  if (o_.verify_weights) {
+    rt(dp_session_verify_weights(sh_.s), "verifying the bound weights against the bundle's fingerprints");
+    log("weights: every shard matches the bundle's fingerprints");
+  }
+}
+
+void Harness::bind_caches() {
+  Rng rng(o_.seed ^ 0xC0FFEEull);
+  caches_.resize(static_cast<size_t>(num_layers_));
+  uint64_t total = 0;
+  for (int32_t l = 0; l < num_layers_; ++l) {
+    LayerCaches& lc = caches_[static_cast<size_t>(l)];
+    lc.kda = mixers_[static_cast<size_t>(l)] == "kda";
+    const std::vector<int32_t> kinds = lc.kda ? std::vector<int32_t>{DP_KV_KDA_STATE, DP_KV_CONV_Q, DP_KV_CONV_K, DP_KV_CONV_V}
+                                              : std::vector<int32_t>{DP_KV_MLA_LATENT};
+    for (int32_t kind : kinds) {
+      Cache c;
+      c.kind = kind;
+      c.count = kind == DP_KV_MLA_LATENT ? meta_.blocks : meta_.slots;
+      rt(dp_session_kv_layout(sh_.s, l, kind, c.count, &c.desc), fmt::format("layer {} cache layout", l));
+      c.dtype = dtype_of(c.desc.dtype);
+      c.elem = dp_dtype_size(c.desc.dtype);
+      c.slot_bytes = c.elem;
+      for (int32_t k = 1; k < c.desc.ndim; ++k) c.slot_bytes *= static_cast<size_t>(c.desc.shape[k]);
+      c.ptr = mem_->alloc(c.bytes(), fmt::format("layer {} cache kind {}", l, kind));
+      c.desc.data = c.ptr;
+      // Random, non-zero contents in the scale a decode sees: fp32 recurrent states and bf16 conv
+      // histories around 1, latent rows [normed c | k_pe] around 1.
+      c.host.resize(c.bytes());
+      const size_t n = c.bytes() / c.elem;
+      for (size_t i = 0; i < n; ++i) {
+        uint8_t* p = c.host.data() + i * c.elem;
+        if (c.dtype == DType::F8_E4M3) {
+          *p = static_cast<uint8_t>((0x28 + rng.below(32)) | (rng.below(2) << 7));  // |v| in [0.25, 3.75]
+        } else {
+          put_value(p, c.dtype, rng.nonzero(kind == DP_KV_MLA_LATENT ? -1.5 : -1.0, kind == DP_KV_MLA_LATENT ? 1.5 : 1.0));
+        }
+      }
+      drv_->check(drv_->MemcpyHtoD(c.ptr, c.host.data(), c.host.size()), "cuMemcpyHtoD", fmt::format("layer {} cache", l));
+      rt(dp_session_bind_kv(sh_.s, l, kind, &c.desc), fmt::format("binding layer {} cache", l));
+      total += c.bytes();
+      if (!o_.check) c.host = {};
+      lc.c.push_back(std::move(c));
+    }
+  }
+  log(fmt::format("caches: {} for {} KDA slots and {} MLA blocks per layer", human_bytes(total), meta_.slots,
+                  meta_.blocks));
+}
+
+void Harness::allocate_io() {
+  act_bytes_ = static_cast<size_t>(res_.rows * hidden_) * 2;
+  for (int32_t l = 0; l <= num_layers_; ++l) {
+    hidden_bufs_.push_back(mem_->alloc(act_bytes_, "hidden rows"));
+    residual_bufs_.push_back(l == 0 ? 0 : mem_->alloc(act_bytes_, "residual rows"));
+  }
+  final_out_ = mem_->alloc(act_bytes_, "final norm output");
+  final_residual_ = mem_->alloc(act_bytes_, "final residual");
+  const size_t rows = static_cast<size_t>(res_.rows), W = static_cast<size_t>(o_.width);
+  d_positions_ = mem_->alloc(rows * 8, "positions");
+  d_state_indices_ = mem_->alloc(meta_.state_indices.size() * 4, "state indices");
+  d_block_table_ = mem_->alloc(meta_.block_table.size() * 4, "block table");
+  d_seq_lens_ = mem_->alloc(W * 4, "seq lens");
+  d_slot_mapping_ = mem_->alloc(rows * 8, "slot mapping");
+  d_num_accepted_ = mem_->alloc(W * 4, "num accepted");
+}
+
+const dp_step* Harness::plan(int32_t graph_mode) {
+  std::vector<int32_t> qlens(static_cast<size_t>(o_.width), q_);
+  dp_step_desc d;
+  dp_step_desc_init(&d);
+  d.num_requests = o_.width;  // padded requests included: the step runs at exactly this width
+  d.query_lens = qlens.data();
+  d.num_accepted = meta_.num_accepted.data();
+  d.state_indices = meta_.state_indices.data();
+  d.state_indices_stride = q_;
+  d.block_table = meta_.block_table.data();
+  d.block_table_stride = meta_.stride;
+  d.block_table_cols = meta_.stride;
+  d.graph_mode = graph_mode;
+  dp_plan_result r;
+  dp_plan_result_init(&r);
+  rt(dp_plan(sh_.s, &d, &r), "dp_plan");
+  // The host all-gathers the reasons over its TP group; one rank here.
+  const int32_t verdict = dp_agree(&r.reason, 1, nullptr);
+  if (verdict != DP_REASON_NONE)
+    fail(Errc::internal, "the runtime refused the step at width {}: {}: {}", o_.width, dp_reason_name(verdict), r.message);
+  if (r.width != o_.width)
+    fail(Errc::internal, "dp_plan chose width {} for {} requests, expected {}", r.width, o_.width, o_.width);
+  return r.step;
+}
+
+void Harness::enqueue_step(const dp_step* step) {
+  dp_stream s = stream_->s;
+  for (int32_t l = 0; l < num_layers_; ++l) {
+    if (!run_layer_[static_cast<size_t>(l)]) continue;
+    // Prefetch points of the layer (the session has a table where it is worth it); one join closes
+    // the side stream at the end of the step.
+    for (int32_t point : {DP_PREFETCH_NEXT_ATTENTION, DP_PREFETCH_OPROJ_DOWN, DP_PREFETCH_ATTENTION_MOE})
+      rt(dp_prefetch_fork(sh_.s, point, l, o_.width, s, nullptr), fmt::format("prefetch fork, layer {}", l));
+    dp_layer_io io;
+    dp_layer_io_init(&io);
+    io.hidden = hidden_bufs_[static_cast<size_t>(l)];
+    io.residual = residual_bufs_[static_cast<size_t>(l)];
+    io.out = hidden_bufs_[static_cast<size_t>(l) + 1];
+    io.residual_out = residual_bufs_[static_cast<size_t>(l) + 1];
+    io.positions = d_positions_;
+    io.state_indices = d_state_indices_;
+    io.block_table = d_block_table_;
+    io.block_table_stride = meta_.stride;
+    io.seq_lens = d_seq_lens_;
+    io.slot_mapping = d_slot_mapping_;
+    io.num_accepted = d_num_accepted_;
+    rt(dp_launch_layer(sh_.s, step, l, &io, s), fmt::format("launching layer {} ({})", l, res_.layer_classes[l]));
+  }
+  dp_final_norm_io n;
+  dp_final_norm_io_init(&n);
+  n.hidden = hidden_bufs_.back();
+  n.residual = residual_bufs_.back();
+  n.out = final_out_;
+  n.residual_out = final_residual_;
+  rt(dp_launch_final_norm(sh_.s, step, &n, s), "launching the final norm");
+  rt(dp_prefetch_join(sh_.s, s), "prefetch join");
+}
+
+// Fresh inputs, the step's metadata, and poison in every output and in the cache rows the step only
+// writes; the host mirrors of the caches get the same poison.
+void Harness::upload_step_inputs(Rng& rng) {
+  const Driver& d = *drv_;
+  cuda::CUstream s = stream_->s;
+  auto upload = [&](CUdeviceptr dst, const void* src, size_t bytes, const char* what) {
+    d.check(d.MemcpyHtoDAsync(dst, src, bytes, s), "cuMemcpyHtoDAsync", what);
+  };
+  auto poison = [&](CUdeviceptr dst, size_t bytes) { d.check(d.MemsetD8Async(dst, 0xFF, bytes, s), "cuMemsetD8Async"); };
+  auto random_rows = [&](CUdeviceptr dst) {
+    std::vector<uint8_t> v(act_bytes_);
+    for (size_t i = 0; i < v.size(); i += 2) put_bf16(v.data() + i, rng.nonzero(-1.0, 1.0));
+    upload(dst, v.data(), v.size(), "input rows");
+    sync();  // `v` is pageable and dies here
+  };
+  random_rows(hidden_bufs_[0]);
+  for (int32_t l = 0; l < num_layers_; ++l) {
+    const size_t next = static_cast<size_t>(l) + 1;
+    if (run_layer_[static_cast<size_t>(l)]) {
+      poison(hidden_bufs_[next], act_bytes_);
+      poison(residual_bufs_[next], act_bytes_);
+    } else {  // what the host's own layer would have produced: fresh rows for the next program
+      random_rows(hidden_bufs_[next]);
+      random_rows(residual_bufs_[next]);
+    }
+  }
+  poison(final_out_, act_bytes_);
+  poison(final_residual_, act_bytes_);
+  upload(d_positions_, meta_.positions.data(), meta_.positions.size() * 8, "positions");
+  upload(d_state_indices_, meta_.state_indices.data(), meta_.state_indices.size() * 4, "state indices");
+  upload(d_block_table_, meta_.block_table.data(), meta_.block_table.size() * 4, "block table");
+  upload(d_seq_lens_, meta_.seq_lens.data(), meta_.seq_lens.size() * 4, "seq lens");
+  upload(d_slot_mapping_, meta_.slot_mapping.data(), meta_.slot_mapping.size() * 8, "slot mapping");
+  upload(d_num_accepted_, meta_.num_accepted.data(), meta_.num_accepted.size() * 4, "num accepted");
+
+  // Cache rows that are written before anything reads them: new MLA tokens, and with q > 1 the KDA
+  // slots of draft positions other than num_accepted - 1 (the one the step reads).
+  for (int32_t l = 0; l < num_layers_; ++l) {
+    if (!run_layer_[static_cast<size_t>(l)]) continue;
+    LayerCaches& lc = caches_[static_cast<size_t>(l)];
+    if (!lc.kda) {
+      Cache& c = *lc.find(DP_KV_MLA_LATENT);
+      const size_t row = c.slot_bytes / static_cast<size_t>(c.desc.shape[1]);
+      for (size_t t = 0; t < meta_.slot_mapping.size(); ++t) {
+        const int64_t slot = meta_.slot_mapping[t];
+        if (slot < 0) continue;
+        poison(c.ptr + static_cast<size_t>(slot) * row, row);
+        if (!c.host.empty()) std::memset(c.host.data() + static_cast<size_t>(slot) * row, 0xFF, row);
+      }
+      continue;
+    }
+    for (int r = 0; r < o_.width; ++r) {
+      if (!meta_.real[r]) continue;
+      for (int i = 0; i < q_; ++i) {
+        if (i == meta_.num_accepted[r] - 1) continue;
+        const int64_t slot = meta_.state_indices[static_cast<size_t>(r * q_ + i)];
+        for (Cache& c : lc.c) {
+          poison(c.ptr + static_cast<size_t>(slot) * c.slot_bytes, c.slot_bytes);
+          if (!c.host.empty()) std::memset(c.host.data() + static_cast<size_t>(slot) * c.slot_bytes, 0xFF, c.slot_bytes);
+        }
+      }
+    }
+  }
+}
+
+std::vector<uint8_t> Harness::download(CUdeviceptr p, size_t bytes) {
+  std::vector<uint8_t> v(bytes);
+  drv_->check(drv_->MemcpyDtoHAsync(v.data(), p, bytes, stream_->s), "cuMemcpyDtoHAsync");
+  sync();
+  return v;
+}
+
+void Harness::check_step(int index, const std::string& mode) {
+  const model::Model& m = model_->m;
+  const ref::StepMeta sm = meta_.step_meta();
+  const int64_t T = res_.rows, H = hidden_;
+  auto add = [&](int layer, const std::string& cls, const std::string& quantity, double value, double limit) {
+    RunCheck c;
+    c.step = index;
+    c.mode = mode;
+    c.layer = layer;
+    c.cls = cls;
+    c.quantity = quantity;
+    c.value = value;
+    c.limit = limit;
+    c.ok = std::isfinite(value) && value < limit;
+    res_.checks.push_back(c);
+  };
+  auto add_count = [&](int layer, const std::string& cls, const std::string& quantity, int64_t n) {
+    RunCheck c;
+    c.step = index;
+    c.mode = mode;
+    c.layer = layer;
+    c.cls = cls;
+    c.quantity = quantity;
+    c.kind = "count";
+    c.value = static_cast<double>(n);
+    c.limit = 0;
+    c.ok = n == 0;
+    res_.checks.push_back(c);
+  };
+  const std::vector<bool> valid = ref::valid_rows(sm, model::Mixer::kda);  // padding is the same for both mixers
+  const ref::Options opt;
+
+  for (int32_t l = 0; l < num_layers_; ++l) {
+    if (!run_layer_[static_cast<size_t>(l)]) continue;
+    const size_t li = static_cast<size_t>(l);
+    const std::string& cls = res_.layer_classes[li];
+    ref::Mat hin = bf16_mat(download(hidden_bufs_[li], act_bytes_), T, H);
+    zero_rows(hin, valid);
+    ref::Mat rin;
+    if (l > 0) {
+      rin = bf16_mat(download(residual_bufs_[li], act_bytes_), T, H);
+      zero_rows(rin, valid);
+    }
+    const ref::Mat hout = bf16_mat(download(hidden_bufs_[li + 1], act_bytes_), T, H);
+    const ref::Mat rout = bf16_mat(download(residual_bufs_[li + 1], act_bytes_), T, H);
+
+    if (!ref_weights_[li])
+      ref_weights_[li] = std::make_unique<ref::LayerWeights>(m, l, source_->lookup(l), ref::Shard{tp_, o_.rank});
+    LayerCaches& lc = caches_[li];
+    ref::LayerState state;
+    if (lc.kda) state.kda = kda_from_raw(m, ref::Shard{tp_, o_.rank}, lc, layouts_);
+    else state.mla = mla_from_raw(m, lc);
+    ref::Trace trace;
+    ref::LayerOutput want =
+        ref::decoder_layer(*ref_weights_[li], hin, l > 0 ? &rin : nullptr, sm, state, opt, &trace);
+    const int64_t alternatives =
+        match_near_ties(m, *source_, l, ref::Shard{tp_, o_.rank}, *ref_weights_[li], trace, hout, valid, opt, want.hidden);
+    if (drop_reference_cache_) ref_weights_[li]->drop_cache();
+    add(l, cls,
+        alternatives ? fmt::format("hidden ({} near-tie row{} rerouted)", alternatives, alternatives == 1 ? "" : "s")
+                     : std::string("hidden"),
+        ref::rel_error(hout, want.hidden, &valid), kBf16Limit);
+    add(l, cls, "residual", ref::rel_error(rout, want.residual, &valid), kBf16Limit);
+
+    // The caches as the GPU left them; the mirror becomes them, so the next step starts from the
+    // GPU's state (the comparison of each step stands alone).
+    std::vector<std::vector<uint8_t>> now;
+    for (const Cache& c : lc.c) now.push_back(download(c.ptr, c.bytes()));
+    if (lc.kda) {
+      std::set<int64_t> touched;
+      for (int r = 0; r < o_.width; ++r)
+        if (meta_.real[r])
+          for (int i = 0; i < q_; ++i) touched.insert(meta_.state_indices[static_cast<size_t>(r * q_ + i)]);
+      int64_t changed = 0;
+      for (size_t k = 0; k < lc.c.size(); ++k)
+        changed += changed_outside(lc.c[k].host, now[k], lc.c[k].slot_bytes, lc.c[k].elem, touched);
+      for (size_t k = 0; k < lc.c.size(); ++k) lc.c[k].host = now[k];
+      const ref::KdaState got = kda_from_raw(m, ref::Shard{tp_, o_.rank}, lc, layouts_);
+      std::vector<double> gs, ws, gc, wc;
+      ref::KdaState& ref_state = state.kda;
+      for (int64_t s : touched) {
+        for (int64_t j = 0; j < got.heads; ++j) {
+          const size_t n = static_cast<size_t>(got.head_dim * got.head_dim);
+          const size_t off = static_cast<size_t>((s * got.heads + j)) * n;
+          gs.insert(gs.end(), got.recurrent.begin() + static_cast<std::ptrdiff_t>(off),
+                    got.recurrent.begin() + static_cast<std::ptrdiff_t>(off + n));
+          std::span<double> w = ref_state.slot_state(s, j);
+          ws.insert(ws.end(), w.begin(), w.end());
+        }
+        for (int which = 0; which < 3; ++which) {
+          const std::vector<double>& gv = which == 0 ? got.conv_q : which == 1 ? got.conv_k : got.conv_v;
+          const std::vector<double>& wv = which == 0 ? ref_state.conv_q : which == 1 ? ref_state.conv_k : ref_state.conv_v;
+          const size_t n = static_cast<size_t>(got.conv_dim * got.conv_width), off = static_cast<size_t>(s) * n;
+          gc.insert(gc.end(), gv.begin() + static_cast<std::ptrdiff_t>(off), gv.begin() + static_cast<std::ptrdiff_t>(off + n));
+          wc.insert(wc.end(), wv.begin() + static_cast<std::ptrdiff_t>(off), wv.begin() + static_cast<std::ptrdiff_t>(off + n));
+        }
+      }
+      add(l, cls, fmt::format("kda state ({} slots)", touched.size()), ref::rel_error(gs, ws), kF32Limit);
+      add(l, cls, "conv state q/k/v", ref::rel_error(gc, wc), kBf16Limit);
+      add_count(l, cls, "other slots unchanged", changed);
+    } else {
+      Cache& c = lc.c[0];
+      const int64_t bs = c.desc.shape[1];
+      const size_t row_values = static_cast<size_t>(c.desc.shape[2]);
+      std::set<int64_t> written;  // cache slots (block * block_size + offset) the step writes
+      for (size_t t = 0; t < meta_.slot_mapping.size(); ++t)
+        if (valid[t] && meta_.slot_mapping[t] >= 0) written.insert(meta_.slot_mapping[t]);
+      // Every other row, bitwise.
+      const int64_t changed = changed_outside(c.host, now[0], c.slot_bytes / static_cast<size_t>(bs), c.elem, written);
+      c.host = now[0];
+      const ref::MlaCache got = mla_from_raw(m, lc);
+      std::vector<double> g, w;
+      for (int64_t s : written) {
+        const size_t off = static_cast<size_t>(s) * row_values;
+        g.insert(g.end(), got.data.begin() + static_cast<std::ptrdiff_t>(off),
+                 got.data.begin() + static_cast<std::ptrdiff_t>(off + row_values));
+        w.insert(w.end(), state.mla.data.begin() + static_cast<std::ptrdiff_t>(off),
+                 state.mla.data.begin() + static_cast<std::ptrdiff_t>(off + row_values));
+      }
+      add(l, cls, fmt::format("latent rows ({} written)", written.size()), ref::rel_error(g, w), kBf16Limit);
+      add_count(l, cls, "other rows unchanged", changed);
+    }
+  }
+
+  // The final norm, from the rows the GPU fed it.
+  ref::Mat h = bf16_mat(download(hidden_bufs_.back(), act_bytes_), T, H);
+  ref::Mat r = bf16_mat(download(residual_bufs_.back(), act_bytes_), T, H);
+  zero_rows(h, valid);
+  zero_rows(r, valid);
+  if (norm_weight_.empty()) norm_weight_ = ref::model_tensor(m, source_->lookup(-1), "norm.weight").data;
+  const ref::AddNorm want = ref::fused_add_rms_norm(h, &r, norm_weight_, m.rms_norm_eps, opt.rounding);
+  add(-1, "final_norm", "out", ref::rel_error(bf16_mat(download(final_out_, act_bytes_), T, H), want.x, &valid),
+      kBf16Limit);
+  add(-1, "final_norm", "residual",
+      ref::rel_error(bf16_mat(download(final_residual_, act_bytes_), T, H), want.residual, &valid), kBf16Limit);
+}
+
+void Harness::run() {
+  open_and_validate();
+  const model::Model& m = model_->m;
+  Rng meta_rng(o_.seed ^ 0x5EEDull);
+  const int64_t block_size = manifest_bundle_->manifest().deploy.at("kv_cache").at("block_size").get<int64_t>();
+  meta_ = make_meta(o_.width, res_.requests, q_, o_.steps + (o_.graph ? 1 : 0), o_.context, block_size, meta_rng);
+
+  open_device();
+  bind_weights();
+  log("kernels: loading every width's code objects");
+  rt(dp_session_load_kernels(sh_.s), "loading kernels");
+  bind_caches();
+  allocate_io();
+  if (o_.check) {
+    ref_weights_.resize(static_cast<size_t>(num_layers_));
+    // A real-shaped model does not fit in double on the host: keep only one layer's tensors at a time.
+    drop_reference_cache_ = m.total_weight_bytes() > (uint64_t{4} << 30);
+  }
+
+  // Which layers have a program at this width (the plan's step is the same object for every step).
+  const dp_step* step = plan(DP_GRAPH_NONE);
+  run_layer_.assign(static_cast<size_t>(num_layers_), true);
+  std::vector<std::string> missing;
+  for (int32_t l = 0; l < num_layers_; ++l) {
+    if (dp_step_layer_kernel(step, l)) {
+      res_.layers_run.push_back(l);
+      continue;
+    }
+    run_layer_[static_cast<size_t>(l)] = false;
+    res_.layers_skipped.push_back(l);
+    // dp_launch_layer says why (it refuses before looking at the io or launching anything).
+    dp_layer_io io;
+    dp_layer_io_init(&io);
+    dp_status* st = dp_launch_layer(sh_.s, step, l, &io, stream_->s);
+    missing.push_back(fmt::format("layer {} ({}): {}", l, res_.layer_classes[static_cast<size_t>(l)],
+                                  st ? dp_status_message(st) : "no program"));
+    dp_status_free(st);
+  }
+  if (!missing.empty() && !o_.skip_missing)
+    fail(Errc::input, "width {}: {} of {} layers have no program in the bundle, so the step cannot run on the GPU alone "
+         "(--skip-missing runs the others, each fed fresh inputs):\n  {}", o_.width, missing.size(), num_layers_,
+         fmt::join(missing, "\n  "));
+  for (const std::string& s : missing) log("skipped: " + s);
+
+  // With --graph, one eager warm-up step (as a host runs before capturing), then one capture, and every
+  // further step replays it with fresh contents in the captured buffers.
+  const int total = o_.steps + (o_.graph ? 1 : 0);
+  Rng input_rng(o_.seed ^ 0x1A9E7ull);
+  for (int i = 1; i <= total; ++i) {
+    const bool replay = o_.graph && i > 1;
+    const std::string mode = replay ? "graph" : "eager";
+    if (replay && !graph_) {
+      const dp_step* captured = plan(DP_GRAPH_FULL);  // under FULL graphs a host plans at capture only
+      graph_ = std::make_unique<Graph>(*drv_);
+      sync();
+      drv_->check(drv_->StreamBeginCapture(stream_->s, cuda::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+                  "cuStreamBeginCapture");
+      try {
+        enqueue_step(captured);
+      } catch (...) {
+        cuda::CUgraph g = nullptr;
+        drv_->StreamEndCapture(stream_->s, &g);
+        if (g) drv_->GraphDestroy(g);
+        throw;
+      }
+      drv_->check(drv_->StreamEndCapture(stream_->s, &graph_->g), "cuStreamEndCapture");
+      drv_->check(drv_->GraphInstantiate(&graph_->exec, graph_->g, 0), "cuGraphInstantiateWithFlags");
+      log("graph: one step captured");
+    }
+    upload_step_inputs(input_rng);
+    sync();
+    const dp_step* st = replay ? nullptr : plan(DP_GRAPH_NONE);
+    drv_->check(drv_->EventRecord(start_->e, stream_->s), "cuEventRecord");
+    if (replay) drv_->check(drv_->GraphLaunch(graph_->exec, stream_->s), "cuGraphLaunch");
+    else enqueue_step(st);
+    drv_->check(drv_->EventRecord(stop_->e, stream_->s), "cuEventRecord");
+    drv_->check(drv_->StreamSynchronize(stream_->s), "cuStreamSynchronize", fmt::format("running step {}", i));
+    rt(dp_after_step(sh_.s), fmt::format("after step {}", i));
+    float ms = 0;
+    drv_->check(drv_->EventElapsedTime(&ms, start_->e, stop_->e), "cuEventElapsedTime");
+    res_.steps.push_back({i, mode, ms});
+    log(fmt::format("step {}/{} ({}): {:.3f} ms", i, total, mode, ms));
+    if (o_.check) {
+      res_.checked = true;
+      check_step(i, mode);
+    }
+    meta_.advance(meta_rng);
+  }
+}
+
+}  // namespace
+
+RunResult run_bundle(const RunOptions& o) {
+  if (o.width < 1) fail(Errc::usage, "--width {}: expected a batch width >= 1", o.width);
+  if (o.steps < 1) fail(Errc::usage, "--steps {}: expected >= 1", o.steps);
+  if (o.requests < 0) fail(Errc::usage, "--requests {}: expected 1..--width (0: all)", o.requests);
+  if (o.context < 0) fail(Errc::usage, "--context {}: expected >= 0 tokens", o.context);
+  if (o.rank < 0) fail(Errc::usage, "--rank {}: expected >= 0", o.rank);
+  if (o.device < 0) fail(Errc::usage, "--device {}: expected a device ordinal >= 0", o.device);
+  RunResult res;
+  res.bundle = o.bundle;
+  Harness h(o, res);
+  h.run();
+  return res;
+}
+
+}  // namespace dp::tools
