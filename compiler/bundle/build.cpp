@@ -180,8 +180,10 @@ BuildResult build_bundle(const BuildOptions& o) {
   co.use_cache = o.use_cache;
   co.toolchains = o.toolchains;
   if (o.log) co.progress = backend::progress_printer(stderr, o.progress_tty);
-  log(fmt::format("compiling {} kernels for {} layer programs ({} more planned programs are not built by this "
-                  "version: `decodepack plan` says why)", instances.size(), p.programs.size() - not_built, not_built));
+  log(fmt::format("compiling {} kernels for {} layer programs{}", instances.size(), p.programs.size() - not_built,
+                  not_built ? fmt::format(" ({} planned programs are not built by this version: `decodepack plan` "
+                                          "says why)", not_built)
+                            : std::string()));
   backend::CompileReport report = backend::compile_all(instances, co);
   man.toolchains = Json::object();
   for (const auto& [vendor, version] : report.toolchains) man.toolchains[vendor] = version;
