@@ -100,6 +100,9 @@ std::string text(const bundle::Bundle& b) {
   std::string ws;
   for (const format::WorkspaceEntry& w : m.workspace) ws += fmt::format("{}w{}: {}", ws.empty() ? "" : ", ", w.width, human(w.bytes));
   line(fmt::format("workspace {}", ws));
+  if (m.indexer.heads > 0)
+    line(fmt::format("indexer   {} heads x {}, top-k {}; prefill chunk scratch {}", m.indexer.heads, m.indexer.head_dim,
+                     m.indexer.top_k, human(m.indexer.prefill_workspace_bytes)));
   uint64_t total = b.manifest_bytes().size();
   std::map<std::string, uint64_t> per_dir;
   for (const format::FileEntry& f : m.files) {

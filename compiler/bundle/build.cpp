@@ -9,6 +9,7 @@
 #include "common/error.h"
 #include "common/fs.h"
 #include "common/hash.h"
+#include "indexer/workspace.h"
 #include "deploy/deploy.h"
 #include "format/manifest.h"
 #include "model/inventory.h"
@@ -149,6 +150,8 @@ BuildResult build_bundle(const BuildOptions& o) {
     man.prefetch.push_back(std::move(pe));
   }
   for (const plan::Workspace& w : p.ranks.front().workspace) man.workspace.push_back({w.width, w.bytes});
+  if (m.indexer.present())
+    man.indexer = {m.indexer.num_heads, m.indexer.head_dim, m.indexer.top_k, indexer::prefill_workspace_bytes(d)};
   size_t not_built = 0;
   for (const plan::LayerProgram& lp : p.programs) {
     format::ProgramEntry pe;

@@ -231,7 +231,8 @@ Manifest from_json(const Json& j, const std::string& where) {
   check_version(m.format_version, where);
   if (m.format_version.minor >= 1)
     top.only({"format", "format_version", "tool_version", "toolchains", "templates_digest", "model", "deploy",
-              "weights_fingerprinted", "layers", "kernels", "programs", "ranks", "prefetch", "workspace", "files"});
+              "weights_fingerprinted", "layers", "kernels", "programs", "indexer", "ranks", "prefetch", "workspace",
+              "files"});
   else
     top.only({"format", "format_version", "tool_version", "toolchains", "templates_digest", "model", "deploy",
               "weights_fingerprinted", "layers", "kernels", "ranks", "prefetch", "workspace", "files"});
@@ -291,6 +292,10 @@ Manifest from_json(const Json& j, const std::string& where) {
     m.kernels.push_back(std::move(e));
   }
   if (m.format_version.minor >= 1) {
+    Obj ix = top.obj("indexer");
+    ix.only({"heads", "head_dim", "top_k", "prefill_workspace_bytes"});
+    m.indexer = {ix.num<int64_t>("heads", 0, 1 << 20), ix.num<int64_t>("head_dim", 0, 1 << 20),
+                 ix.num<int64_t>("top_k", 0, int64_t{1} << 40), ix.num<uint64_t>("prefill_workspace_bytes")};
     for (size_t i = 0; i < top.array("programs").size(); ++i) {
       Obj p = top.at("programs", i);
       p.only({"class", "width", "steps", "reason"});
@@ -396,6 +401,8 @@ Json to_json(const Manifest& m) {
                             {"stack_bytes", k.stack_bytes}, {"spill_bytes", k.spill_bytes}});
   }
   if (m.format_version.minor >= 1) {
+    j["indexer"] = {{"heads", m.indexer.heads}, {"head_dim", m.indexer.head_dim}, {"top_k", m.indexer.top_k},
+                    {"prefill_workspace_bytes", m.indexer.prefill_workspace_bytes}};
     j["programs"] = Json::array();
     for (const ProgramEntry& p : m.programs) {
       Json steps = Json::array();
@@ -536,6 +543,11 @@ void validate(const Manifest& m, const std::string& where) {
       if (!deploy_ranks.count(r.rank)) bad(fmt::format("ranks: rank {} is not in deploy.ranks", r.rank));
   }
   validate_programs(m, widths, bad);
+  const IndexerEntry& ix = m.indexer;
+  if ((ix.heads == 0) != (ix.head_dim == 0) || (ix.heads == 0) != (ix.top_k == 0) ||
+      (ix.heads == 0) != (ix.prefill_workspace_bytes == 0))
+    bad(fmt::format("indexer: heads {}, head_dim {}, top_k {}, prefill_workspace_bytes {}: all zero (no indexer) or all "
+                    "positive", ix.heads, ix.head_dim, ix.top_k, ix.prefill_workspace_bytes));
   if (!m.ranks.empty()) {
     std::set<std::string> names;
     for (const WeightEntry& w : m.ranks[0].weights) names.insert(w.name);

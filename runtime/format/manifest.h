@@ -143,6 +143,12 @@ struct ProgramEntry {
   std::string reason;
 };
 
+// The sparse-attention indexer (since 1.1): all zero when the model has none.
+struct IndexerEntry {
+  int64_t heads = 0, head_dim = 0, top_k = 0;
+  uint64_t prefill_workspace_bytes = 0;  // peak scratch of one prefill chunk (compiler/indexer/workspace.h)
+};
+
 struct WorkspaceEntry {
   int64_t width = 0;
   uint64_t bytes = 0;
@@ -162,6 +168,7 @@ struct Manifest {
   std::vector<RankEntry> ranks;         // sorted by rank
   std::vector<PrefetchEntry> prefetch;  // prefetch tables, identical for every rank
   std::vector<ProgramEntry> programs;   // sorted by (class, width); empty in 1.0 manifests
+  IndexerEntry indexer;                 // zero in 1.0 manifests
   std::vector<WorkspaceEntry> workspace;
   std::vector<FileEntry> files;         // every file of the bundle but manifest.json, sorted by path
 };

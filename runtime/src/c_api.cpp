@@ -275,6 +275,9 @@ dp_status* dp_bundle_get_info(const dp_bundle* b, dp_bundle_info* out) {
     i.num_targets = static_cast<int32_t>(b->target_names.size());
     i.targets = b->target_names.data();
     i.weights_fingerprinted = m.weights_fingerprinted ? 1 : 0;
+    i.indexer_heads = static_cast<int32_t>(m.indexer.heads);
+    i.indexer_top_k = static_cast<int32_t>(m.indexer.top_k);
+    i.indexer_prefill_workspace_bytes = m.indexer.prefill_workspace_bytes;
     write_out(out, i);
     return ok();
   });

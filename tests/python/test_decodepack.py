@@ -109,6 +109,7 @@ class BindingTest(unittest.TestCase):
         self.assertEqual(info["q"], 1)
         self.assertEqual(info["num_layers"], 4)
         self.assertFalse(info["weights_fingerprinted"])
+        self.assertEqual(info["indexer"], {"heads": 0, "top_k": 0, "prefill_workspace_bytes": 0})  # no indexer
         self.assertEqual(self.bundle.layer(3), {"index": 3, "mixer": "mla", "ffn": "moe", "class": "mla_moe"})
         weights = {w.name: w for w in self.bundle.weights(0)}
         self.assertEqual(len(weights), 86)

@@ -293,6 +293,11 @@ typedef struct dp_bundle_info {
   int32_t num_targets;
   const char* const* targets;   /* [num_targets], e.g. "gfx942", "sm_90a" */
   int32_t weights_fingerprinted;
+  /* The sparse-attention indexer (bundle format 1.1; all 0 when the model has none, or in 1.0 bundles): */
+  int32_t indexer_heads;        /* index_n_heads */
+  int32_t indexer_top_k;        /* index_topk */
+  uint64_t indexer_prefill_workspace_bytes; /* peak scratch of one prefill chunk at the deploy's
+                                   indexer.max_keys_per_chunk / max_requests and dcp size / interleave */
 } dp_bundle_info;
 
 /* Every pointer in *out points into the bundle and lives as long as it does. */

@@ -97,7 +97,8 @@ class _BundleInfo(ctypes.Structure):
                 ("rms_norm_eps", ctypes.c_double), ("tensor_parallel", _i32), ("num_ranks", _i32),
                 ("ranks", ctypes.POINTER(_i32)), ("num_widths", _i32), ("widths", ctypes.POINTER(_i32)),
                 ("q", _i32), ("num_targets", _i32), ("targets", ctypes.POINTER(_cstr)),
-                ("weights_fingerprinted", _i32)]
+                ("weights_fingerprinted", _i32), ("indexer_heads", _i32), ("indexer_top_k", _i32),
+                ("indexer_prefill_workspace_bytes", _u64)]
 
 
 class _LayerInfo(ctypes.Structure):
@@ -437,6 +438,8 @@ class Bundle:
             "widths": [i.widths[k] for k in range(i.num_widths)], "q": i.q,
             "targets": [i.targets[k].decode() for k in range(i.num_targets)],
             "weights_fingerprinted": bool(i.weights_fingerprinted),
+            "indexer": {"heads": i.indexer_heads, "top_k": i.indexer_top_k,
+                        "prefill_workspace_bytes": i.indexer_prefill_workspace_bytes},
         }
 
     def layer(self, index):

@@ -60,6 +60,26 @@ TEST_F(BundleBuild, SameInputsGiveTheSameBytesWhateverJobsCacheAndPath) {
   EXPECT_TRUE(a.fingerprinted);
 }
 
+TEST_F(BundleBuild, IndexerWorkspaceIsRecorded) {
+  test::TempDir t;
+  std::ofstream(t / "deploy.json") << R"({"targets": ["sm_90a"], "widths": [1],
+    "indexer": {"max_keys_per_chunk": 100000, "max_requests": 16}})";
+  BuildOptions o;
+  o.model = "kimi-k3-tiny-indexer";
+  o.deploy = (t / "deploy.json").string();
+  o.out = t / "b";
+  o.jobs = 2;
+  o.cache_dir = t / "cache";
+  o.weights = false;
+  build_bundle(o);
+  const format::Manifest m = Bundle::open(t / "b").manifest();
+  EXPECT_EQ(m.indexer.heads, 8);
+  EXPECT_EQ(m.indexer.head_dim, 128);
+  EXPECT_EQ(m.indexer.top_k, 2048);
+  // World 1: 2^30 + 68 * (keys + keys padded to 64-key pages) = 2^30 + 68 * (100000 + 100032).
+  EXPECT_EQ(m.indexer.prefill_workspace_bytes, (uint64_t{1} << 30) + 68u * (100000 + 100032));
+}
+
 TEST_F(BundleBuild, ArchiveHasNoHostPathsOrTimes) {
   test::TempDir t;
   build(t / "x.dpk", 2, t / "cache");

@@ -167,6 +167,8 @@ TEST_F(CApiTest, BundleInfo) {
   DP_EXPECT_OK(dp_bundle_get_info(b_, &i));
   EXPECT_EQ(i.format_major, 1);
   EXPECT_EQ(i.format_minor, 1);
+  EXPECT_EQ(i.indexer_heads, 0);  // kimi-linear has no sparse-attention indexer
+  EXPECT_EQ(i.indexer_prefill_workspace_bytes, 0u);
   EXPECT_EQ(std::string(i.digest).rfind("sha256:", 0), 0u);
   EXPECT_STREQ(i.model_type, "kimi_linear");
   EXPECT_EQ(i.num_layers, 4);
