@@ -399,18 +399,14 @@ class WeightInfo:
                                             ", experts=%d" % self.experts if self.experts else "")
 
 
-class Bundle:
-    """An open, verified bundle (directory or .dpk)."""
-
-    def __init__(self, path):
-        self._h = None
-        h = _p()
-        _check(_lib().dp_bundle_open(os.fsencode(path), None, ctypes.byref(h)))
-        self._h = h
+class _Handle:
+    """An owned C handle (self._h), freed by the C function named _free: close(), del, or `with`."""
+    _free = None
+    _h = None
 
     def close(self):
         if self._h:
-            _lib().dp_bundle_close(self._h)
+            getattr(_lib(), self._free)(self._h)
             self._h = None
 
     def __del__(self):
@@ -424,6 +420,18 @@ class Bundle:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class Bundle(_Handle):
+    """An open, verified bundle (directory or .dpk)."""
+    _free = "dp_bundle_close"
+
+    def __init__(self, path):
+        self._h = None
+        h = _p()
+        _check(_lib().dp_bundle_open(os.fsencode(path), None, ctypes.byref(h)))
+        self._h = h
+
 
     @property
     def info(self):
@@ -497,8 +505,9 @@ def agree(reasons):
     return verdict, who.value
 
 
-class Session:
+class Session(_Handle):
     """One (device, rank) session. device=None makes a host-only session (binds, checks, plans)."""
+    _free = "dp_session_destroy"
 
     def __init__(self, bundle, device=0, rank=0, tensor_parallel=0, num_speculative_tokens=-1, target=None,
                  device_desc=None, vendor=VENDOR_CUDA, prefetch=True):
@@ -519,22 +528,6 @@ class Session:
         self._h = h
         self.bundle = bundle  # the C session holds its own reference; this keeps the Python object alive too
 
-    def close(self):
-        if self._h:
-            _lib().dp_session_destroy(self._h)
-            self._h = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     @property
     def target(self):
