@@ -4,6 +4,7 @@
 #include <string>
 
 #include "common/error.h"
+#include "format/dcp.h"
 #include "deploy/deploy.h"
 #include "indexer/key.h"
 #include "indexer/workspace.h"
@@ -29,18 +30,17 @@ void check_dcp(int64_t world, int64_t interleave) {
 
 int64_t dcp_owner(int64_t pos, int64_t world, int64_t interleave) {
   check_dcp(world, interleave);
-  return (pos / interleave) % world;
+  return dcp::owner(pos, world, interleave);
 }
 
 int64_t dcp_local_index(int64_t pos, int64_t world, int64_t interleave) {
   check_dcp(world, interleave);
-  return (pos / (interleave * world)) * interleave + pos % interleave;
+  return dcp::local_index(pos, world, interleave);
 }
 
 int64_t dcp_local_len(int64_t len, int64_t world, int64_t rank, int64_t interleave) {
   check_dcp(world, interleave);
-  const int64_t base = (len / interleave / world) * interleave;
-  return base + std::clamp<int64_t>(len - base * world - rank * interleave, 0, interleave);
+  return dcp::local_len(len, world, rank, interleave);
 }
 
 int64_t dcp_slot(std::span<const int32_t> block_row, int64_t pos, int64_t block_size, int64_t world, int64_t rank,
@@ -51,13 +51,12 @@ int64_t dcp_slot(std::span<const int32_t> block_row, int64_t pos, int64_t block_
          "block size >= 1 and a rank below the world", pos, block_size, rank, world);
   const int64_t virtual_block = block_size * world;
   const int64_t vo = pos % virtual_block;
-  if ((vo / interleave) % world != rank) return -1;
+  if (dcp::owner(vo, world, interleave) != rank) return -1;
   const int64_t entry = pos / virtual_block;
   if (entry >= static_cast<int64_t>(block_row.size()))
     fail(Errc::input, "indexer slot mapping: position {} needs block-table entry {}, the row has {}", pos, entry,
          block_row.size());
-  return static_cast<int64_t>(block_row[entry]) * block_size + (vo / (interleave * world)) * interleave +
-         vo % interleave;
+  return static_cast<int64_t>(block_row[entry]) * block_size + dcp::local_index(vo, world, interleave);
 }
 
 PrefillConfig PrefillConfig::from(const deploy::Deploy& d) {

@@ -2,6 +2,7 @@
 
 #include "common/error.h"
 #include "deploy/deploy.h"
+#include "format/dcp.h"
 #include "indexer/key.h"
 
 namespace dp::indexer {
@@ -28,10 +29,8 @@ int64_t padded_keys(int64_t keys) {
 
 int64_t local_keys_bound(int64_t max_keys, int64_t max_requests, int64_t world, int64_t interleave) {
   require_positive(max_keys, max_requests, world, interleave);
-  if (world == 1) return max_keys;
-  int64_t runs, local;
-  if (__builtin_mul_overflow(max_requests, interleave, &runs) ||
-      __builtin_add_overflow(max_keys / world + (max_keys % world != 0), runs, &local))
+  int64_t local = 0;
+  if (!dcp::local_rows_bound(max_keys, max_requests, world, interleave, &local))
     overflow(max_keys, max_requests, world, interleave);
   return local;
 }

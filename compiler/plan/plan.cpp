@@ -112,6 +112,25 @@ size_t weight_by_key(const Model& m, const model::LayerSpec& l, std::string_view
 
 }  // namespace
 
+std::string indexer_kernel_gap(const Model& m) {
+  const model::IndexerConfig& ix = m.indexer;
+  if (!ix.present()) return "the model has no indexer";
+  if (ix.head_dim != 128) return fmt::format("index_head_dim {} (the MXFP4 key holds 128 values)", ix.head_dim);
+  if (ix.num_heads % 8 != 0 || ix.num_heads > 64)
+    return fmt::format("index_n_heads {} (the scoring kernel takes a multiple of 8 up to 64)", ix.num_heads);
+  if (ix.top_k < 1 || ix.top_k > 4096) return fmt::format("index_topk {} (the top-k kernel takes 1..4096)", ix.top_k);
+  return {};
+}
+
+std::vector<codegen::KernelInstance> indexer_kernel_instances(const Model& m) {
+  return {{"idx_quant", {}, ""},
+          {"idx_pack", {}, ""},
+          {"idx_stage", {}, ""},
+          {"idx_score", {{"NH", m.indexer.num_heads}}, ""},
+          {"idx_topk", {{"K", m.indexer.top_k}}, ""},
+          {"idx_rows", {}, ""}};
+}
+
 Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deploy_where, const PlanOptions& opt) {
   deploy::check_against_model(d, m, deploy_where);
   if (opt.context < 1) fail(Errc::usage, "--context {}: expected at least 1 token", opt.context);
@@ -151,6 +170,9 @@ Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deplo
     for (const LayerProgram& p : plan.programs)
       for (const ProgramStep& s : p.steps) add(s.kernel, "layer", p.width);
     add({"prefetch", {{"B", 32}}, ""}, "prefetch", 0);
+    // The sparse-attention indexer's prefill ops (templates/indexer.h), width-independent.
+    if (indexer_kernels_supported(m))
+      for (codegen::KernelInstance ci : indexer_kernel_instances(m)) add(std::move(ci), "indexer", 0);
   }
   std::sort(plan.kernels.begin(), plan.kernels.end(), [](const KernelInstance& a, const KernelInstance& b) {
     return std::tie(a.target, a.name) < std::tie(b.target, b.name);

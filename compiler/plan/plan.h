@@ -113,6 +113,13 @@ struct Plan {
 };
 
 // Checks the deploy against the model first (deploy::check_against_model), then plans.
+// The indexer prefill kernels (templates/indexer.h) for a model with an indexer: idx_quant, idx_pack,
+// idx_stage, idx_score{NH}, idx_topk{K}, idx_rows. indexer_kernel_gap says why a model's indexer has no
+// kernels ("" when it has them; every model without an indexer gets "the model has no indexer").
+std::vector<codegen::KernelInstance> indexer_kernel_instances(const model::Model& m);
+std::string indexer_kernel_gap(const model::Model& m);
+inline bool indexer_kernels_supported(const model::Model& m) { return indexer_kernel_gap(m).empty(); }
+
 Plan make_plan(const model::Model& m, const deploy::Deploy& d, const std::string& deploy_where,
                const PlanOptions& opt = {});
 

@@ -105,7 +105,7 @@ class Obj {
 
 const std::set<std::string> kDtypes = {"BOOL", "U8",  "I8",  "U16", "I16", "F16",     "BF16",    "U32",
                                        "I32",  "F32", "U64", "I64", "F64", "F8_E4M3", "F8_E5M2", "F8_E8M0"};
-const std::set<std::string> kKinds = {"final_norm", "prefetch", "layer"};
+const std::set<std::string> kKinds = {"final_norm", "prefetch", "layer", "indexer"};
 
 bool is_hex64(const std::string& s) {
   return s.size() == 64 && std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
@@ -480,7 +480,10 @@ void validate(const Manifest& m, const std::string& where) {
       bad(fmt::format("kernels[{}] ({}): sha256 {} differs from files[] entry {} for {}", i, k.key, k.sha256,
                       listed->sha256, k.file));
     if (!kKinds.count(k.role))
-      bad(fmt::format("kernels[{}] ({}): role \"{}\", expected final_norm, prefetch or layer", i, k.key, k.role));
+      bad(fmt::format("kernels[{}] ({}): role \"{}\", expected final_norm, prefetch, layer or indexer", i, k.key, k.role));
+    if (k.role == "indexer" && (m.indexer.heads == 0 || m.format_version.minor < 2))
+      bad(fmt::format("kernels[{}] ({}): role indexer in a {}.{} manifest {}", i, k.key, m.format_version.major,
+                      m.format_version.minor, m.indexer.heads == 0 ? "whose model has no indexer" : "(since 1.2)"));
     uint64_t end = 0;
     for (const KernelParamEntry& p : k.params) {
       if (p.kind != "pointer" && p.kind != "u32" && p.kind != "f32")

@@ -22,7 +22,7 @@ using Json = nlohmann::json;
 
 inline constexpr const char* kFormatName = "decodepack-bundle";
 inline constexpr int kFormatMajor = 1;
-inline constexpr int kFormatMinor = 1;  // 1.1 added `programs`
+inline constexpr int kFormatMinor = 2;  // 1.1 added `programs` and `indexer`, 1.2 indexer kernels
 inline constexpr const char* kManifestFile = "manifest.json";
 
 // Thrown by the reader and validator; `what()` names the file, field, actual and expected value.

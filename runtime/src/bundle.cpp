@@ -92,7 +92,16 @@ Status derive(dp_bundle& b) {
   d.conv_kernel = f.integer(det, "kda.conv_kernel", 0, 64, st);
   d.mla_kv_lora_rank = f.integer(det, "mla.kv_lora_rank", 0, 1 << 20, st);
   d.mla_rope_dim = f.integer(det, "mla.qk_rope_head_dim", 0, 1 << 20, st);
+  if (m.indexer.heads > 0) {
+    d.dcp_size = f.integer(m.deploy, "dcp.size", 1, 1024, st);
+    d.dcp_interleave = f.integer(m.deploy, "dcp.interleave", 1, 1 << 20, st);
+    d.indexer_max_keys = f.integer(m.deploy, "indexer.max_keys_per_chunk", 1, INT32_MAX, st);
+    d.indexer_max_requests = f.integer(m.deploy, "indexer.max_requests", 1, INT32_MAX, st);
+  }
   DP_RETURN_IF_ERROR(st);
+  if (d.block_size % d.dcp_interleave != 0)
+    return error(DP_ERR_FORMAT, "{}: deploy.dcp.interleave {} does not divide kv_cache.block_size {}", where,
+                 d.dcp_interleave, d.block_size);
 
   d.kv_dtype = kv == "fp8" ? DP_DTYPE_F8_E4M3 : dtype_from_name(kv);
   if (d.kv_dtype == DP_DTYPE_INVALID)

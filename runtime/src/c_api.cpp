@@ -7,6 +7,7 @@
 #include "decodepack/decodepack.h"
 #include "src/bundle.h"
 #include "src/device.h"
+#include "src/indexer.h"
 #include "src/session.h"
 #include "src/status.h"
 #include "src/validity.h"
@@ -116,7 +117,7 @@ const char* dp_code_name(int32_t code) {
       "DP_ERR_TARGET", "DP_ERR_DRIVER_VERSION", "DP_ERR_DEVICE_LIMITS", "DP_ERR_RANK", "DP_ERR_CONFIG",
       "DP_ERR_UNKNOWN_TENSOR", "DP_ERR_MISSING_TENSOR", "DP_ERR_DTYPE", "DP_ERR_SHAPE", "DP_ERR_LAYOUT",
       "DP_ERR_ALIGNMENT", "DP_ERR_REBIND", "DP_ERR_STATE", "DP_ERR_NO_KERNEL", "DP_ERR_ABORTED",
-      "DP_ERR_NOT_SUPPORTED", "DP_ERR_INTERNAL",
+      "DP_ERR_NOT_SUPPORTED", "DP_ERR_INTERNAL", "DP_ERR_COMMUNICATOR",
   };
   if (code < 0 || code >= static_cast<int32_t>(sizeof(names) / sizeof(names[0]))) return "DP_ERR_?";
   return names[code];
@@ -535,6 +536,80 @@ dp_status* dp_prefetch_fork(dp_session* s, int32_t point, int32_t layer, int32_t
 
 dp_status* dp_prefetch_join(dp_session* s, dp_stream stream) {
   return guarded(__func__, [&](const char* fn) -> Status { return s ? s->prefetch_join(stream) : null_arg(fn, "session"); });
+}
+
+// ---- Sparse-attention indexer prefill ------------------------------------------------------------------
+
+void dp_indexer_cache_init(dp_indexer_cache* c) {
+  if (!c) return;
+  *c = dp_indexer_cache{};
+  c->size = sizeof(*c);
+  c->layout = DP_INDEXER_LAYOUT_SPLIT;
+}
+
+void dp_indexer_batch_desc_init(dp_indexer_batch_desc* d) {
+  if (!d) return;
+  *d = dp_indexer_batch_desc{};
+  d->size = sizeof(*d);
+}
+
+void dp_indexer_plan_info_init(dp_indexer_plan_info* i) {
+  if (!i) return;
+  *i = dp_indexer_plan_info{};
+  i->size = sizeof(*i);
+}
+
+void dp_indexer_prefill_io_init(dp_indexer_prefill_io* io) {
+  if (!io) return;
+  *io = dp_indexer_prefill_io{};
+  io->size = sizeof(*io);
+  io->weight_scale = 1.0f;
+}
+
+dp_status* dp_indexer_write_keys(dp_session* s, const dp_indexer_cache* cache, uint64_t keys, uint64_t slot_mapping,
+                                 int64_t count, dp_stream stream) {
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
+    if (!cache) return null_arg(fn, "cache");
+    dp_indexer_cache c;
+    dp_indexer_cache_init(&c);
+    DP_RETURN_IF_ERROR(read_versioned(fn, "dp_indexer_cache", cache, &c));
+    return s->indexer_write_keys(c, keys, slot_mapping, count, stream);
+  });
+}
+
+dp_status* dp_indexer_prepare(dp_session* s, const dp_indexer_batch_desc* desc, dp_indexer_metadata** out,
+                              dp_indexer_plan_info* info) {
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (out) *out = nullptr;
+    if (!s) return null_arg(fn, "session");
+    if (!desc) return null_arg(fn, "desc");
+    if (!out) return null_arg(fn, "out");
+    if (info) DP_RETURN_IF_ERROR(check_out(fn, "info", info));
+    dp_indexer_batch_desc d;
+    dp_indexer_batch_desc_init(&d);
+    DP_RETURN_IF_ERROR(read_versioned(fn, "dp_indexer_batch_desc", desc, &d));
+    return s->indexer_prepare(d, out, info);
+  });
+}
+
+void dp_indexer_metadata_free(dp_indexer_metadata* metadata) { delete metadata; }
+
+dp_status* dp_indexer_prefill(dp_session* s, const dp_indexer_metadata* metadata, const dp_indexer_cache* cache,
+                              const dp_indexer_prefill_io* io, dp_stream stream) {
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
+    if (!metadata) return null_arg(fn, "metadata");
+    if (!cache) return null_arg(fn, "cache");
+    if (!io) return null_arg(fn, "io");
+    dp_indexer_cache c;
+    dp_indexer_cache_init(&c);
+    DP_RETURN_IF_ERROR(read_versioned(fn, "dp_indexer_cache", cache, &c));
+    dp_indexer_prefill_io v;
+    dp_indexer_prefill_io_init(&v);
+    DP_RETURN_IF_ERROR(read_versioned(fn, "dp_indexer_prefill_io", io, &v));
+    return s->indexer_prefill(*metadata, c, v, stream);
+  });
 }
 
 }  // extern "C"

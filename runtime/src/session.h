@@ -121,6 +121,17 @@ struct dp_session {
   dp::rt::Status prefetch_fork(int32_t point, int32_t layer, int32_t width, dp_stream stream, int32_t* launched);
   dp::rt::Status prefetch_join(dp_stream stream);
 
+  // Sparse-attention indexer prefill (src/indexer.cpp). Its kernels load on first use (they need no
+  // weights), or with the others in load_kernels.
+  std::map<std::string, dp::rt::LoadedKernel> indexer_kernels;  // by op: idx_quant, idx_pack, ...
+  dp::rt::Status load_indexer();
+  dp::rt::Status indexer_write_keys(const dp_indexer_cache& cache, uint64_t keys, uint64_t slot_mapping, int64_t count,
+                                    dp_stream stream);
+  dp::rt::Status indexer_prepare(const dp_indexer_batch_desc& desc, dp_indexer_metadata** out,
+                                 dp_indexer_plan_info* info);
+  dp::rt::Status indexer_prefill(const dp_indexer_metadata& md, const dp_indexer_cache& cache,
+                                 const dp_indexer_prefill_io& io, dp_stream stream);
+
  private:
   std::string label() const;
   dp::rt::Status check_tensor(const std::string& what, const dp_tensor& t, dp_dtype dtype,
@@ -135,4 +146,7 @@ struct dp_session {
   size_t layer_weight(int32_t layer, const std::string& key) const;
   dp::rt::Status build_prefetch_tables();
   const dp::format::KernelEntry* find_kernel(const std::string& role, int32_t width) const;
+  dp::rt::Status indexer_launch(const char* op, uint32_t grid_x, uint32_t grid_y,
+                                std::initializer_list<std::pair<const char*, uint64_t>> args, dp_stream stream);
+  dp::rt::Status check_indexer_cache(const char* fn, const dp_indexer_cache& cache) const;
 };

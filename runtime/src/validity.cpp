@@ -121,9 +121,9 @@ Status check_kernels(const dp_bundle& b, const std::string& target) {
   bool prefetch_kernel = false;
   for (const format::KernelEntry& k : m.kernels) {
     if (k.target != target) continue;
-    if (k.role != "final_norm" && k.role != "prefetch" && k.role != "layer")
+    if (k.role != "final_norm" && k.role != "prefetch" && k.role != "layer" && k.role != "indexer")
       return error(DP_ERR_NOT_SUPPORTED, "{}: kernel {} has role \"{}\", which libdecodepack {} does not know (known: "
-                   "final_norm, prefetch, layer): use a libdecodepack as new as the decodepack that built it",
+                   "final_norm, prefetch, layer, indexer): use a libdecodepack as new as the decodepack that built it",
                    b.reader.label(), k.key, k.role, dp_version_string());
     if (k.role == "prefetch") prefetch_kernel = true;
     if (k.params.empty() || k.param_bytes > kMaxParamBytes)
@@ -138,8 +138,9 @@ Status check_kernels(const dp_bundle& b, const std::string& target) {
         return error(DP_ERR_FORMAT, "{}: kernel {}: parameter {} has kind \"{}\", size {}, offset {} (expected pointer/8, "
                      "u32/4 or f32/4 at an offset that is a multiple of its size)", b.reader.label(), k.key, p.name,
                      p.kind, p.size, p.offset);
-      // Kernels of layer programs are bound by the programs' arguments (checked with the manifest).
-      if (k.role != "layer" && !param_source(k.role, p.name, p.kind))
+      // Kernels of layer programs are bound by the programs' arguments (checked with the manifest); the
+      // indexer's by src/indexer.cpp, which names every parameter it fills (checked at launch).
+      if (k.role != "layer" && k.role != "indexer" && !param_source(k.role, p.name, p.kind))
         return error(DP_ERR_NOT_SUPPORTED, "{}: kernel {} (role {}): parameter {} ({}) is not one libdecodepack {} can "
                      "supply: use a libdecodepack as new as the decodepack that built the bundle", b.reader.label(), k.key,
                      k.role, p.name, p.kind, dp_version_string());

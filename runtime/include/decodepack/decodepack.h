@@ -127,7 +127,7 @@ extern "C" {
  * (manifests/bundle-format.md). A bundle outside that range is refused with DP_ERR_FORMAT_VERSION before
  * any other field is read, the message giving both versions and the supported range. */
 #define DP_BUNDLE_FORMAT_MAJOR 1
-#define DP_BUNDLE_FORMAT_MINOR 0
+#define DP_BUNDLE_FORMAT_MINOR 2
 
 /* The loaded library's version as MAJOR * 10000 + MINOR * 100 + PATCH. This signature never changes. */
 DP_API uint32_t dp_version(void);
@@ -166,7 +166,8 @@ typedef enum dp_code {
   DP_ERR_NO_KERNEL = 23,         /* the bundle has no program for this layer and width: the host runs it */
   DP_ERR_ABORTED = 24,           /* a rank gave up an in-kernel wait; the session can run no more steps */
   DP_ERR_NOT_SUPPORTED = 25,     /* a feature this build of the library does not implement */
-  DP_ERR_INTERNAL = 26           /* a bug in libdecodepack: please report the message */
+  DP_ERR_INTERNAL = 26,          /* a bug in libdecodepack: please report the message */
+  DP_ERR_COMMUNICATOR = 27       /* the host's communicator callback (all-gather) reported a failure */
 } dp_code;
 
 /* An error: NULL means success. Owned by the caller of the function that returned it. */
@@ -640,6 +641,123 @@ typedef enum dp_prefetch_point {
 DP_API dp_status* dp_prefetch_fork(dp_session* session, int32_t point, int32_t layer, int32_t width,
                                    dp_stream stream, int32_t* launched);
 DP_API dp_status* dp_prefetch_join(dp_session* session, dp_stream stream);
+
+/* ---- Sparse-attention indexer prefill ------------------------------------------------------------- *
+ *
+ * For bundles whose model has a DeepSeek-V3.2-style indexer (dp_bundle_info.indexer_heads > 0; format
+ * 1.2 kernels of role "indexer"). The indexer's keys are stored as MXFP4: 68 bytes per 128-value key
+ * (64 bytes of E2M1 pairs, the low nibble the even element, then 4 UE8M0 scales, one per 32 values).
+ * A prefill selects, for every query row, the top_k key positions of its request by
+ *   score(t) = weight_scale * sum_h w[h] * relu(q[h] . k_t),   t = 0 .. the row's own position,
+ * best first, ties to the lower position, -1 after the last visible key.
+ *
+ * Order of calls (a host's prefill step, per attention group: the layers sharing one block table):
+ *   dp_indexer_write_keys      per layer, as the step's keys are produced (any time before the prefill)
+ *   dp_indexer_prepare         once per attention group and step: checks every request set against the
+ *                              deploy's limits, plans the query chunks and uploads the metadata
+ *   dp_indexer_prefill         per layer of the group, with that layer's q, weights, cache and output
+ *   dp_indexer_metadata_free   after the group's last prefill has run (stream-ordered work may still use
+ *                              the metadata's device memory until then)
+ *
+ * Decode context parallelism (deploy dcp.size W > 1, dcp.interleave I): position p of a request lives on
+ * rank (p / I) % W at local index (p / (I*W)) * I + p % I, in the block block_table[req][local / B] of
+ * that rank's cache (B = kv_cache.block_size; the block table is shared, each rank's cache has its own
+ * memory). Every rank calls the same functions with the same request sets; the prefill all-gathers the
+ * packed keys (once per request set) and the selected rows (once per call) through the host's
+ * communicator (dp_all_gather_fn: NCCL's ncclAllGather, torch.distributed's all_gather_into_tensor on
+ * the DCP group), so every rank ends with the whole [rows, top_k] output.
+ *
+ * Workspace: dp_indexer_prefill uses a device buffer of dp_bundle_info.indexer_prefill_workspace_bytes
+ * that the host allocates once (1 GiB of logits tile plus the staged keys) and may reuse between calls
+ * on the same stream. */
+
+typedef enum dp_indexer_layout {
+  DP_INDEXER_LAYOUT_SPLIT = 0,  /* a block's 64-byte payload rows, then its 4-byte scale rows */
+  DP_INDEXER_LAYOUT_PACKED = 1  /* one 68-byte row per key */
+} dp_indexer_layout;
+
+/* One rank's index-key cache: num_blocks blocks of kv_cache.block_size keys, block_stride bytes apart. */
+typedef struct dp_indexer_cache {
+  size_t size;
+  uint64_t data;         /* device address, 16-byte aligned */
+  int64_t num_blocks;    /* 1 .. 2^31 - 1 */
+  int64_t block_stride;  /* bytes between blocks: >= block_size * 68, a multiple of 16 */
+  int32_t layout;        /* dp_indexer_layout */
+} dp_indexer_cache;
+
+DP_API void dp_indexer_cache_init(dp_indexer_cache* c);
+
+/* Quantises keys (BF16 [count, 128], the normed and roped index keys) to MXFP4 into the cache at
+ * slot_mapping[t] (I64 [count]: block * block_size + offset; -1 skips the token: another DCP rank's, or
+ * padding; a slot past the cache is skipped too). */
+DP_API dp_status* dp_indexer_write_keys(dp_session* session, const dp_indexer_cache* cache, uint64_t keys,
+                                        uint64_t slot_mapping, int64_t count, dp_stream stream);
+
+/* Requests whose keys are staged once and scored together (one "chunk" of the host's prefill). Rows are
+ * request-major: request r contributes query_lens[r] rows, its newest positions. */
+typedef struct dp_indexer_requests {
+  int32_t num_requests;        /* 1 .. deploy indexer.max_requests */
+  const int64_t* seq_lens;     /* host [num_requests]: keys of each request (context + new), >= 1; their
+                                  sum at most deploy indexer.max_keys_per_chunk */
+  const int64_t* query_lens;   /* host [num_requests]: query rows, 0 .. seq_len */
+  uint64_t block_table;        /* device I32 [num_requests, block_table_stride], 16-byte aligned */
+  int64_t block_table_stride;  /* entries per row: at least the blocks any rank holds of the request */
+} dp_indexer_requests;
+
+typedef struct dp_indexer_batch_desc {
+  size_t size;
+  int32_t num_sets;                  /* >= 1 */
+  const dp_indexer_requests* sets;   /* host [num_sets]; output rows follow the sets in order */
+  int32_t dcp_rank;                  /* this session's rank in the DCP group: 0 .. dcp.size - 1 */
+} dp_indexer_batch_desc;
+
+DP_API void dp_indexer_batch_desc_init(dp_indexer_batch_desc* d);
+
+typedef struct dp_indexer_metadata dp_indexer_metadata;
+
+typedef struct dp_indexer_plan_info {
+  size_t size;
+  int64_t rows;         /* output rows: the sum of every set's query rows */
+  int32_t sets;
+  int32_t query_chunks; /* scoring passes (each keeps its logits tile under 1 GiB) */
+  int64_t keys;         /* keys staged over all sets */
+  uint64_t device_bytes;  /* device memory the metadata holds */
+} dp_indexer_plan_info;
+
+DP_API void dp_indexer_plan_info_init(dp_indexer_plan_info* i);
+
+/* Checks every request set (DP_ERR_SHAPE naming the set, request, field, value and limit: more keys or
+ * requests than the workspace holds, an empty request, more query rows than keys, a block-table row
+ * too short; DP_ERR_ALIGNMENT, DP_ERR_INVALID_ARGUMENT) and builds the metadata: the geometry of every
+ * set, the query chunks, and their device arrays (uploaded here, synchronously). info may be NULL. */
+DP_API dp_status* dp_indexer_prepare(dp_session* session, const dp_indexer_batch_desc* desc,
+                                     dp_indexer_metadata** out, dp_indexer_plan_info* info);
+DP_API void dp_indexer_metadata_free(dp_indexer_metadata* metadata);
+
+/* The host's all-gather over the DCP group: every rank sends `bytes` bytes from `send` and receives all
+ * ranks' contributions, rank-major, at `recv` (W * bytes), ordered on `stream`. Returns 0 on success;
+ * anything else fails the prefill with DP_ERR_COMMUNICATOR carrying that value. */
+typedef int32_t (*dp_all_gather_fn)(void* user, uint64_t send, uint64_t recv, uint64_t bytes, dp_stream stream);
+
+typedef struct dp_indexer_prefill_io {
+  size_t size;
+  uint64_t q;                  /* BF16 [rows, heads, 128]: the indexer queries (roped) */
+  uint64_t weights;            /* F32 [rows, heads]: per-head weights with their scales folded in */
+  float weight_scale;          /* factor on every score (default 1) */
+  uint64_t out;                /* I32 [rows, top_k]: selected positions within each row's request */
+  uint64_t workspace;          /* device scratch, 16-byte aligned ... */
+  uint64_t workspace_bytes;    /* ... of at least dp_bundle_info.indexer_prefill_workspace_bytes */
+  dp_all_gather_fn all_gather; /* required when dcp.size > 1 */
+  void* all_gather_user;
+} dp_indexer_prefill_io;
+
+DP_API void dp_indexer_prefill_io_init(dp_indexer_prefill_io* io);
+
+/* One layer's prefill over every set of `metadata` (stream-ordered on `stream`; the host's
+ * communicator, when called, is ordered on the same stream). Buffers are checked before any launch. */
+DP_API dp_status* dp_indexer_prefill(dp_session* session, const dp_indexer_metadata* metadata,
+                                     const dp_indexer_cache* cache, const dp_indexer_prefill_io* io,
+                                     dp_stream stream);
 
 #ifdef __cplusplus
 }  /* extern "C" */
