@@ -53,6 +53,7 @@ struct Options {
   std::string inputs;
   std::string nccl;
   std::vector<int> devices;
+  uint64_t max_tile_bytes = 0;
   bool json = false;
 };
 
@@ -413,6 +414,7 @@ void run_rank(const Options& o, const Inputs& in, const Layout& L, int rank, int
   desc.num_sets = static_cast<int32_t>(sets.size());
   desc.sets = sets.data();
   desc.dcp_rank = rank;
+  desc.max_tile_bytes = o.max_tile_bytes;
   dp_indexer_metadata* md = nullptr;
   res.info.size = sizeof(res.info);
   rt(dp_indexer_prepare(sh.s, &desc, &md, &res.info), "dp_indexer_prepare");
@@ -529,12 +531,20 @@ int run(const Options& o) {
   std::fprintf(stderr, "decodepack: indexer-run: CPU reference in %.1f s\n",
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 
+  {  // every rank's GPU before any thread starts: a rank that cannot start would leave the others in NCCL
+    const Driver& d = Driver::get();
+    int count = 0;
+    d.check(d.DeviceGetCount(&count), "cuDeviceGetCount");
+    for (int dev : devices)
+      if (dev < 0 || dev >= count)
+        fail(Errc::device, "device {}: this host has {} CUDA device{}, the bundle's DCP world {} needs one per rank "
+             "(--devices)", dev, count, count == 1 ? "" : "s", L.world);
+  }
   std::optional<Nccl> nccl;
   NcclUniqueId id{};
   if (L.world > 1) {
     const char* env = std::getenv("DECODEPACK_NCCL");
     nccl = Nccl::open(!o.nccl.empty() ? o.nccl : env && *env ? env : "libnccl.so.2");
-    Driver::get();  // the driver before NCCL's own runtime starts
     nccl->check(nccl->GetUniqueId(&id), "ncclGetUniqueId");
   }
   std::vector<RankResult> results(L.world);
@@ -676,6 +686,9 @@ void add_indexer_run(CLI::App& app, Action& action) {
   cmd->add_option("--inputs", o->inputs,
                   "Read the inputs from DIR (meta.json, keys.f32, q.f32, w.f32) instead of drawing them, and write "
                   "the GPU's top-k (dp_topk.i32) and its dequantised cache (dp_keys.f32) there");
+  cmd->add_option("--max-tile-bytes", o->max_tile_bytes,
+                  "Cap each query chunk's logits tile (dp_indexer_batch_desc.max_tile_bytes; 0: 1 GiB): smaller values "
+                  "split the rows into more chunks that share the staged keys");
   cmd->add_option("--devices", o->devices, "CUDA device of each DCP rank (default 0..W-1)")->delimiter(',');
   cmd->add_option("--nccl", o->nccl, "NCCL library for DCP (default: $DECODEPACK_NCCL or libnccl.so.2)");
   cmd->add_flag("--json", o->json, "Print the result as JSON");

@@ -262,8 +262,12 @@ Status dp_session::indexer_prepare(const dp_indexer_batch_desc& desc, dp_indexer
       return error(DP_ERR_SHAPE, "{}: a request of {} keys, the scoring kernel takes at most {}", where, set.max_len,
                    kMaxGridY * kScoreKeys);
     set.pages = ceil_div(set.keys, kPageKeys);
-    // Query chunks: a rank's tile of share rows x max_len fp32 logits stays within 1 GiB.
-    const int64_t tile_rows = static_cast<int64_t>(kTileBytes / (4 * static_cast<uint64_t>(set.max_len)));
+    // Query chunks: a rank's tile of share rows x max_len fp32 logits stays within the tile (1 GiB).
+    const uint64_t tile_bytes = desc.max_tile_bytes ? desc.max_tile_bytes : kTileBytes;
+    if (tile_bytes > kTileBytes || tile_bytes < 4 * static_cast<uint64_t>(set.max_len))
+      return error(DP_ERR_SHAPE, "{}: max_tile_bytes {}, expected 0 or {}..{} (one row of {} fp32 logits up to the "
+                   "workspace's tile)", where, desc.max_tile_bytes, 4 * set.max_len, kTileBytes, set.max_len);
+    const int64_t tile_rows = static_cast<int64_t>(tile_bytes / (4 * static_cast<uint64_t>(set.max_len)));
     for (int64_t begin = 0; begin < set.rows; begin += tile_rows * W) {
       IndexerRange range;
       range.begin = begin;

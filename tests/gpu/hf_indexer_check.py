@@ -113,6 +113,7 @@ torch, no transformers with DeepseekV32Indexer, or no CUDA GPU for --device cuda
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -815,10 +816,16 @@ def main(argv=None):
         cmd = [args.decodepack, "indexer-run", args.bundle, "--inputs", d] + shlex.split(args.extra)
         print("running: " + " ".join(shlex.quote(c) for c in cmd), flush=True)
         try:
-            dp_rc = subprocess.run(cmd, check=False).returncode
+            proc = subprocess.run(cmd, check=False, stderr=subprocess.PIPE, text=True)
         except OSError as e:
             die("cannot run %s: %s" % (args.decodepack, e))
+        sys.stderr.write(proc.stderr)
+        dp_rc = proc.returncode
         print("decodepack exited %d" % dp_rc)
+        # Exit 8 for want of a second GPU or of NCCL (a DCP bundle on a one-GPU host) is a skip, not a failure.
+        if dp_rc == 8 and re.search(r"this host has \d+ CUDA device|cannot open .*nccl", proc.stderr):
+            print("SKIPPED: this host lacks the GPUs or NCCL the bundle's DCP world needs")
+            sys.exit(SKIP)
 
     rep = run_checks(d)
     if not args.self_test:

@@ -102,7 +102,7 @@ class BindingTest(unittest.TestCase):
 
     def test_info(self):
         info = self.bundle.info
-        self.assertEqual(info["format_version"], (1, 1))
+        self.assertEqual(info["format_version"], (1, 2))
         self.assertTrue(info["digest"].startswith("sha256:"))
         self.assertEqual(info["widths"], [1, 2, 4])
         self.assertEqual(info["targets"], ["sm_90a"])
@@ -320,6 +320,98 @@ class BindingTest(unittest.TestCase):
         self.assertEqual(e.exception.code, dp.ERR_LAYOUT)
         w13 = torch.empty(16, 256, 256, dtype=torch.bfloat16)  # vLLM's stacked [E, 2I, H]
         s.bind_expert_weights(W1, w13[:, :128, :])
+
+
+class IndexerBindingTest(unittest.TestCase):
+    """The indexer prefill calls on a host-only session (planning and refusals; the GPU runs are
+    `decodepack indexer-run`). Bundle: kimi-k3-tiny-indexer (8 heads, top-k 2048), TP 2 with DCP 2,
+    interleave 4, indexer limits 4096 keys / 16 requests, 64-key cache blocks."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.mkdtemp(prefix="dp-python-ix-")
+        cache = os.environ.get("DECODEPACK_TEST_CACHE") or os.path.join(cls.tmp, "cache")
+        deploy = os.path.join(cls.tmp, "deploy.json")
+        with open(deploy, "w") as f:
+            json.dump({"targets": ["sm_90a"], "widths": [1], "tensor_parallel": 2, "dcp": {"size": 2, "interleave": 4},
+                       "indexer": {"max_keys_per_chunk": 4096, "max_requests": 16}}, f)
+        cls.path = os.path.join(cls.tmp, "ix.dpk")
+        _cli("build", "--model", "kimi-k3-tiny-indexer", "--deploy", deploy, "--no-weights", "-o", cls.path,
+             "--cache-dir", cache, "-j", "2")
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def setUp(self):
+        self.bundle = dp.Bundle(self.path)
+        self.s = dp.Session(self.bundle, device=None, rank=1)
+
+    def tearDown(self):
+        self.s.close()
+        self.bundle.close()
+
+    def test_workspace(self):
+        # 2^30 + 68 * ((W + 1) * (ceil(4096 / 2) + 16 * 4) + ceil(4096 / 64) * 64)
+        self.assertEqual(self.bundle.info["indexer"], {"heads": 8, "top_k": 2048,
+                                                       "prefill_workspace_bytes": 2**30 + 68 * (3 * 2112 + 4096)})
+
+    def test_prepare_plans_chunks(self):
+        sets = [{"seq_lens": [1, 37, 300], "query_lens": [1, 37, 5], "block_table": 0x10000, "block_table_stride": 3},
+                {"seq_lens": [300], "query_lens": [300], "block_table": 0x20000, "block_table_stride": 3}]
+        with self.s.indexer_prepare(sets, dcp_rank=1) as md:
+            self.assertEqual(md.info["rows"], 43 + 300)
+            self.assertEqual(md.info["keys"], 338 + 300)
+            self.assertEqual(md.info["query_chunks"], 2)  # each set's logits fit one 1-GiB tile
+        # A 12000-byte tile holds 10 rows of 300 logits: each chunk has 10 rows per rank, 20 in all, so the
+        # 300 rows of the second set take 15 chunks and the first set (longest request 300) 43 / 20 -> 3.
+        with self.s.indexer_prepare(sets, dcp_rank=0, max_tile_bytes=12000) as md:
+            self.assertEqual(md.info["query_chunks"], 3 + 15)
+
+    def test_prepare_refusals(self):
+        # 300 keys over 2 ranks in runs of 4 need ceil(152 / 64) = 3 block-table entries per row.
+        short = [{"seq_lens": [300], "query_lens": [1], "block_table": 0x10000, "block_table_stride": 2}]
+        with self.assertRaises(dp.DecodepackError) as e:
+            self.s.indexer_prepare(short)
+        self.assertEqual(e.exception.code, dp.ERR_SHAPE)
+        self.assertIn("block_table_stride 2, expected at least 3", e.exception.message)
+        big = [{"seq_lens": [4000, 97], "query_lens": [1, 1], "block_table": 0x10000, "block_table_stride": 64}]
+        with self.assertRaises(dp.DecodepackError) as e:
+            self.s.indexer_prepare(big)
+        self.assertIn("4097 keys, beyond the workspace's 4096", e.exception.message)
+        with self.assertRaises(dp.DecodepackError) as e:
+            self.s.indexer_prepare([dict(short[0], block_table_stride=3)], dcp_rank=2)
+        self.assertEqual(e.exception.code, dp.ERR_RANK)
+        with self.assertRaises(dp.DecodepackError) as e:
+            self.s.indexer_prepare([dict(short[0], block_table=0x10004, block_table_stride=3)])
+        self.assertEqual(e.exception.code, dp.ERR_ALIGNMENT)
+
+    def test_prefill_checks_before_any_launch(self):
+        sets = [{"seq_lens": [100], "query_lens": [10], "block_table": 0x10000, "block_table_stride": 1}]
+        cache = dp.IndexerCache(0x100000, 4, 64 * 68)
+        ws = self.bundle.info["indexer"]["prefill_workspace_bytes"]
+        calls = []
+        with self.s.indexer_prepare(sets) as md:
+            args = dict(q=0x200000, weights=0x300000, out=0x400000, workspace=0x500000, workspace_bytes=ws)
+            with self.assertRaises(dp.DecodepackError) as e:  # DCP 2 needs the host's all-gather
+                self.s.indexer_prefill(md, cache, **args)
+            self.assertEqual(e.exception.code, dp.ERR_INVALID_ARGUMENT)
+            self.assertIn("all_gather is NULL", e.exception.message)
+            gather = lambda *a: calls.append(a)  # noqa: E731
+            with self.assertRaises(dp.DecodepackError) as e:
+                self.s.indexer_prefill(md, cache, all_gather=gather, **dict(args, workspace_bytes=ws - 1))
+            self.assertEqual(e.exception.code, dp.ERR_SHAPE)
+            with self.assertRaises(dp.DecodepackError) as e:
+                self.s.indexer_prefill(md, cache, all_gather=gather, **dict(args, out=0x400008))
+            self.assertEqual(e.exception.code, dp.ERR_ALIGNMENT)
+            self.assertIn("io.out", e.exception.message)
+            with self.assertRaises(dp.DecodepackError) as e:
+                self.s.indexer_prefill(md, dp.IndexerCache(0x100000, 4, 64 * 68 - 16), all_gather=gather, **args)
+            self.assertEqual(e.exception.code, dp.ERR_LAYOUT)
+            with self.assertRaises(dp.DecodepackError) as e:
+                self.s.indexer_prefill(md, cache, all_gather=gather, **args)
+            self.assertEqual(e.exception.code, dp.ERR_NO_DEVICE)  # everything valid: only the device is missing
+        self.assertEqual(calls, [])
 
 
 if __name__ == "__main__":

@@ -657,7 +657,8 @@ DP_API dp_status* dp_prefetch_join(dp_session* session, dp_stream stream);
  *                              deploy's limits, plans the query chunks and uploads the metadata
  *   dp_indexer_prefill         per layer of the group, with that layer's q, weights, cache and output
  *   dp_indexer_metadata_free   after the group's last prefill has run (stream-ordered work may still use
- *                              the metadata's device memory until then)
+ *                              the metadata's device memory until then), and before the session is
+ *                              destroyed (the metadata's device memory is the session's device's)
  *
  * Decode context parallelism (deploy dcp.size W > 1, dcp.interleave I): position p of a request lives on
  * rank (p / I) % W at local index (p / (I*W)) * I + p % I, in the block block_table[req][local / B] of
@@ -709,6 +710,9 @@ typedef struct dp_indexer_batch_desc {
   int32_t num_sets;                  /* >= 1 */
   const dp_indexer_requests* sets;   /* host [num_sets]; output rows follow the sets in order */
   int32_t dcp_rank;                  /* this session's rank in the DCP group: 0 .. dcp.size - 1 */
+  uint64_t max_tile_bytes;           /* logits tile of one query chunk: 0 = 1 GiB (the workspace's); a
+                                        smaller value splits the rows into more chunks (at least one
+                                        row of the longest request: 4 bytes per key) */
 } dp_indexer_batch_desc;
 
 DP_API void dp_indexer_batch_desc_init(dp_indexer_batch_desc* d);

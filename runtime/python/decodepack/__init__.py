@@ -139,6 +139,35 @@ class _FinalNormIo(ctypes.Structure):
     _fields_ = [("size", _sz), ("hidden", _u64), ("residual", _u64), ("out", _u64), ("residual_out", _u64)]
 
 
+class _IndexerCache(ctypes.Structure):
+    _fields_ = [("size", _sz), ("data", _u64), ("num_blocks", _i64), ("block_stride", _i64), ("layout", _i32)]
+
+
+class _IndexerRequests(ctypes.Structure):
+    _fields_ = [("num_requests", _i32), ("seq_lens", ctypes.POINTER(_i64)), ("query_lens", ctypes.POINTER(_i64)),
+                ("block_table", _u64), ("block_table_stride", _i64)]
+
+
+class _IndexerBatchDesc(ctypes.Structure):
+    _fields_ = [("size", _sz), ("num_sets", _i32), ("sets", ctypes.POINTER(_IndexerRequests)), ("dcp_rank", _i32),
+                ("max_tile_bytes", _u64)]
+
+
+class _IndexerPlanInfo(ctypes.Structure):
+    _fields_ = [("size", _sz), ("rows", _i64), ("sets", _i32), ("query_chunks", _i32), ("keys", _i64),
+                ("device_bytes", _u64)]
+
+
+# int32 (*)(void* user, uint64 send, uint64 recv, uint64 bytes, dp_stream stream)
+_ALL_GATHER = ctypes.CFUNCTYPE(_i32, _p, _u64, _u64, _u64, _p)
+
+
+class _IndexerPrefillIo(ctypes.Structure):
+    _fields_ = [("size", _sz), ("q", _u64), ("weights", _u64), ("weight_scale", ctypes.c_float), ("out", _u64),
+                ("workspace", _u64), ("workspace_bytes", _u64), ("all_gather", _ALL_GATHER),
+                ("all_gather_user", _p)]
+
+
 # ---- Library ------------------------------------------------------------------------------------------
 
 _LIB = None
@@ -201,6 +230,15 @@ def _declare(lib):
         "dp_launch_final_norm": (S, [_p, _p, ctypes.POINTER(_FinalNormIo), _p]),
         "dp_prefetch_fork": (S, [_p, _i32, _i32, _i32, _p, ctypes.POINTER(_i32)]),
         "dp_prefetch_join": (S, [_p, _p]),
+        "dp_indexer_cache_init": (None, [ctypes.POINTER(_IndexerCache)]),
+        "dp_indexer_write_keys": (S, [_p, ctypes.POINTER(_IndexerCache), _u64, _u64, _i64, _p]),
+        "dp_indexer_batch_desc_init": (None, [ctypes.POINTER(_IndexerBatchDesc)]),
+        "dp_indexer_plan_info_init": (None, [ctypes.POINTER(_IndexerPlanInfo)]),
+        "dp_indexer_prepare": (S, [_p, ctypes.POINTER(_IndexerBatchDesc), ctypes.POINTER(_p),
+                                   ctypes.POINTER(_IndexerPlanInfo)]),
+        "dp_indexer_metadata_free": (None, [_p]),
+        "dp_indexer_prefill_io_init": (None, [ctypes.POINTER(_IndexerPrefillIo)]),
+        "dp_indexer_prefill": (S, [_p, _p, ctypes.POINTER(_IndexerCache), ctypes.POINTER(_IndexerPrefillIo), _p]),
     }
     for name, (res, args) in sigs.items():
         fn = getattr(lib, name)
@@ -645,3 +683,110 @@ class Session(_Handle):
 
     def prefetch_join(self, stream=None):
         _check(_lib().dp_prefetch_join(self._h, _stream(stream)))
+
+    # Sparse-attention indexer prefill (decodepack.h "Sparse-attention indexer prefill")
+    @staticmethod
+    def _indexer_cache(cache):
+        """cache: IndexerCache, or a dict with data, num_blocks, block_stride and optionally layout."""
+        if isinstance(cache, IndexerCache):
+            cache = cache.__dict__
+        c = _IndexerCache()
+        _lib().dp_indexer_cache_init(ctypes.byref(c))
+        c.data = _address(cache["data"])
+        c.num_blocks = int(cache["num_blocks"])
+        c.block_stride = int(cache["block_stride"])
+        c.layout = int(cache.get("layout", INDEXER_LAYOUT_SPLIT))
+        return c
+
+    def indexer_write_keys(self, cache, keys, slot_mapping, count=None, stream=None):
+        """Quantises keys (BF16 [count, 128]) into the MXFP4 cache at slot_mapping (I64 [count], -1 skips)."""
+        if count is None:
+            count = keys.shape[0] if _is_torch(keys) else None
+        if count is None:
+            raise TypeError("indexer_write_keys: pass count when keys is an address")
+        c = self._indexer_cache(cache)
+        _check(_lib().dp_indexer_write_keys(self._h, ctypes.byref(c), _address(keys), _address(slot_mapping),
+                                            int(count), _stream(stream)))
+
+    def indexer_prepare(self, sets, dcp_rank=0, max_tile_bytes=0):
+        """sets: a list of dicts with seq_lens, query_lens (lists), block_table (device address or tensor) and
+        block_table_stride. Returns the IndexerMetadata of one attention group (free it, or use `with`)."""
+        keep = []
+        arr = (_IndexerRequests * max(len(sets), 1))()
+        for i, st in enumerate(sets):
+            seq = (_i64 * max(len(st["seq_lens"]), 1))(*[int(v) for v in st["seq_lens"]])
+            qry = (_i64 * max(len(st["query_lens"]), 1))(*[int(v) for v in st["query_lens"]])
+            if len(st["seq_lens"]) != len(st["query_lens"]):
+                raise ValueError("indexer_prepare: set %d has %d seq_lens and %d query_lens" %
+                                 (i, len(st["seq_lens"]), len(st["query_lens"])))
+            keep += [seq, qry]
+            arr[i].num_requests = len(st["seq_lens"])
+            arr[i].seq_lens = ctypes.cast(seq, ctypes.POINTER(_i64))
+            arr[i].query_lens = ctypes.cast(qry, ctypes.POINTER(_i64))
+            arr[i].block_table = _address(st["block_table"])
+            bt = st.get("block_table_stride")
+            if bt is None and _is_torch(st["block_table"]):
+                bt = st["block_table"].stride(0)
+            arr[i].block_table_stride = int(bt or 0)
+        d = _IndexerBatchDesc()
+        _lib().dp_indexer_batch_desc_init(ctypes.byref(d))
+        d.num_sets = len(sets)
+        d.sets = ctypes.cast(arr, ctypes.POINTER(_IndexerRequests))
+        d.dcp_rank = dcp_rank
+        d.max_tile_bytes = max_tile_bytes
+        info = _IndexerPlanInfo()
+        _lib().dp_indexer_plan_info_init(ctypes.byref(info))
+        h = _p()
+        _check(_lib().dp_indexer_prepare(self._h, ctypes.byref(d), ctypes.byref(h), ctypes.byref(info)))
+        return IndexerMetadata(h, info, self)
+
+    def indexer_prefill(self, metadata, cache, q, weights, out, workspace, workspace_bytes=None, weight_scale=1.0,
+                        all_gather=None, stream=None):
+        """One layer's prefill. all_gather(send, recv, nbytes, stream) -> None: the host's communicator over the
+        DCP group (ints: device addresses, bytes per rank, the stream); required when dcp.size > 1. An
+        exception it raises fails the call (DP_ERR_COMMUNICATOR) and is re-raised here."""
+        c = self._indexer_cache(cache)
+        io = _IndexerPrefillIo()
+        _lib().dp_indexer_prefill_io_init(ctypes.byref(io))
+        io.q, io.weights, io.out, io.workspace = _address(q), _address(weights), _address(out), _address(workspace)
+        if workspace_bytes is None:
+            workspace_bytes = workspace.numel() * workspace.element_size() if _is_torch(workspace) else 0
+        io.workspace_bytes = int(workspace_bytes)
+        io.weight_scale = weight_scale
+        raised = []
+        if all_gather is not None:
+            def trampoline(_user, send, recv, nbytes, strm):
+                try:
+                    all_gather(int(send), int(recv), int(nbytes), strm)
+                    return 0
+                except BaseException as e:  # noqa: B902 (no exception may cross into C)
+                    raised.append(e)
+                    return -1
+            io.all_gather = _ALL_GATHER(trampoline)
+        status = _lib().dp_indexer_prefill(self._h, metadata._h, ctypes.byref(c), ctypes.byref(io), _stream(stream))
+        if raised:
+            if status:
+                _lib().dp_status_free(status)
+            raise raised[0]
+        _check(status)
+
+
+INDEXER_LAYOUT_SPLIT, INDEXER_LAYOUT_PACKED = 0, 1
+
+
+class IndexerCache:
+    """One rank's MXFP4 index-key cache: data (address or tensor), num_blocks, block_stride (bytes), layout."""
+
+    def __init__(self, data, num_blocks, block_stride, layout=INDEXER_LAYOUT_SPLIT):
+        self.data, self.num_blocks, self.block_stride, self.layout = data, num_blocks, block_stride, layout
+
+
+class IndexerMetadata(_Handle):
+    """dp_indexer_prepare's plan of one attention group; valid while its session lives."""
+    _free = "dp_indexer_metadata_free"
+
+    def __init__(self, h, info, session):
+        self._h = h
+        self._session = session  # freed before the session
+        self.info = {"rows": info.rows, "sets": info.sets, "query_chunks": info.query_chunks, "keys": info.keys,
+                     "device_bytes": info.device_bytes}
