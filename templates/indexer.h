@@ -212,7 +212,8 @@ __device__ __forceinline__ void dp_idx_stage(const dp_u8* __restrict__ gathered,
 
 // ---------------------------------------------------------------------------------------------------
 // Score. Block (i, b) (blockIdx.x = row, blockIdx.y = key block) takes query row i of the tile and the
-// keys at positions 32b..32b+31 of the row's request; positions past the row's own are not scored (causal) and not written. The 32 keys are
+// keys at positions 32b..32b+31 of the row's request (then 32(b + gridDim.y).., for requests longer than
+// the grid's y extent); positions past the row's own are not scored (causal) and not written. The 32 keys are
 // dequantised into shared memory (rows padded to 129 floats: thread s reads key s, conflict-free), the
 // row's q stays bf16 in shared memory (read as broadcasts). Thread (s, hg) sums heads hg, hg+8, ...
 // of key s; the 8 partial sums are added in a fixed order, so the result is deterministic.
@@ -242,58 +243,61 @@ __device__ __forceinline__ void dp_idx_score(const dp_bf16* __restrict__ q,     
   const dp_u32 row = row_begin + i;
   const int r = row_request[row];
   const int pos = row_position[row];
-  const dp_u32 t0 = blockIdx.y * kKeys;
-  if (pos < 0 || (int)t0 > pos) return;  // nothing visible in this block (uniform per block)
+  if (pos < 0 || (int)(blockIdx.y * kKeys) > pos) return;  // nothing visible in this block (uniform per block)
   const dp_u32 tid = threadIdx.x;
 
   // q row and head weights.
   const dp_u32* qrow = (const dp_u32*)(q + (dp_u64)row * NH * DP_IDX_DIM);
   for (dp_u32 k = tid; k < NH * DP_IDX_DIM / 2; k += DP_IDX_SCORE_THREADS) q_s[k] = qrow[k];
   for (dp_u32 h = tid; h < NH; h += DP_IDX_SCORE_THREADS) w_s[h] = w[(dp_u64)row * NH + h];
-  // Keys: thread (key s, 8 consecutive payload bytes = 16 elements) dequantises its part.
-  {
-    const dp_u32 s = tid / 8u, part8 = tid % 8u;  // 32 keys x 8 parts of 16 elements
-    const dp_u32 t = t0 + s;
-    float* dst = &k_s[s][part8 * 16u];
-    if ((int)t <= pos) {
-      const dp_u32 g = (dp_u32)cu[r] + t;
-      const dp_u32 page = g / DP_IDX_PAGE, slot = g % DP_IDX_PAGE;
-      const dp_u32 c = part8 / 2u;  // scale group of these 16 elements
-      const float sc = dp_idx_scale(scales[((dp_u64)page * 4u + c) * DP_IDX_PAGE + slot]);
-      const dp_u8* src = payload + (((dp_u64)page * 4u + c) * DP_IDX_PAGE + slot) * 16u + 8u * (part8 % 2u);
-      const dp_u32 lo = *(const dp_u32*)src, hi = *(const dp_u32*)(src + 4);
-#pragma unroll
-      for (dp_u32 k = 0; k < 8u; ++k) dst[k] = dp_idx_e2m1_value((lo >> (4u * k)) & 15u, sc);
-#pragma unroll
-      for (dp_u32 k = 0; k < 8u; ++k) dst[8u + k] = dp_idx_e2m1_value((hi >> (4u * k)) & 15u, sc);
-    } else {
-#pragma unroll
-      for (dp_u32 k = 0; k < 16u; ++k) dst[k] = 0.0f;
+  // Key blocks b = blockIdx.y, + gridDim.y, ...: the grid's y extent is capped (65535), requests are not.
+  for (dp_u32 t0 = blockIdx.y * kKeys; (int)t0 <= pos; t0 += gridDim.y * kKeys) {
+    __syncthreads();  // the previous block's keys and partial sums are read
+    // Keys: thread (key s, 8 consecutive payload bytes = 16 elements) dequantises its part.
+    {
+      const dp_u32 s = tid / 8u, part8 = tid % 8u;  // 32 keys x 8 parts of 16 elements
+      const dp_u32 t = t0 + s;
+      float* dst = &k_s[s][part8 * 16u];
+      if ((int)t <= pos) {
+        const dp_u32 g = (dp_u32)cu[r] + t;
+        const dp_u32 page = g / DP_IDX_PAGE, slot = g % DP_IDX_PAGE;
+        const dp_u32 c = part8 / 2u;  // scale group of these 16 elements
+        const float sc = dp_idx_scale(scales[((dp_u64)page * 4u + c) * DP_IDX_PAGE + slot]);
+        const dp_u8* src = payload + (((dp_u64)page * 4u + c) * DP_IDX_PAGE + slot) * 16u + 8u * (part8 % 2u);
+        const dp_u32 lo = *(const dp_u32*)src, hi = *(const dp_u32*)(src + 4);
+  #pragma unroll
+        for (dp_u32 k = 0; k < 8u; ++k) dst[k] = dp_idx_e2m1_value((lo >> (4u * k)) & 15u, sc);
+  #pragma unroll
+        for (dp_u32 k = 0; k < 8u; ++k) dst[8u + k] = dp_idx_e2m1_value((hi >> (4u * k)) & 15u, sc);
+      } else {
+  #pragma unroll
+        for (dp_u32 k = 0; k < 16u; ++k) dst[k] = 0.0f;
+      }
     }
-  }
-  __syncthreads();
+    __syncthreads();
 
-  const dp_u32 s = tid % kKeys, hg = tid / kKeys;
-  float acc = 0.0f;
-  for (dp_u32 h = hg; h < (dp_u32)NH; h += kGroups) {
-    const dp_u32* qh = q_s + h * (DP_IDX_DIM / 2);
-    float dot = 0.0f;
-#pragma unroll 8
-    for (dp_u32 d2 = 0; d2 < DP_IDX_DIM / 2; ++d2) {
-      const dp_u32 qq = qh[d2];
-      dot += dp_bits_to_f32(qq << 16) * k_s[s][2 * d2];
-      dot += dp_bits_to_f32(qq & 0xffff0000u) * k_s[s][2 * d2 + 1];
+    const dp_u32 s = tid % kKeys, hg = tid / kKeys;
+    float acc = 0.0f;
+    for (dp_u32 h = hg; h < (dp_u32)NH; h += kGroups) {
+      const dp_u32* qh = q_s + h * (DP_IDX_DIM / 2);
+      float dot = 0.0f;
+  #pragma unroll 8
+      for (dp_u32 d2 = 0; d2 < DP_IDX_DIM / 2; ++d2) {
+        const dp_u32 qq = qh[d2];
+        dot += dp_bits_to_f32(qq << 16) * k_s[s][2 * d2];
+        dot += dp_bits_to_f32(qq & 0xffff0000u) * k_s[s][2 * d2 + 1];
+      }
+      acc += w_s[h] * (dot > 0.0f ? dot : 0.0f);
     }
-    acc += w_s[h] * (dot > 0.0f ? dot : 0.0f);
-  }
-  part[hg][s] = acc;
-  __syncthreads();
-  if (hg == 0) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) sum += part[g][s];
-    const dp_u32 t = t0 + s;
-    if ((int)t <= pos) logits[(dp_u64)i * L + t] = sum * weight_scale;
+    part[hg][s] = acc;
+    __syncthreads();
+    if (hg == 0) {
+      float sum = 0.0f;
+  #pragma unroll
+      for (int g = 0; g < kGroups; ++g) sum += part[g][s];
+      const dp_u32 t = t0 + s;
+      if ((int)t <= pos) logits[(dp_u64)i * L + t] = sum * weight_scale;
+    }
   }
 }
 

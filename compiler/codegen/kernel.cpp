@@ -867,7 +867,8 @@ const OpSpec& spec_of(const KernelInstance& k, std::string_view where) {
       if (!known) {
         std::string valid;
         for (const ParamSpec& ps : op.params) valid += fmt::format("{}{}", valid.empty() ? "" : ", ", ps.key);
-        fail(Errc::input, "{}: unknown parameter {} for op {} (valid: {})", who, key, op.name, valid);
+        fail(Errc::input, "{}: unknown parameter {} for op {} ({})", who, key, op.name,
+             valid.empty() ? std::string("it takes none") : "valid: " + valid);
       }
     }
     op.check(k.params, who);

@@ -32,7 +32,7 @@ struct KernelInstance {
   std::vector<std::pair<std::string, int64_t>> params;  // e.g. {"w",4},{"h",2304}
   std::string target;                                  // "sm_90a", "gfx942"
   std::string name;
-  std::string role;                                    // "final_norm", "prefetch" or "layer" (programs only)
+  std::string role;                                    // "final_norm", "prefetch", "layer" (programs only), "indexer"
   int64_t width = 0;                                   // requests; 0 for width-independent kernels
   codegen::KernelInstance codegen;
   int64_t param(std::string_view key) const;           // -1 when absent
@@ -112,13 +112,14 @@ struct Plan {
   std::vector<LayerProgram> programs;
 };
 
-// Checks the deploy against the model first (deploy::check_against_model), then plans.
 // The indexer prefill kernels (templates/indexer.h) for a model with an indexer: idx_quant, idx_pack,
 // idx_stage, idx_score{NH}, idx_topk{K}, idx_rows. indexer_kernel_gap says why a model's indexer has no
 // kernels ("" when it has them; every model without an indexer gets "the model has no indexer").
 std::vector<codegen::KernelInstance> indexer_kernel_instances(const model::Model& m);
 std::string indexer_kernel_gap(const model::Model& m);
 inline bool indexer_kernels_supported(const model::Model& m) { return indexer_kernel_gap(m).empty(); }
+
+// Checks the deploy against the model first (deploy::check_against_model), then plans.
 
 Plan make_plan(const model::Model& m, const deploy::Deploy& d, const std::string& deploy_where,
                const PlanOptions& opt = {});

@@ -35,7 +35,7 @@ constexpr int64_t kKeyBytes = 68;
 constexpr int64_t kPageKeys = 64;
 constexpr uint64_t kAlign = 16;
 constexpr int64_t kScoreKeys = 32;        // keys per idx_score block (templates/indexer.h)
-constexpr int64_t kMaxGridY = 65535;
+constexpr int64_t kMaxGridY = 65535;     // idx_score loops over key blocks beyond it
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 }  // namespace
@@ -258,9 +258,6 @@ Status dp_session::indexer_prepare(const dp_indexer_batch_desc& desc, dp_indexer
                    "rank need that many blocks of {} at dcp.size {})", where, rs.block_table_stride, most_blocks, B, W);
     if (rs.block_table_stride > UINT32_MAX)
       return error(DP_ERR_SHAPE, "{}: block_table_stride {} is above 2^32 - 1", where, rs.block_table_stride);
-    if (ceil_div(set.max_len, kScoreKeys) > kMaxGridY)
-      return error(DP_ERR_SHAPE, "{}: a request of {} keys, the scoring kernel takes at most {}", where, set.max_len,
-                   kMaxGridY * kScoreKeys);
     set.pages = ceil_div(set.keys, kPageKeys);
     // Query chunks: a rank's tile of share rows x max_len fp32 logits stays within the tile (1 GiB).
     const uint64_t tile_bytes = desc.max_tile_bytes ? desc.max_tile_bytes : kTileBytes;
@@ -417,7 +414,8 @@ Status dp_session::indexer_prefill(const dp_indexer_metadata& md, const dp_index
       const int64_t tile = W > 1 ? range.share : range.end - range.begin;
       const int64_t valid = std::clamp<int64_t>(range.end - first, 0, tile);
       DP_RETURN_IF_ERROR(indexer_launch(
-          "idx_score", static_cast<uint32_t>(valid), static_cast<uint32_t>(ceil_div(set.max_len, kScoreKeys)),
+          "idx_score", static_cast<uint32_t>(valid),
+          static_cast<uint32_t>(std::min(ceil_div(set.max_len, kScoreKeys), kMaxGridY)),
           {{"q", io.q + u(set.row_offset * NH * 128 * 2)}, {"w", io.weights + u(set.row_offset * NH * 4)},
            {"payload", payload}, {"scales", scales}, {"cu", set.cu}, {"row_request", set.row_request},
            {"row_position", set.row_position}, {"logits", logits}, {"row_begin", u(first)}, {"tile_rows", u(valid)},

@@ -634,6 +634,13 @@ Status dp_session::load_kernels() {
     }
   }
   DP_RETURN_IF_ERROR(build_prefetch_tables());
+  // The indexer's kernels too, so that nothing loads later (memory profiling, graph capture); a model
+  // whose indexer the build could not make kernels for has none, and the indexer calls say so.
+  for (const format::KernelEntry& k : m.kernels)
+    if (k.target == target && k.role == "indexer") {
+      DP_RETURN_IF_ERROR(load_indexer());
+      break;
+    }
   loaded = true;
   return ok();
 }

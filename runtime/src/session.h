@@ -121,8 +121,8 @@ struct dp_session {
   dp::rt::Status prefetch_fork(int32_t point, int32_t layer, int32_t width, dp_stream stream, int32_t* launched);
   dp::rt::Status prefetch_join(dp_stream stream);
 
-  // Sparse-attention indexer prefill (src/indexer.cpp). Its kernels load on first use (they need no
-  // weights), or with the others in load_kernels.
+  // Sparse-attention indexer prefill (src/indexer.cpp). Its kernels load with the others in load_kernels,
+  // or on first use when the host calls the indexer before that (they need no weights).
   std::map<std::string, dp::rt::LoadedKernel> indexer_kernels;  // by op: idx_quant, idx_pack, ...
   dp::rt::Status load_indexer();
   dp::rt::Status indexer_write_keys(const dp_indexer_cache& cache, uint64_t keys, uint64_t slot_mapping, int64_t count,

@@ -670,7 +670,11 @@ DP_API dp_status* dp_prefetch_join(dp_session* session, dp_stream stream);
  *
  * Workspace: dp_indexer_prefill uses a device buffer of dp_bundle_info.indexer_prefill_workspace_bytes
  * that the host allocates once (1 GiB of logits tile plus the staged keys) and may reuse between calls
- * on the same stream. */
+ * on the same stream.
+ *
+ * Every device address here (keys, slot_mapping, q, weights, out, workspace, block tables, the cache) must
+ * be a multiple of 16 bytes (DP_ERR_ALIGNMENT otherwise). The indexer's kernels load with
+ * dp_session_load_kernels, or at the first indexer call on a session that has not loaded them. */
 
 typedef enum dp_indexer_layout {
   DP_INDEXER_LAYOUT_SPLIT = 0,  /* a block's 64-byte payload rows, then its 4-byte scale rows */

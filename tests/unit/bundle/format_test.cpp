@@ -87,18 +87,18 @@ TEST(BundleFormat, VersionGateAcceptsOwnMajorAndOlderMinors) {
 
 TEST(BundleFormat, VersionGateRefusesNewerMinorAndOtherMajors) {
   expect_format_error([] { format::check_version({1, 99}, "m.json"); }, FormatError::Kind::version,
-                      {"m.json", "version 1.99", "format 1.1", "supported: 1.0 to 1.1", "upgrade decodepack"});
+                      {"m.json", "version 1.99", "format 1.2", "supported: 1.0 to 1.2", "upgrade decodepack"});
   expect_format_error([] { format::check_version({2, 0}, "m.json"); }, FormatError::Kind::version,
-                      {"m.json", "version 2.0", "format 1.1", "supported: 1.0 to 1.1"});
+                      {"m.json", "version 2.0", "format 1.2", "supported: 1.0 to 1.2"});
   expect_format_error([] { format::check_version({0, 3}, "m.json"); }, FormatError::Kind::version,
-                      {"version 0.3", "supported: 1.0 to 1.1", "rebuild the bundle"});
+                      {"version 0.3", "supported: 1.0 to 1.2", "rebuild the bundle"});
 
   for (auto [major, minor] : {std::pair{1, 99}, std::pair{2, 0}}) {
     SCOPED_TRACE(major * 100 + minor);
     Json j = fixture_json();
     j["format_version"] = {{"major", major}, {"minor", minor}};
     expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::version,
-                        {fmt::format("version {}.{}", major, minor), "supported: 1.0 to 1.1"});
+                        {fmt::format("version {}.{}", major, minor), "supported: 1.0 to 1.2"});
   }
 }
 
@@ -106,7 +106,7 @@ TEST(BundleFormat, VersionIsCheckedBeforeAnyOtherField) {
   // A 2.0 manifest may look like anything else; the reader must say "version", not "missing field".
   Json j = {{"format", "decodepack-bundle"}, {"format_version", {{"major", 2}, {"minor", 0}}}, {"v2", true}};
   expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::version,
-                      {"version 2.0", "supported: 1.0 to 1.1"});
+                      {"version 2.0", "supported: 1.0 to 1.2"});
   j["format"] = "something-else";
   expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::schema,
                       {"field format is \"something-else\", expected \"decodepack-bundle\""});
@@ -119,7 +119,7 @@ TEST(BundleFormat, BundleOpenRefusesANewerMinorAsInput) {
   j["format_version"]["minor"] = 99;
   std::ofstream(t / "b/manifest.json", std::ios::trunc) << j.dump() << "\n";
   test::expect_error([&] { Bundle::open(t / "b"); }, Errc::input,
-                     {"manifest.json", "version 1.99", "format 1.1", "supported: 1.0 to 1.1"});
+                     {"manifest.json", "version 1.99", "format 1.2", "supported: 1.0 to 1.2"});
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -264,6 +264,40 @@ TEST_F(BrokenManifest, PrefetchRangeNamesNoWeightOrIsMisaligned) {
   m_ = format::from_json(fixture_json(), "m.json");
   m_.prefetch[1].ranges[0].bytes = 100;
   expect_invalid(m_, {"prefetch[1]: 100 bytes of " + m_.prefetch[1].ranges[0].weight + " is not a multiple of 16"});
+}
+
+// Kernels of role "indexer" (the sparse-attention indexer's prefill ops) exist since 1.2, and only in a
+// manifest whose `indexer` is present.
+TEST_F(BrokenManifest, IndexerKernelsNeedFormat12AndAnIndexer) {
+  auto with_indexer = [](Manifest m, int minor) {
+    m.format_version = {1, minor};
+    m.indexer = {8, 128, 2048, (uint64_t{1} << 30) + 68 * (4096 + 4096)};
+    m.kernels[0].role = "indexer";  // prefetch_b32.gfx942 stands in for an indexer op
+    return m;
+  };
+  const Manifest ok = with_indexer(m_, 2);
+  EXPECT_NO_THROW(format::validate(ok, "m.json"));
+  // It survives the manifest's JSON form.
+  const Manifest again = format::from_json(format::to_json(ok), "m.json");
+  EXPECT_EQ(again.kernels[0].role, "indexer");
+  EXPECT_EQ(again.indexer.heads, 8);
+  EXPECT_NO_THROW(format::validate(again, "m.json"));
+
+  expect_invalid(with_indexer(m_, 1), {"m.json", "kernels[0] (prefetch_b32.gfx942)", "role indexer", "1.1 manifest",
+                                       "since 1.2"});
+  expect_invalid(with_indexer(m_, 0), {"kernels[0] (prefetch_b32.gfx942)", "1.0 manifest", "since 1.2"});
+  Manifest none = with_indexer(m_, 2);
+  none.indexer = {};
+  expect_invalid(none, {"kernels[0] (prefetch_b32.gfx942)", "role indexer", "1.2 manifest", "no indexer"});
+  // The reader applies the same rule.
+  Json j = format::to_json(with_indexer(m_, 2));
+  j["format_version"]["minor"] = 1;
+  expect_format_error([&] { format::validate(format::from_json(j, "m.json"), "m.json"); }, FormatError::Kind::schema,
+                      {"role indexer", "since 1.2"});
+  // Other roles are still refused, and the message lists indexer among the known ones.
+  Manifest other = ok;
+  other.kernels[0].role = "indexr";
+  expect_invalid(other, {"role \"indexr\"", "expected final_norm, prefetch, layer or indexer"});
 }
 
 // from_json's type and range checks name the field path, the actual and the expected value.

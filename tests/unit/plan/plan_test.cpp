@@ -241,5 +241,97 @@ TEST(Plan, K3PlansWithoutWeights) {
   for (const KernelInstance& k : p.kernels) EXPECT_TRUE(k.role == "final_norm" || k.role == "prefetch") << k.name;
 }
 
+// The sparse-attention indexer's prefill ops: six width-independent kernels per target for a model whose
+// indexer the templates take (head dim 128, heads a multiple of 8 up to 64, top-k 1..4096), none otherwise.
+TEST(Plan, IndexerKernelsArePlannedPerTargetForAModelWithAnIndexer) {
+  model::Model m = model::load_model("kimi-k3-tiny-indexer");  // 8 index heads, head dim 128, top-k 2048
+  ASSERT_TRUE(m.indexer.present());
+  EXPECT_EQ(indexer_kernel_gap(m), "");
+  EXPECT_TRUE(indexer_kernels_supported(m));
+  Plan p = make_plan(m, deploy_of(base_deploy()), "deploy.json");
+  const std::set<std::string> want = {"idx_pack", "idx_quant", "idx_rows", "idx_score_nh8", "idx_stage",
+                                      "idx_topk_k2048"};
+  for (const char* t : {"gfx942", "sm_90a"}) {
+    SCOPED_TRACE(t);
+    std::set<std::string> got;
+    size_t count = 0;
+    for (const KernelInstance& k : p.kernels) {
+      if (k.target != t || k.role != "indexer") continue;
+      ++count;
+      got.insert(k.name);
+      EXPECT_EQ(k.width, 0) << k.name;
+      EXPECT_EQ(k.codegen.target, t) << k.name;
+      EXPECT_EQ(codegen::kernel_name(k.codegen), k.name);
+    }
+    EXPECT_EQ(count, 6u);
+    EXPECT_EQ(got, want);
+  }
+  // The instances themselves carry the model's numbers.
+  const std::vector<codegen::KernelInstance> inst = indexer_kernel_instances(m);
+  ASSERT_EQ(inst.size(), 6u);
+  std::set<std::string> names;
+  for (codegen::KernelInstance k : inst) {
+    k.target = "sm_90a";
+    names.insert(codegen::kernel_name(k));
+  }
+  EXPECT_EQ(names, want);
+  // Nothing else changes: the same model without its indexer plans the same kernels minus these.
+  model::Model plain = m;
+  plain.indexer = {};
+  Plan q = make_plan(plain, deploy_of(base_deploy()), "deploy.json");
+  EXPECT_EQ(q.kernels.size() + 12, p.kernels.size());
+  for (const KernelInstance& k : q.kernels) EXPECT_NE(k.role, "indexer") << k.name;
+}
+
+TEST(Plan, NoIndexerKernelsWithoutAnIndexer) {
+  for (const char* preset : {"kimi-linear-tiny", "kimi-k3-tiny"}) {
+    SCOPED_TRACE(preset);
+    model::Model m = model::load_model(preset);
+    EXPECT_FALSE(m.indexer.present());
+    EXPECT_EQ(indexer_kernel_gap(m), "the model has no indexer");
+    EXPECT_FALSE(indexer_kernels_supported(m));
+    Plan p = make_plan(m, deploy_of(base_deploy()), "deploy.json");
+    for (const KernelInstance& k : p.kernels) {
+      EXPECT_NE(k.role, "indexer") << k.name;
+      EXPECT_NE(k.op.rfind("idx_", 0), 0u) << k.name;
+    }
+  }
+}
+
+TEST(Plan, IndexerConfigsTheTemplatesCannotBuildSayWhyAndPlanNoIndexerKernels) {
+  const model::Model base = model::load_model("kimi-k3-tiny-indexer");
+  struct Case {
+    int64_t heads, head_dim, top_k;
+    std::vector<std::string> fragments;
+  };
+  const Case cases[] = {
+      {72, 128, 2048, {"index_n_heads 72", "multiple of 8 up to 64"}},
+      {12, 128, 2048, {"index_n_heads 12", "multiple of 8"}},
+      {4, 128, 2048, {"index_n_heads 4"}},
+      {8, 64, 2048, {"index_head_dim 64", "128"}},
+      {8, 128, 4097, {"index_topk 4097", "1..4096"}},
+      {8, 128, 0, {"index_topk 0"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::Message() << c.heads << " heads, dim " << c.head_dim << ", top-k " << c.top_k);
+    model::Model m = base;
+    m.indexer.num_heads = c.heads;
+    m.indexer.head_dim = c.head_dim;
+    m.indexer.top_k = c.top_k;
+    const std::string gap = indexer_kernel_gap(m);
+    for (const std::string& f : c.fragments) EXPECT_NE(gap.find(f), std::string::npos) << gap;
+    EXPECT_FALSE(indexer_kernels_supported(m));
+    Plan p = make_plan(m, deploy_of(base_deploy()), "deploy.json");
+    for (const KernelInstance& k : p.kernels) EXPECT_NE(k.role, "indexer") << k.name;
+  }
+  // The limits themselves are supported.
+  for (auto [heads, top_k] : {std::pair<int64_t, int64_t>{64, 4096}, {8, 1}, {16, 2048}}) {
+    model::Model m = base;
+    m.indexer.num_heads = heads;
+    m.indexer.top_k = top_k;
+    EXPECT_EQ(indexer_kernel_gap(m), "") << heads << " " << top_k;
+  }
+}
+
 }  // namespace
 }  // namespace dp::plan

@@ -215,7 +215,7 @@ TEST_F(BundleReaderTest, SymlinkInDirectoryIsRefused) {
 TEST_F(BundleReaderTest, NewerFormatVersionIsRefusedFirst) {
   const fs::path d = copy_dir();
   std::string m = read_text(d / "manifest.json");
-  const std::string from = "\"format_version\":{\"major\":1,\"minor\":1}";
+  const std::string from = "\"format_version\":{\"major\":1,\"minor\":2}";
   ASSERT_NE(m.find(from), std::string::npos);
   m.replace(m.find(from), from.size(), "\"format_version\":{\"major\":1,\"minor\":99}");
   // Also break a later field: the version must be reported, not the schema problem.
