@@ -160,6 +160,19 @@ LaunchShape idx_launch(uint32_t threads) {
   return s;
 }
 
+// An indexer op without compile-time parameters: blocks of kIdxThreads, the same arguments always.
+OpSpec indexer_op(const char* name, const char* device_fn, std::vector<ArgSpec> args) {
+  return {name,
+          "indexer.h",
+          device_fn,
+          {},
+          [](const Params&, const std::string&) {},
+          [](const Params&) { return std::vector<int64_t>{kIdxThreads}; },
+          [args](const Params&) { return args; },
+          [](const Params&) { return idx_launch(kIdxThreads); },
+          [](const Params&) { return static_cast<uint32_t>(kIdxThreads); }};
+}
+
 const std::vector<OpSpec>& ops() {
   static const std::vector<OpSpec> table = {
       {
@@ -632,77 +645,44 @@ const std::vector<OpSpec>& ops() {
           "DP_KERNEL_BOUNDS",
       },
       // ---- FP4 indexer prefill (templates/indexer.h). Grids are chosen at run time from the chunk.
-      {
-          "idx_quant",
-          "indexer.h",
-          "dp_idx_quant",
-          {},
-          [](const Params&, const std::string&) {},
-          [](const Params&) { return std::vector<int64_t>{kIdxThreads}; },
-          [](const Params&) {
-            return std::vector<ArgSpec>{
-                {"keys", KernelParam::Kind::pointer, "const dp_bf16*", "[count, 128] bf16", "index keys (normed, roped)"},
-                {"slots", KernelParam::Kind::pointer, "const dp_i64*", "[count] i64", "cache slot per key, -1 = skip"},
-                {"cache", KernelParam::Kind::pointer, "dp_u8*", "[num_blocks, block_stride] u8", "MXFP4 key cache"},
-                {"count", KernelParam::Kind::u32, "dp_u32", "", "keys"},
-                {"num_blocks", KernelParam::Kind::u32, "dp_u32", "", "cache blocks"},
-                {"block_size", KernelParam::Kind::u32, "dp_u32", "", "keys per cache block"},
-                {"block_stride", KernelParam::Kind::u32, "dp_u32", "", "bytes between cache blocks"},
-                {"layout", KernelParam::Kind::u32, "dp_u32", "", "0: split, 1: packed"},
-            };
-          },
-          [](const Params&) { return idx_launch(kIdxThreads); },
-          [](const Params&) { return static_cast<uint32_t>(kIdxThreads); },
-      },
-      {
-          "idx_pack",
-          "indexer.h",
-          "dp_idx_pack",
-          {},
-          [](const Params&, const std::string&) {},
-          [](const Params&) { return std::vector<int64_t>{kIdxThreads}; },
-          [](const Params&) {
-            return std::vector<ArgSpec>{
-                {"cache", KernelParam::Kind::pointer, "const dp_u8*", "[num_blocks, block_stride] u8", "this rank's key cache"},
-                {"block_table", KernelParam::Kind::pointer, "const dp_i32*", "[R, bt_stride] i32", "request set's blocks"},
-                {"local_cu", KernelParam::Kind::pointer, "const dp_i32*", "[R + 1] i32", "this rank's packed row offsets"},
-                {"packed", KernelParam::Kind::pointer, "dp_u8*", "[max_local, 68] u8", "compact keys"},
-                {"num_requests", KernelParam::Kind::u32, "dp_u32", "", "R"},
-                {"bt_stride", KernelParam::Kind::u32, "dp_u32", "", "entries per block-table row"},
-                {"max_local", KernelParam::Kind::u32, "dp_u32", "", "packed rows (zero past the rank's keys)"},
-                {"num_blocks", KernelParam::Kind::u32, "dp_u32", "", "cache blocks"},
-                {"block_size", KernelParam::Kind::u32, "dp_u32", "", "keys per cache block"},
-                {"block_stride", KernelParam::Kind::u32, "dp_u32", "", "bytes between cache blocks"},
-                {"layout", KernelParam::Kind::u32, "dp_u32", "", "0: split, 1: packed"},
-            };
-          },
-          [](const Params&) { return idx_launch(kIdxThreads); },
-          [](const Params&) { return static_cast<uint32_t>(kIdxThreads); },
-      },
-      {
-          "idx_stage",
-          "indexer.h",
-          "dp_idx_stage",
-          {},
-          [](const Params&, const std::string&) {},
-          [](const Params&) { return std::vector<int64_t>{kIdxThreads}; },
-          [](const Params&) {
-            return std::vector<ArgSpec>{
-                {"gathered", KernelParam::Kind::pointer, "const dp_u8*", "[W * max_local, 68] u8", "every rank's packed rows"},
-                {"cu", KernelParam::Kind::pointer, "const dp_i32*", "[R + 1] i32", "key offsets"},
-                {"local_cu", KernelParam::Kind::pointer, "const dp_i32*", "[W, R + 1] i32", "every rank's row offsets"},
-                {"payload", KernelParam::Kind::pointer, "dp_u8*", "[pages, 1, 4, 64, 16] u8", "staged payload"},
-                {"scales", KernelParam::Kind::pointer, "dp_u8*", "[pages, 1, 4, 64] u8", "staged scales"},
-                {"num_requests", KernelParam::Kind::u32, "dp_u32", "", "R"},
-                {"world", KernelParam::Kind::u32, "dp_u32", "", "DCP world size"},
-                {"interleave", KernelParam::Kind::u32, "dp_u32", "", "DCP interleave"},
-                {"max_local", KernelParam::Kind::u32, "dp_u32", "", "packed rows per rank"},
-                {"pages", KernelParam::Kind::u32, "dp_u32", "", "64-key pages"},
-            };
-          },
-          [](const Params&) { return idx_launch(kIdxThreads); },
-          [](const Params&) { return static_cast<uint32_t>(kIdxThreads); },
-      },
+      indexer_op("idx_quant", "dp_idx_quant",
+                 {
+                   {"keys", KernelParam::Kind::pointer, "const dp_bf16*", "[count, 128] bf16", "index keys (normed, roped)"},
+                   {"slots", KernelParam::Kind::pointer, "const dp_i64*", "[count] i64", "cache slot per key, -1 = skip"},
+                   {"cache", KernelParam::Kind::pointer, "dp_u8*", "[num_blocks, block_stride] u8", "MXFP4 key cache"},
+                   {"count", KernelParam::Kind::u32, "dp_u32", "", "keys"},
+                   {"num_blocks", KernelParam::Kind::u32, "dp_u32", "", "cache blocks"},
+                   {"block_size", KernelParam::Kind::u32, "dp_u32", "", "keys per cache block"},
+                   {"block_stride", KernelParam::Kind::u32, "dp_u32", "", "bytes between cache blocks"},
+                   {"layout", KernelParam::Kind::u32, "dp_u32", "", "0: split, 1: packed"},
+                 }),
+      indexer_op("idx_pack", "dp_idx_pack",
+                 {
+                   {"cache", KernelParam::Kind::pointer, "const dp_u8*", "[num_blocks, block_stride] u8", "this rank's key cache"},
+                   {"block_table", KernelParam::Kind::pointer, "const dp_i32*", "[R, bt_stride] i32", "request set's blocks"},
+                   {"local_cu", KernelParam::Kind::pointer, "const dp_i32*", "[R + 1] i32", "this rank's packed row offsets"},
+                   {"packed", KernelParam::Kind::pointer, "dp_u8*", "[max_local, 68] u8", "compact keys"},
+                   {"num_requests", KernelParam::Kind::u32, "dp_u32", "", "R"},
+                   {"bt_stride", KernelParam::Kind::u32, "dp_u32", "", "entries per block-table row"},
+                   {"max_local", KernelParam::Kind::u32, "dp_u32", "", "packed rows (zero past the rank's keys)"},
+                   {"num_blocks", KernelParam::Kind::u32, "dp_u32", "", "cache blocks"},
+                   {"block_size", KernelParam::Kind::u32, "dp_u32", "", "keys per cache block"},
+                   {"block_stride", KernelParam::Kind::u32, "dp_u32", "", "bytes between cache blocks"},
+                   {"layout", KernelParam::Kind::u32, "dp_u32", "", "0: split, 1: packed"},
+                 }),
+      indexer_op("idx_stage", "dp_idx_stage",
+                 {
+                   {"gathered", KernelParam::Kind::pointer, "const dp_u8*", "[W * max_local, 68] u8", "every rank's packed rows"},
+                   {"cu", KernelParam::Kind::pointer, "const dp_i32*", "[R + 1] i32", "key offsets"},
+                   {"local_cu", KernelParam::Kind::pointer, "const dp_i32*", "[W, R + 1] i32", "every rank's row offsets"},
+                   {"payload", KernelParam::Kind::pointer, "dp_u8*", "[pages, 1, 4, 64, 16] u8", "staged payload"},
+                   {"scales", KernelParam::Kind::pointer, "dp_u8*", "[pages, 1, 4, 64] u8", "staged scales"},
+                   {"num_requests", KernelParam::Kind::u32, "dp_u32", "", "R"},
+                   {"world", KernelParam::Kind::u32, "dp_u32", "", "DCP world size"},
+                   {"interleave", KernelParam::Kind::u32, "dp_u32", "", "DCP interleave"},
+                   {"max_local", KernelParam::Kind::u32, "dp_u32", "", "packed rows per rank"},
+                   {"pages", KernelParam::Kind::u32, "dp_u32", "", "64-key pages"},
+                 }),
       {
           "idx_score",
           "indexer.h",
@@ -755,25 +735,14 @@ const std::vector<OpSpec>& ops() {
           [](const Params&) { return idx_launch(512); },
           [](const Params&) { return uint32_t{512}; },
       },
-      {
-          "idx_rows",
-          "indexer.h",
-          "dp_idx_rows",
-          {},
-          [](const Params&, const std::string&) {},
-          [](const Params&) { return std::vector<int64_t>{kIdxThreads}; },
-          [](const Params&) {
-            return std::vector<ArgSpec>{
-                {"src", KernelParam::Kind::pointer, "const dp_i32*", "[src_rows, k] i32", "gathered selections"},
-                {"map", KernelParam::Kind::pointer, "const dp_i32*", "[rows] i32", "source row per row, -1: none"},
-                {"out", KernelParam::Kind::pointer, "dp_i32*", "[rows, k] i32", "selections in row order"},
-                {"rows", KernelParam::Kind::u32, "dp_u32", "", "rows"},
-                {"k", KernelParam::Kind::u32, "dp_u32", "", "entries per row"},
-            };
-          },
-          [](const Params&) { return idx_launch(kIdxThreads); },
-          [](const Params&) { return static_cast<uint32_t>(kIdxThreads); },
-      },
+      indexer_op("idx_rows", "dp_idx_rows",
+                 {
+                   {"src", KernelParam::Kind::pointer, "const dp_i32*", "[src_rows, k] i32", "gathered selections"},
+                   {"map", KernelParam::Kind::pointer, "const dp_i32*", "[rows] i32", "source row per row, -1: none"},
+                   {"out", KernelParam::Kind::pointer, "dp_i32*", "[rows, k] i32", "selections in row order"},
+                   {"rows", KernelParam::Kind::u32, "dp_u32", "", "rows"},
+                   {"k", KernelParam::Kind::u32, "dp_u32", "", "entries per row"},
+                 }),
       {
           "prefetch",
           "prefetch.h",

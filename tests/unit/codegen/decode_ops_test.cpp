@@ -8,6 +8,7 @@
 #include "../backend/backend_test_util.h"
 #include "backend/compile.h"
 #include "codegen/kernel.h"
+#include "compile_check.h"
 
 namespace dp::codegen {
 namespace {
@@ -253,25 +254,7 @@ std::vector<KernelInstance> compile_set(const std::string& t) {
   };
 }
 
-void expect_compiles(const std::string& target) {
-  test::TempDir cache;
-  const std::vector<KernelInstance> set = compile_set(target);
-  backend::CompileOptions o;
-  o.jobs = 2;
-  o.cache_dir = cache.path();
-  const backend::CompileReport report = backend::compile_all(set, o);
-  ASSERT_EQ(report.kernels.size(), set.size());
-  for (const backend::CompiledKernel& k : report.kernels) {
-    SCOPED_TRACE(k.key);
-    auto kernels = backend::inspect_code_object(k.code_object, target, k.file_name);
-    ASSERT_EQ(kernels.size(), 1u);
-    EXPECT_EQ(kernels[0].symbol, k.name);
-    EXPECT_EQ(kernels[0].param_bytes, k.signature.bytes);
-    EXPECT_EQ(k.usage.spill_bytes, 0u) << k.log;
-    EXPECT_EQ(k.usage.stack_bytes, 0u) << k.log;  // no register array went to local memory
-    EXPECT_TRUE(k.warnings.empty()) << k.warnings.front();
-  }
-}
+void expect_compiles(const std::string& target) { test_util::expect_compiles(compile_set(target), target); }
 
 TEST(DecodeOpsCompile, EveryOpCompilesForSm90a) {
   DP_SKIP_WITHOUT(backend::Vendor::nvidia);

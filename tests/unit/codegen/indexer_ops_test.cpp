@@ -11,6 +11,7 @@
 #include "../backend/backend_test_util.h"
 #include "backend/compile.h"
 #include "codegen/kernel.h"
+#include "compile_check.h"
 
 namespace dp::codegen {
 namespace {
@@ -189,27 +190,11 @@ TEST(IndexerOps, LaunchShapesAndSources) {
 
 // A real compile of every op at the tiny preset's shapes and at the limits (NH 64, K 1 and 4096).
 void expect_compiles(const std::string& target) {
-  test::TempDir cache;
   std::vector<KernelInstance> set = tiny_set(target);
   set.push_back(score(64, target));
   set.push_back(topk(1, target));
   set.push_back(topk(4096, target));
-  backend::CompileOptions o;
-  o.jobs = 2;
-  o.cache_dir = cache.path();
-  const backend::CompileReport report = backend::compile_all(set, o);
-  ASSERT_EQ(report.kernels.size(), set.size());
-  for (const backend::CompiledKernel& k : report.kernels) {
-    SCOPED_TRACE(k.key);
-    auto kernels = backend::inspect_code_object(k.code_object, target, k.file_name);
-    ASSERT_EQ(kernels.size(), 1u);
-    EXPECT_EQ(kernels[0].symbol, k.name);
-    EXPECT_EQ(kernels[0].param_bytes, k.signature.bytes);
-    EXPECT_LE(kernels[0].shared_bytes, 48u * 1024) << "static shared memory beyond 48 KiB";
-    EXPECT_EQ(k.usage.spill_bytes, 0u) << k.log;
-    EXPECT_EQ(k.usage.stack_bytes, 0u) << k.log;
-    EXPECT_TRUE(k.warnings.empty()) << k.warnings.front();
-  }
+  test_util::expect_compiles(set, target);
 }
 
 TEST(IndexerOpsCompile, EveryOpCompilesForSm90a) {
