@@ -127,6 +127,31 @@ class Plan {
   dp_plan_result r_;
 };
 
+// The plan of one attention group's indexer prefill (dp_indexer_prepare); free it before its session.
+class IndexerMetadata {
+ public:
+  IndexerMetadata(dp_indexer_metadata* m, const dp_indexer_plan_info& info) : m_(m), info_(info) {}
+  IndexerMetadata(IndexerMetadata&& o) noexcept : m_(std::exchange(o.m_, nullptr)), info_(o.info_) {}
+  IndexerMetadata& operator=(IndexerMetadata&& o) noexcept {
+    if (this != &o) {
+      dp_indexer_metadata_free(m_);
+      m_ = std::exchange(o.m_, nullptr);
+      info_ = o.info_;
+    }
+    return *this;
+  }
+  IndexerMetadata(const IndexerMetadata&) = delete;
+  IndexerMetadata& operator=(const IndexerMetadata&) = delete;
+  ~IndexerMetadata() { dp_indexer_metadata_free(m_); }
+
+  const dp_indexer_metadata* get() const noexcept { return m_; }
+  const dp_indexer_plan_info& info() const noexcept { return info_; }
+
+ private:
+  dp_indexer_metadata* m_ = nullptr;
+  dp_indexer_plan_info info_;
+};
+
 class Session {
  public:
   Session(const Bundle& bundle, const SessionOptions& options = SessionOptions()) {
@@ -182,6 +207,30 @@ class Session {
     return launched != 0;
   }
   void prefetch_join(dp_stream stream) { check(dp_prefetch_join(s_, stream)); }
+
+  // Sparse-attention indexer prefill.
+  void indexer_write_keys(const dp_indexer_cache& cache, uint64_t keys, uint64_t slot_mapping, int64_t count,
+                          dp_stream stream) {
+    check(dp_indexer_write_keys(s_, &cache, keys, slot_mapping, count, stream));
+  }
+  IndexerMetadata indexer_prepare(const std::vector<dp_indexer_requests>& sets, int32_t dcp_rank = 0,
+                                  uint64_t max_tile_bytes = 0) {
+    dp_indexer_batch_desc d;
+    dp_indexer_batch_desc_init(&d);
+    d.num_sets = static_cast<int32_t>(sets.size());
+    d.sets = sets.data();
+    d.dcp_rank = dcp_rank;
+    d.max_tile_bytes = max_tile_bytes;
+    dp_indexer_plan_info info;
+    dp_indexer_plan_info_init(&info);
+    dp_indexer_metadata* m = nullptr;
+    check(dp_indexer_prepare(s_, &d, &m, &info));
+    return IndexerMetadata(m, info);
+  }
+  void indexer_prefill(const IndexerMetadata& metadata, const dp_indexer_cache& cache, const dp_indexer_prefill_io& io,
+                       dp_stream stream) {
+    check(dp_indexer_prefill(s_, metadata.get(), &cache, &io, stream));
+  }
 
  private:
   dp_session* s_ = nullptr;

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "decodepack/decodepack.hpp"
 #include "runtime_test_util.h"
 
 namespace dp::rttest {
@@ -694,4 +695,38 @@ TEST_F(IndexerTest, WriteKeysChecksTheCacheAndBuffers) {
 }
 
 }  // namespace
+TEST(IndexerCxx, WrapperPlansAndThrows) {
+  // decodepack.hpp: the same calls with RAII metadata and exceptions carrying the code.
+  decodepack::Bundle b = decodepack::Bundle::open(ix().w1.string());
+  decodepack::SessionOptions o;
+  o.c.device = DP_DEVICE_NONE;
+  decodepack::Session s(b, o);
+  std::vector<int64_t> seq{1, 37, 300}, q{1, 37, 5};
+  const std::vector<dp_indexer_requests> sets{
+      {3, seq.data(), q.data(), 0x7a0000000000ull, 5}};  // 300 keys in 64-key blocks: 5 entries
+  decodepack::IndexerMetadata md = s.indexer_prepare(sets);
+  EXPECT_EQ(md.info().rows, 43);
+  EXPECT_EQ(md.info().keys, 338);
+  dp_indexer_cache c = valid_cache();
+  dp_indexer_prefill_io io;
+  dp_indexer_prefill_io_init(&io);
+  io.q = io.weights = io.out = io.workspace = 0x7c0000000000ull;
+  io.workspace_bytes = uint64_t{1} << 40;
+  try {
+    s.indexer_prefill(md, c, io, nullptr);
+    ADD_FAILURE() << "a host-only session ran a prefill";
+  } catch (const decodepack::Error& e) {
+    EXPECT_EQ(e.code(), DP_ERR_NO_DEVICE) << e.what();
+  }
+  std::vector<dp_indexer_requests> too_short = sets;
+  too_short[0].block_table_stride = 4;
+  try {
+    s.indexer_prepare(too_short);
+    ADD_FAILURE() << "a block table of 4 entries was accepted for 300 keys";
+  } catch (const decodepack::Error& e) {
+    EXPECT_EQ(e.code(), DP_ERR_SHAPE);
+    EXPECT_NE(std::string(e.what()).find("block_table_stride 4, expected at least 5"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace dp::rttest
