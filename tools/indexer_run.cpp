@@ -54,6 +54,7 @@ struct Options {
   std::string nccl;
   std::vector<int> devices;
   uint64_t max_tile_bytes = 0;
+  int repeat = 0;
   bool json = false;
 };
 
@@ -336,6 +337,8 @@ struct RankResult {
   double ms = 0;
   std::vector<uint8_t> cache;  // the cache read back
   std::vector<int32_t> out;    // [rows, k]
+  std::vector<double> repeat_ms;  // --repeat: each further prefill
+  bool repeat_identical = true;   // every further prefill wrote the same output as the first
   dp_indexer_plan_info info{};
   std::string error;
   int error_code = 0;
@@ -445,9 +448,29 @@ void run_rank(const Options& o, const Inputs& in, const Layout& L, int rank, int
   d.check(d.MemcpyDtoHAsync(res.cache.data(), cache, cache_bytes, stream.s), "cuMemcpyDtoHAsync");
   d.check(d.MemcpyDtoHAsync(res.out.data(), out, res.out.size() * 4, stream.s), "cuMemcpyDtoHAsync");
   d.check(d.StreamSynchronize(stream.s), "cuStreamSynchronize");
+  // Steady state: the same prefill again (NCCL's connections are set up by now), output poisoned first
+  // and compared with the first run's: the kernels are deterministic.
+  std::vector<int32_t> again(res.out.size());
+  for (int i = 0; i < o.repeat; ++i) {
+    d.check(d.MemsetD8Async(out, 0x7f, again.size() * 4, stream.s), "cuMemsetD8Async");
+    d.check(d.EventRecord(e0.e, stream.s), "cuEventRecord");
+    rt(dp_indexer_prefill(sh.s, md, &c, &io, stream.s), "dp_indexer_prefill");
+    d.check(d.EventRecord(e1.e, stream.s), "cuEventRecord");
+    d.check(d.MemcpyDtoHAsync(again.data(), out, again.size() * 4, stream.s), "cuMemcpyDtoHAsync");
+    d.check(d.StreamSynchronize(stream.s), "cuStreamSynchronize", "after a repeated prefill");
+    d.check(d.EventElapsedTime(&ms, e0.e, e1.e), "cuEventElapsedTime");
+    res.repeat_ms.push_back(ms);
+    res.repeat_identical = res.repeat_identical && again == res.out;
+  }
 }
 
 // ---- comparison -------------------------------------------------------------------------------------
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
 
 struct RowCheck {
   int64_t rows = 0, identical = 0, near_ties = 0, failed = 0;
@@ -598,11 +621,15 @@ int run(const Options& o) {
                      {"rows_near_ties", rc.near_ties},
                      {"rows_failed", rc.failed},
                      {"failures", rc.failures},
+                     {"repeat_ms", r.repeat_ms},
+                     {"repeat_median_ms", median(r.repeat_ms)},
+                     {"repeat_identical", r.repeat_identical},
                      {"query_chunks", r.info.query_chunks},
                      {"metadata_device_bytes", r.info.device_bytes}});
   }
   bool ok = cache_diff_total == 0;
   for (const RowCheck& rc : row_checks) ok = ok && rc.failed == 0;
+  for (const RankResult& r : results) ok = ok && r.repeat_identical;
 
   if (!o.inputs.empty()) {
     const fs::path dir = o.inputs;
@@ -656,6 +683,11 @@ int run(const Options& o) {
                   static_cast<long long>(r["rows"]), static_cast<long long>(r["rows_identical"]),
                   static_cast<long long>(r["rows_near_ties"]), static_cast<long long>(r["rows_failed"]));
       for (const Json& f : r["failures"]) std::printf("    %s\n", f.get<std::string>().c_str());
+      if (!r["repeat_ms"].empty())
+        std::printf("  repeat  %zu more prefills: median %.3f ms, min %.3f ms; output %s\n", r["repeat_ms"].size(),
+                    r["repeat_median_ms"].get<double>(),
+                    std::min_element(r["repeat_ms"].begin(), r["repeat_ms"].end())->get<double>(),
+                    r["repeat_identical"].get<bool>() ? "identical every time" : "CHANGED between runs");
     }
     std::printf("%s\n", ok ? "OK" : "FAILED");
   }
@@ -689,6 +721,10 @@ void add_indexer_run(CLI::App& app, Action& action) {
   cmd->add_option("--max-tile-bytes", o->max_tile_bytes,
                   "Cap each query chunk's logits tile (dp_indexer_batch_desc.max_tile_bytes; 0: 1 GiB): smaller values "
                   "split the rows into more chunks that share the staged keys");
+  cmd->add_option("--repeat", o->repeat,
+                  "Run the prefill this many more times after the checked one and report the median time (the "
+                  "first run includes one-time setup such as NCCL's connections); each output must equal the first")
+      ->capture_default_str();
   cmd->add_option("--devices", o->devices, "CUDA device of each DCP rank (default 0..W-1)")->delimiter(',');
   cmd->add_option("--nccl", o->nccl, "NCCL library for DCP (default: $DECODEPACK_NCCL or libnccl.so.2)");
   cmd->add_flag("--json", o->json, "Print the result as JSON");
