@@ -215,7 +215,7 @@ __device__ __forceinline__ void dp_idx_stage(const dp_u8* __restrict__ gathered,
 // keys at positions 32b..32b+31 of the row's request (then 32(b + gridDim.y).., for requests longer than
 // the grid's y extent); positions past the row's own are not scored (causal) and not written. The 32 keys are
 // dequantised into shared memory (rows padded to 129 floats: thread s reads key s, conflict-free), the
-// row's q stays bf16 in shared memory (read as broadcasts). Thread (s, hg) sums heads hg, hg+8, ...
+// row's q stays bf16 in shared memory (read as broadcasts). Thread (s, hg) sums heads hg*NH/8 .. +NH/8-1
 // of key s; the 8 partial sums are added in a fixed order, so the result is deterministic.
 #define DP_IDX_SCORE_THREADS 256
 #define DP_IDX_SCORE_KEYS 32
@@ -265,35 +265,43 @@ __device__ __forceinline__ void dp_idx_score(const dp_bf16* __restrict__ q,     
         const float sc = dp_idx_scale(scales[((dp_u64)page * 4u + c) * DP_IDX_PAGE + slot]);
         const dp_u8* src = payload + (((dp_u64)page * 4u + c) * DP_IDX_PAGE + slot) * 16u + 8u * (part8 % 2u);
         const dp_u32 lo = *(const dp_u32*)src, hi = *(const dp_u32*)(src + 4);
-  #pragma unroll
+#pragma unroll
         for (dp_u32 k = 0; k < 8u; ++k) dst[k] = dp_idx_e2m1_value((lo >> (4u * k)) & 15u, sc);
-  #pragma unroll
+#pragma unroll
         for (dp_u32 k = 0; k < 8u; ++k) dst[8u + k] = dp_idx_e2m1_value((hi >> (4u * k)) & 15u, sc);
       } else {
-  #pragma unroll
+#pragma unroll
         for (dp_u32 k = 0; k < 16u; ++k) dst[k] = 0.0f;
       }
     }
     __syncthreads();
 
+    // Thread (s, hg): key s against heads hg*HPG .. hg*HPG + HPG-1, all HPG dot products at once, so
+    // each key value read from shared memory feeds HPG multiply-adds (the q pairs are broadcasts).
+    constexpr int HPG = NH / kGroups;
     const dp_u32 s = tid % kKeys, hg = tid / kKeys;
-    float acc = 0.0f;
-    for (dp_u32 h = hg; h < (dp_u32)NH; h += kGroups) {
-      const dp_u32* qh = q_s + h * (DP_IDX_DIM / 2);
-      float dot = 0.0f;
-  #pragma unroll 8
-      for (dp_u32 d2 = 0; d2 < DP_IDX_DIM / 2; ++d2) {
-        const dp_u32 qq = qh[d2];
-        dot += dp_bits_to_f32(qq << 16) * k_s[s][2 * d2];
-        dot += dp_bits_to_f32(qq & 0xffff0000u) * k_s[s][2 * d2 + 1];
+    const dp_u32* qg = q_s + hg * HPG * (DP_IDX_DIM / 2);
+    float dot[HPG];
+#pragma unroll
+    for (int h = 0; h < HPG; ++h) dot[h] = 0.0f;
+#pragma unroll 4
+    for (dp_u32 d2 = 0; d2 < DP_IDX_DIM / 2; ++d2) {
+      const float k0 = k_s[s][2 * d2], k1 = k_s[s][2 * d2 + 1];
+#pragma unroll
+      for (int h = 0; h < HPG; ++h) {
+        const dp_u32 qq = qg[h * (DP_IDX_DIM / 2) + d2];
+        dot[h] += dp_bits_to_f32(qq << 16) * k0;
+        dot[h] += dp_bits_to_f32(qq & 0xffff0000u) * k1;
       }
-      acc += w_s[h] * (dot > 0.0f ? dot : 0.0f);
     }
+    float acc = 0.0f;
+#pragma unroll
+    for (int h = 0; h < HPG; ++h) acc += w_s[hg * HPG + h] * (dot[h] > 0.0f ? dot[h] : 0.0f);
     part[hg][s] = acc;
     __syncthreads();
     if (hg == 0) {
       float sum = 0.0f;
-  #pragma unroll
+#pragma unroll
       for (int g = 0; g < kGroups; ++g) sum += part[g][s];
       const dp_u32 t = t0 + s;
       if ((int)t <= pos) logits[(dp_u64)i * L + t] = sum * weight_scale;

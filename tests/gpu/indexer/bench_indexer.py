@@ -6,9 +6,10 @@
 Draws random inputs of the bundle's heads and top-k (keys [T, 128], q [rows, H, 128] and head weights, bf16
 values), writes them as `decodepack indexer-run --inputs` reads them, and times on the same GPU:
 
-  decodepack   `indexer-run --inputs DIR --repeat N`: the median of N prefills after the checked one
-               (pack + stage the MXFP4 keys, score, top-k; through libdecodepack as a host calls it). The
-               run also checks its output against the CPU reference; a failed check fails this script.
+  decodepack   `indexer-run --inputs DIR --repeat N --no-check`: the median of N prefills after the first
+               (pack + stage the MXFP4 keys, score, top-k; through libdecodepack as a host calls it); the
+               outputs must be identical across the repeats. Correctness is the tests' business
+               (gpu.indexer.*, hf_indexer_check.py): the CPU reference of these sizes would take minutes.
   baseline     the same scores and selection in PyTorch, as HF's DeepseekV32Indexer computes them
                (bf16 keys, no quantisation): per request one bf16 matmul of all heads' q against the
                request's keys, relu, weighted sum over heads, causal mask, topk. CUDA events, median of N.
@@ -75,7 +76,7 @@ def main():
     w.numpy().astype(np.float32).tofile(os.path.join(d, "w.f32"))
 
     r = subprocess.run([args.decodepack, "indexer-run", args.bundle, "--inputs", d, "--repeat", str(args.repeat),
-                        "--json"], stdout=subprocess.PIPE, text=True)
+                        "--no-check", "--json"], stdout=subprocess.PIPE, text=True)
     if r.returncode != 0:
         print(r.stdout)
         print("FAIL: decodepack indexer-run exited %d" % r.returncode)
