@@ -425,10 +425,13 @@ __device__ __forceinline__ void dp_idx_topk(const float* __restrict__ logits,   
   }
   __syncthreads();
 
-  // Bitonic sort of KP entries: descending key, then ascending position.
-  for (int size = 2; size <= KP; size <<= 1) {
+  // Bitonic sort of the candidates, padded to a power of two kp <= KP (a short row sorts only its n
+  // entries' power of two): descending key, then ascending position.
+  int kp = 1;
+  while (kp < (n < K ? n : K)) kp <<= 1;
+  for (int size = 2; size <= kp; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int a = (int)tid; a < KP / 2; a += kThreads) {
+      for (int a = (int)tid; a < kp / 2; a += kThreads) {
         const int lo = 2 * a - (a & (stride - 1));
         const int hi = lo + stride;
         const bool first_before = (key_s[lo] > key_s[hi]) || (key_s[lo] == key_s[hi] && pos_s[lo] < pos_s[hi]);
