@@ -5,6 +5,7 @@
 #include <set>
 
 #include "common/error.h"
+#include "indexer/workspace.h"
 
 namespace dp::plan {
 
@@ -316,6 +317,13 @@ Json to_json(const Plan& p, const Model& m, const deploy::Deploy& d) {
                 {"expert_format", model::to_string(m.moe.expert_format)},
                 {"weights", m.weights.size()},
                 {"weight_bytes", m.total_weight_bytes()}};
+  if (m.indexer.present())
+    j["indexer"] = {{"heads", m.indexer.num_heads},
+                    {"head_dim", m.indexer.head_dim},
+                    {"top_k", m.indexer.top_k},
+                    {"prefill_workspace_bytes", indexer::prefill_workspace_bytes(d)},
+                    {"kernels", indexer_kernels_supported(m)},
+                    {"no_kernels_because", indexer_kernel_gap(m)}};
   j["deploy"] = deploy::to_json(d);
   j["options"] = {{"context", p.options.context}};
   Json kernels = Json::array();
@@ -412,6 +420,12 @@ std::string to_text(const Plan& p, const Model& m, const deploy::Deploy& d) {
     line_to(out, "  {} ({}):", t, names.size());
     for (const std::string& n : names) line_to(out, "    {}", n);
   }
+  if (m.indexer.present())
+    line_to(out, "indexer   {} heads x {}, top-k {}; prefill chunk scratch {} ({} keys, {} requests, dcp {} x {}); {}",
+            m.indexer.num_heads, m.indexer.head_dim, m.indexer.top_k, human_bytes(indexer::prefill_workspace_bytes(d)),
+            d.indexer.max_keys_per_chunk, d.indexer.max_requests, d.dcp.size, d.dcp.interleave,
+            indexer_kernels_supported(m) ? std::string("prefill kernels idx_* for every target")
+                                         : "no prefill kernels: " + indexer_kernel_gap(m));
   line_to(out, "programs  per layer class and width (`+` built, `-` not built: the host runs those layers)");
   for (const LayerProgram& pr : p.programs) {
     if (pr.unavailable.empty())

@@ -120,7 +120,6 @@ std::string indexer_kernel_gap(const model::Model& m);
 inline bool indexer_kernels_supported(const model::Model& m) { return indexer_kernel_gap(m).empty(); }
 
 // Checks the deploy against the model first (deploy::check_against_model), then plans.
-
 Plan make_plan(const model::Model& m, const deploy::Deploy& d, const std::string& deploy_where,
                const PlanOptions& opt = {});
 

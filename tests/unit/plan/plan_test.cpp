@@ -243,6 +243,32 @@ TEST(Plan, K3PlansWithoutWeights) {
 
 // The sparse-attention indexer's prefill ops: six width-independent kernels per target for a model whose
 // indexer the templates take (head dim 128, heads a multiple of 8 up to 64, top-k 1..4096), none otherwise.
+TEST(Plan, ReportsTheIndexer) {
+  model::Model m = model::load_model("kimi-k3-tiny-indexer");
+  const deploy::Deploy d = deploy_of(base_deploy());
+  const Plan p = make_plan(m, d, "deploy.json");
+  const Json j = to_json(p, m, d);
+  ASSERT_TRUE(j.contains("indexer"));
+  // 2^30 + 68 * (max_keys + ceil(max_keys / 64) * 64) at world 1, with the deploy's limits.
+  const int64_t keys = d.indexer.max_keys_per_chunk, padded = (keys + 63) / 64 * 64;
+  ASSERT_EQ(d.dcp.size, 1);
+  EXPECT_EQ(j["indexer"]["prefill_workspace_bytes"].get<uint64_t>(), (uint64_t{1} << 30) + 68 * uint64_t(keys + padded));
+  EXPECT_EQ(j["indexer"]["heads"], 8);
+  EXPECT_EQ(j["indexer"]["top_k"], 2048);
+  EXPECT_EQ(j["indexer"]["kernels"], true);
+  EXPECT_NE(to_text(p, m, d).find("indexer   8 heads x 128, top-k 2048; prefill chunk scratch"), std::string::npos);
+
+  m.indexer.num_heads = 72;  // beyond what idx_score takes: planned without kernels, and the text says why
+  const Plan q = make_plan(m, d, "deploy.json");
+  EXPECT_EQ(to_json(q, m, d)["indexer"]["kernels"], false);
+  EXPECT_NE(to_text(q, m, d).find("no prefill kernels: index_n_heads 72"), std::string::npos) << to_text(q, m, d);
+
+  const model::Model plain = model::load_model("kimi-linear-tiny");
+  const Plan r = make_plan(plain, d, "deploy.json");
+  EXPECT_FALSE(to_json(r, plain, d).contains("indexer"));
+  EXPECT_EQ(to_text(r, plain, d).find("indexer "), std::string::npos);
+}
+
 TEST(Plan, IndexerKernelsArePlannedPerTargetForAModelWithAnIndexer) {
   model::Model m = model::load_model("kimi-k3-tiny-indexer");  // 8 index heads, head dim 128, top-k 2048
   ASSERT_TRUE(m.indexer.present());
