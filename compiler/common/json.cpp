@@ -1,5 +1,7 @@
 #include "common/json.h"
 
+#include <cmath>
+
 #include "common/error.h"
 #include "common/fs.h"
 
@@ -63,8 +65,9 @@ int64_t JsonReader::integer(std::string_view key) const {
   const Json& v = get(key);
   if (v.is_number_integer()) return v.get<int64_t>();
   if (v.is_number_float()) {
-    double d = v.get<double>();
-    if (d == static_cast<double>(static_cast<int64_t>(d))) return static_cast<int64_t>(d);
+    // A whole number within int64 (2^63 is exact as a double; anything at or beyond it, or NaN, is not).
+    const double d = v.get<double>();
+    if (d >= -0x1p63 && d < 0x1p63 && d == std::trunc(d)) return static_cast<int64_t>(d);
   }
   fail(Errc::input, "{}: field {} is {} ({}), expected an integer", where_, field(key), json_type_name(v), v.dump());
 }

@@ -131,6 +131,19 @@ TEST(Config, LayerTypesMustAgreeWithLinearAttnConfig) {
                      {"cfg.json", "layer_types[1]", "full_attention", "kda"});
 }
 
+TEST(Config, IntegerFieldsRefuseNumbersBeyondInt64) {
+  // A float that is a whole number is an integer; one beyond int64 (found by the config fuzzer: 2.5e90
+  // was cast to int64, undefined behaviour) is refused like any other non-integer.
+  Json j = preset_json("kimi-linear-tiny");
+  j["hidden_size"] = 256.0;
+  EXPECT_EQ(model_from_config(j, "cfg.json").hidden, 256);
+  for (double bad : {2.5e90, -2.5e90, 9223372036854775808.0, 0.5}) {
+    SCOPED_TRACE(bad);
+    j["hidden_size"] = bad;
+    test::expect_error([&] { model_from_config(j, "cfg.json"); }, Errc::input, {"cfg.json", "hidden_size", "integer"});
+  }
+}
+
 TEST(Config, DigestIsOfTheCanonicalJson) {
   Json j = preset_json("kimi-linear-tiny");
   Json reordered = Json::parse(j.dump(4));
