@@ -50,13 +50,6 @@ dp_indexer_metadata::~dp_indexer_metadata() {
 namespace dp::rt {
 namespace {
 
-Status check_address(const char* fn, const char* field, uint64_t v) {
-  if (v == 0) return error(DP_ERR_INVALID_ARGUMENT, "{}: {} is 0, expected a device address", fn, field);
-  if (v % kAlign)
-    return error(DP_ERR_ALIGNMENT, "{}: {} {:#x} is not a multiple of {} bytes", fn, field, v, kAlign);
-  return ok();
-}
-
 // Host-side int32 arrays of one set, in upload order.
 struct SetArrays {
   std::vector<int32_t> cu, local_cu, row_request, row_position;
@@ -152,7 +145,7 @@ Status dp_session::indexer_launch(const char* op, uint32_t grid_x, uint32_t grid
 
 Status dp_session::check_indexer_cache(const char* fn, const dp_indexer_cache& c) const {
   const int64_t bs = bundle->deploy.block_size;
-  DP_RETURN_IF_ERROR(dp::rt::check_address(fn, "cache.data", c.data));
+  DP_RETURN_IF_ERROR(dp::rt::check_io_address(fn, "cache.data", c.data, false));
   if (c.num_blocks < 1 || c.num_blocks > INT32_MAX)
     return error(DP_ERR_SHAPE, "{}: cache.num_blocks {}, expected 1..{}", fn, c.num_blocks, INT32_MAX);
   if (c.layout != DP_INDEXER_LAYOUT_SPLIT && c.layout != DP_INDEXER_LAYOUT_PACKED)
@@ -174,8 +167,8 @@ Status dp_session::indexer_write_keys(const dp_indexer_cache& cache, uint64_t ke
   DP_RETURN_IF_ERROR(check_indexer_cache(fn, cache));
   if (count < 0 || count > INT32_MAX) return error(DP_ERR_SHAPE, "{}: count {}, expected 0..{}", fn, count, INT32_MAX);
   if (count == 0) return ok();
-  DP_RETURN_IF_ERROR(dp::rt::check_address(fn, "keys", keys));
-  DP_RETURN_IF_ERROR(dp::rt::check_address(fn, "slot_mapping", slot_mapping));
+  DP_RETURN_IF_ERROR(dp::rt::check_io_address(fn, "keys", keys, false));
+  DP_RETURN_IF_ERROR(dp::rt::check_io_address(fn, "slot_mapping", slot_mapping, false));
   DP_RETURN_IF_ERROR(load_indexer());
   dp::rt::DeviceScope scope(device.get());
   DP_RETURN_IF_ERROR(scope.status());
@@ -216,7 +209,7 @@ Status dp_session::indexer_prepare(const dp_indexer_batch_desc& desc, dp_indexer
                    "no more)", where, rs.num_requests, d.indexer_max_requests);
     if (!rs.seq_lens || !rs.query_lens)
       return error(DP_ERR_INVALID_ARGUMENT, "{}: seq_lens or query_lens is NULL", where);
-    DP_RETURN_IF_ERROR(dp::rt::check_address(where.c_str(), "block_table", rs.block_table));
+    DP_RETURN_IF_ERROR(dp::rt::check_io_address(where.c_str(), "block_table", rs.block_table, false));
     IndexerSet set;
     dp::rt::SetArrays a;
     set.requests = rs.num_requests;
@@ -361,7 +354,7 @@ Status dp_session::indexer_prefill(const dp_indexer_metadata& md, const dp_index
   DP_RETURN_IF_ERROR(check_indexer_cache(fn, cache));
   for (const auto& [field, v] : {std::pair{"io.q", io.q}, {"io.weights", io.weights}, {"io.out", io.out},
                                  {"io.workspace", io.workspace}})
-    DP_RETURN_IF_ERROR(dp::rt::check_address(fn, field, v));
+    DP_RETURN_IF_ERROR(dp::rt::check_io_address(fn, field, v, false));
   if (io.workspace_bytes < m.indexer.prefill_workspace_bytes)
     return error(DP_ERR_SHAPE, "{}: io.workspace_bytes {}, expected at least {} (dp_bundle_info."
                  "indexer_prefill_workspace_bytes: the logits tile and the staged keys of one chunk)", fn,

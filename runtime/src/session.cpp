@@ -791,9 +791,7 @@ Status dp_session::after_step() {
 
 // ---- Launch -------------------------------------------------------------------------------------------
 
-namespace {
-
-Status check_io_address(const char* what, const char* field, uint64_t v, bool nullable) {
+Status dp::rt::check_io_address(const char* what, const char* field, uint64_t v, bool nullable) {
   if (v == 0) {
     if (nullable) return ok();
     return error(DP_ERR_INVALID_ARGUMENT, "{}: {} is 0, expected a device address", what, field);
@@ -802,6 +800,8 @@ Status check_io_address(const char* what, const char* field, uint64_t v, bool nu
     return error(DP_ERR_ALIGNMENT, "{}: {} {:#x} is not a multiple of {} bytes", what, field, v, kAlign);
   return ok();
 }
+
+namespace {
 
 // Packs a kernel's parameter block (the load-time constants plus this call's values, taken from
 // `value_of` per slot) and launches it. The one launch path of final norm and layer programs.

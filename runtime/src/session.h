@@ -42,6 +42,10 @@ struct ParamSlot {
   std::string name;
 };
 
+// A device address a launch reads or writes: non-zero (unless nullable) and a multiple of 16 bytes.
+// DP_ERR_INVALID_ARGUMENT / DP_ERR_ALIGNMENT naming `what` and `field`.
+Status check_io_address(const char* what, const char* field, uint64_t v, bool nullable);
+
 // A loaded kernel and its parameter block with every value fixed at load already filled in.
 struct LoadedKernel {
   const format::KernelEntry* entry = nullptr;
