@@ -875,7 +875,8 @@ void Harness::check_step(int index, const std::string& mode) {
   const model::Model& m = model_->m;
   const ref::StepMeta sm = meta_.step_meta();
   const int64_t T = res_.rows, H = hidden_;
-  auto add = [&](int layer, const std::string& cls, const std::string& quantity, double value, double limit) {
+  auto add = [&](int layer, const std::string& cls, const std::string& quantity, double value,
+                 double limit) -> RunCheck& {
     RunCheck c;
     c.step = index;
     c.mode = mode;
@@ -886,19 +887,13 @@ void Harness::check_step(int index, const std::string& mode) {
     c.limit = limit;
     c.ok = std::isfinite(value) && value < limit;
     res_.checks.push_back(c);
+    return res_.checks.back();
   };
+  // A count that must be 0 (cache rows changed where the step must not write).
   auto add_count = [&](int layer, const std::string& cls, const std::string& quantity, int64_t n) {
-    RunCheck c;
-    c.step = index;
-    c.mode = mode;
-    c.layer = layer;
-    c.cls = cls;
-    c.quantity = quantity;
+    RunCheck& c = add(layer, cls, quantity, static_cast<double>(n), 0);
     c.kind = "count";
-    c.value = static_cast<double>(n);
-    c.limit = 0;
     c.ok = n == 0;
-    res_.checks.push_back(c);
   };
   const std::vector<bool> valid = ref::valid_rows(sm, model::Mixer::kda);  // padding is the same for both mixers
   const ref::Options opt;
