@@ -6,15 +6,20 @@
 // weight rows with 16-byte loads, and the T activation rows ride along (they stay in L1/L2).
 //
 // Work split. A block of 256 threads is 8 groups of 32 lanes (a warp on NVIDIA, half a wavefront on
-// AMD gfx9: everything below reduces within 32-lane groups, so one source serves both). A group owns
-// M weight rows and one of S slices of K; the block therefore covers RB = (8/S)*M rows. Small S and
-// large M suit tall matrices (many rows, each group streams several rows at once); S > 1 is the
-// split-K for short matrices (few rows, long K), so that they still spread over enough blocks. The
-// split-K partials are combined in shared memory in a fixed order: results are deterministic.
+// AMD gfx9: everything below reduces within 32-lane groups, so one source serves both). A group owns a
+// slot of 16*MT weight rows and one of S slices of K; the block therefore covers RB = (8/S)*16*MT rows.
+// S > 1 is the split-K for short matrices (few rows, long K), so that they still spread over enough
+// blocks. The split-K partials are combined in shared memory in a fixed order: results are
+// deterministic.
 //
-// Lane l of a group reads 16-byte vectors l, l+32, l+64, ... of its slice of each of its M rows and
-// accumulates fp32 partial dot products against the same vectors of every activation row; a butterfly
-// over the group sums them.
+// NVIDIA: each warp multiplies its weight rows by the activation rows on the tensor cores (bf16 in,
+// fp32 accumulation; dp_mma_rows), every weight byte loaded once with 16-byte loads straight into the
+// operand registers. With T activation rows the lane-FMA formulation spends T FMAs and an activation
+// load per weight element and runs out of L1 bandwidth and issue slots long before HBM bandwidth at
+// T = 8; on the tensor cores the activation loads fall to a half of the weight loads and the
+// arithmetic disappears from the profile. AMD (untested on hardware): the lane-FMA loop below (lane l
+// reads 16-byte vectors l, l+32, ... of its slice of each row and accumulates fp32 partial dot products
+// against the same vectors of every activation row; a butterfly over the group sums them).
 #pragma once
 
 #include "vendor.h"
@@ -25,8 +30,10 @@
 // these kernels are bounded by memory, not by occupancy beyond one or two blocks.
 #if DP_VENDOR_NVIDIA
 #define DP_KERNEL_BOUNDS(n) __launch_bounds__(n, 1)
+#define DP_KERNEL_BOUNDS_2(n) __launch_bounds__(n, 2)  // two resident blocks per SM (at most 128 registers)
 #else
 #define DP_KERNEL_BOUNDS(n) DP_LAUNCH_BOUNDS(n)
+#define DP_KERNEL_BOUNDS_2(n) DP_LAUNCH_BOUNDS(n)
 #endif
 
 #define DP_GROUP 32          // lanes of a work group
@@ -126,57 +133,183 @@ __device__ __forceinline__ void dp_group_reduce(float (&acc)[M][T]) {
     for (int t = 0; t < T; ++t) acc[m][t] = dp_group_sum(acc[m][t]);
 }
 
-// The geometry of one GEMM-shaped block: 8 groups = (8/S) row slots x S K-slices, M rows per slot.
-template <int K, int M, int S>
+// The geometry of one GEMM-shaped block: 8 groups = (8/S) row slots x S K-slices; a slot holds
+// 16*MT weight rows (MT tiles of 16 rows, the height of one tensor-core tile on NVIDIA). K is walked
+// in chunks of 32 elements (four 16-byte vectors per row).
+template <int K, int MT, int S>
 struct dp_gemm_geometry {
   static_assert(K % 8 == 0, "gemm: K must be a multiple of 8 (16-byte bf16 vectors)");
   static_assert(S == 1 || S == 2 || S == 4 || S == 8, "gemm: split-K must divide the 8 groups");
+  static_assert(MT >= 1 && MT <= 4, "gemm: 1..4 row tiles per slot");
   static constexpr int kSlots = DP_GEMM_GROUPS / S;          // row slots per block
-  static constexpr int kRows = kSlots * M;                   // weight rows per block (RB)
+  static constexpr int kSlotRows = 16 * MT;                  // weight rows per slot
+  static constexpr int kRows = kSlots * kSlotRows;           // weight rows per block (RB)
   static constexpr int kVecs = K / 8;                        // 16-byte vectors per row
-  static constexpr int kSliceVecs = (kVecs + S - 1) / S;     // vectors per K-slice
-  static constexpr int kIters = (kSliceVecs + DP_GROUP - 1) / DP_GROUP;  // per lane
+  static constexpr int kChunks = (K + 31) / 32;              // 32-element chunks per row
+  static constexpr int kSliceChunks = (kChunks + S - 1) / S; // chunks per K-slice
 };
 
-// Block-level dot products: for the group's M rows w[m] (row slot = group / S, K-slice = group % S),
-// computes the full dot products with every activation row and leaves them in shared memory:
-//   out_smem[(slot*M + m)*T + t] = w_row . x[t]   (fp32), valid after the call (ends with a barrier).
-// Rows of a slot beyond the matrix must still be given a readable row (the caller repeats a valid one
-// and ignores its result), because every lane takes part in the reductions.
-template <int T, int K, int M, int S>
-__device__ __forceinline__ void dp_block_dot(const dp_bf16* const (&w)[M],  // this group's M rows, [K] bf16 each
-                                             const dp_bf16* const (&x)[T],  // [T] rows of [K] bf16, or null
-                                             float* partial,                // smem [8, M, T] fp32
-                                             float* out_smem) {             // smem [RB, T] fp32
-  typedef dp_gemm_geometry<K, M, S> G;
+#if DP_VENDOR_NVIDIA
+// One bf16 tensor-core step, D = A B + D: A 16x16 (row), B 16x8 (column), fp32 accumulators.
+__device__ __forceinline__ void dp_mma_16816(float (&c)[4], dp_u32 a0, dp_u32 a1, dp_u32 a2, dp_u32 a3, dp_u32 b0,
+                                             dp_u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Tensor-core dot products of one warp: MT tiles of 16 weight rows against NT tiles of 8 activation
+// rows over the chunks [c0, c_end) of K. The weight rows are the A operand, the activation rows the B
+// operand. Lane (g = lane/4, q = lane%4) loads 16 bytes of weight rows g and g+8 of every tile and of
+// activation row g of every tile, all at elements [32c + 8q, 32c + 8q + 8): the sum over K does not
+// care in which order the products are taken, so the four 32-bit words a lane loads are used as its
+// fragments of two 16-deep steps (words 0,1 for the first, 2,3 for the second), the same way for A and
+// B, and no shuffle or shared memory is needed. Accumulator layout (per tile pair): c[0], c[1] = rows
+// g, activations 2q, 2q+1; c[2], c[3] = row g+8, the same activations.
+//   wrow(m): pointer to weight row m (0 <= m < 16*MT) of the slot, [K] bf16
+//   xrow(t): pointer to activation row t (0 <= t < 8*NT), [K] bf16, or null (a zero row)
+template <int K, int MT, int NT, typename WRow, typename XRow>
+__device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_end, float (&acc)[MT][NT][4]) {
+  constexpr int kUnroll = (NT <= 2 ? 8 : 4) / MT > 0 ? (NT <= 2 ? 8 : 4) / MT : 1;  // chunks of loads in flight
+  const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
+  const dp_bf16* wp[MT][2];  // rows g, g+8 of each tile, at this lane's column
+  const dp_bf16* xp[NT];     // row g of each activation tile, or null
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    wp[mt][0] = wrow(16 * mt + g) + 8 * q;
+    wp[mt][1] = wrow(16 * mt + g + 8) + 8 * q;
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const dp_bf16* p = xrow(8 * nt + g);
+    xp[nt] = p ? p + 8 * q : nullptr;
+  }
+  for (int cb = c0; cb < c_end; cb += kUnroll) {
+    dp_u32x4 wv[kUnroll][MT][2];  // weight vectors in flight
+    dp_u32x4 xv[kUnroll][NT];     // activation vectors
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = cb + u;
+      const bool in = c < c_end && 32 * c + 8 * q < K;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (in) {
+            wv[u][mt][h] = dp_load16(wp[mt][h] + 32 * c);
+          } else {
+            wv[u][mt][h].x = wv[u][mt][h].y = wv[u][mt][h].z = wv[u][mt][h].w = 0u;
+          }
+        }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (in && xp[nt]) {
+          xv[u][nt] = dp_load16(xp[nt] + 32 * c);
+        } else {
+          xv[u][nt].x = xv[u][nt].y = xv[u][nt].z = xv[u][nt].w = 0u;
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          dp_mma_16816(acc[mt][nt], wv[u][mt][0].x, wv[u][mt][1].x, wv[u][mt][0].y, wv[u][mt][1].y, xv[u][nt].x,
+                       xv[u][nt].y);
+          dp_mma_16816(acc[mt][nt], wv[u][mt][0].z, wv[u][mt][1].z, wv[u][mt][0].w, wv[u][mt][1].w, xv[u][nt].z,
+                       xv[u][nt].w);
+        }
+  }
+}
+#endif
+
+// Block-level dot products: every weight row of the block with every activation row, left in shared
+// memory: out_smem[(slot*16*MT + m)*T + t] = wrow(slot, m) . x[t]  (fp32), valid after the call (it ends
+// with a barrier). The group's slot is group / S and its K-slice group % S; the S slices are summed in
+// a fixed order (deterministic). Rows of a slot beyond the matrix must still be given a readable row
+// (the caller repeats a valid one and ignores its result).
+//   wrow(slot, m): pointer to row m (< 16*MT) of the slot, [K] bf16
+//   xrow(t): pointer to activation row t (< T), [K] bf16, or null (masked: contributes 0)
+// NVIDIA with T >= 2: tensor cores (dp_mma_rows). T == 1, and AMD: the lane-FMA loop (dp_dot_rows),
+// kFmaRows rows at a time (each lane streams 16-byte vectors of whole row slices: measured faster than
+// the tensor-core tile's 64-byte row pieces when one activation row leaves nothing to multiply).
+template <int T, int K, int MT, int S, typename WRow, typename XRow>
+__device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
+                                             float* partial,     // smem [8, 16*MT, T] fp32
+                                             float* out_smem) {  // smem [RB, T] fp32
+  typedef dp_gemm_geometry<K, MT, S> G;
+  constexpr int RS = G::kSlotRows;
   const int group = (int)threadIdx.x / DP_GROUP;
   const int lane = (int)threadIdx.x % DP_GROUP;
-  const int slice = group % S;
-  const int v0 = slice * G::kSliceVecs;
-  const int v_end = (v0 + G::kSliceVecs < G::kVecs) ? v0 + G::kSliceVecs : G::kVecs;
-
-  float acc[M][T];  // [M, T] fp32 lane partials
+  const int slot = group / S, slice = group % S;
+#if DP_VENDOR_NVIDIA
+  constexpr bool kMma = T >= 2;
+#else
+  constexpr bool kMma = false;
+#endif
+  if constexpr (kMma) {
+#if DP_VENDOR_NVIDIA
+    constexpr int NT = (T + 7) / 8;
+    const int c0 = slice * G::kSliceChunks;
+    const int c_end = (c0 + G::kSliceChunks < G::kChunks) ? c0 + G::kSliceChunks : G::kChunks;
+    float acc[MT][NT][4];  // [MT, NT, 4] fp32 accumulator fragments
 #pragma unroll
-  for (int m = 0; m < M; ++m)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int t = 0; t < T; ++t) acc[m][t] = 0.0f;
-  dp_dot_rows<T, M, G::kIters>(w, x, v0, v_end, lane, acc);
-  dp_group_reduce<T, M>(acc);
-  if (lane == 0) {
+      for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
+    dp_mma_rows<K, MT, NT>([&](int m) { return wrow(slot, m); }, [&](int t) { return t < T ? xrow(t) : nullptr; },
+                           c0, c_end, acc);
+    const int g = lane / 4, q = lane % 4;
 #pragma unroll
-    for (int m = 0; m < M; ++m)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int t = 0; t < T; ++t) partial[(group * M + m) * T + t] = acc[m][t];
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int m = 16 * mt + g + 8 * (k / 2), t = 8 * nt + 2 * q + (k % 2);
+          if (t < T) partial[(group * RS + m) * T + t] = acc[mt][nt][k];
+        }
+#endif
+  } else {
+    constexpr int kFmaRows = T == 1 ? 4 : 2;
+    constexpr int kIters = (G::kSliceChunks * 4 + DP_GROUP - 1) / DP_GROUP;
+    const int v0 = slice * G::kSliceChunks * 4;
+    const int v_end = (v0 + G::kSliceChunks * 4 < G::kVecs) ? v0 + G::kSliceChunks * 4 : G::kVecs;
+    const dp_bf16* xr[T];
+#pragma unroll
+    for (int t = 0; t < T; ++t) xr[t] = xrow(t);
+    for (int m0 = 0; m0 < RS; m0 += kFmaRows) {
+      const dp_bf16* w[kFmaRows];
+#pragma unroll
+      for (int m = 0; m < kFmaRows; ++m) w[m] = wrow(slot, m0 + m);
+      float acc[kFmaRows][T];  // [rows, T] fp32 lane partials
+#pragma unroll
+      for (int m = 0; m < kFmaRows; ++m)
+#pragma unroll
+        for (int t = 0; t < T; ++t) acc[m][t] = 0.0f;
+      dp_dot_rows<T, kFmaRows, kIters>(w, xr, v0, v_end, lane, acc);
+      dp_group_reduce<T, kFmaRows>(acc);
+      if (lane == 0) {
+#pragma unroll
+        for (int m = 0; m < kFmaRows; ++m)
+#pragma unroll
+          for (int t = 0; t < T; ++t) partial[(group * RS + m0 + m) * T + t] = acc[m][t];
+      }
+    }
   }
   __syncthreads();
   // Fixed-order sum of the S K-slices of every (row, t).
   for (int i = (int)threadIdx.x; i < G::kRows * T; i += DP_GEMM_THREADS) {
     const int t = i % T;
-    const int m = (i / T) % M;
-    const int slot = i / (T * M);
+    const int m = (i / T) % RS;
+    const int sl = i / (T * RS);
     float s = 0.0f;
 #pragma unroll
-    for (int k = 0; k < S; ++k) s += partial[((slot * S + k) * M + m) * T + t];
+    for (int k = 0; k < S; ++k) s += partial[((sl * S + k) * RS + m) * T + t];
     out_smem[i] = s;
   }
   __syncthreads();
@@ -193,7 +326,7 @@ __device__ __forceinline__ void dp_block_dot(const dp_bf16* const (&w)[M],  // t
 // logits) instead of bf16 (rounded to nearest even, as torch stores a bf16 GEMM output).
 //
 // Launch: grid = sum over segments of ceil(N_s / RB) blocks (segment 0's tiles first), block 256.
-template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int M, int S>
+template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S>
 __device__ __forceinline__ void dp_gemm(const dp_bf16* __restrict__ x,  // [T, K] bf16
                                         void* __restrict__ out,          // [T, Ntot] bf16 (fp32 if kOutF32)
                                         const dp_bf16* __restrict__ w0,  // [N0, K] bf16
@@ -202,11 +335,11 @@ __device__ __forceinline__ void dp_gemm(const dp_bf16* __restrict__ x,  // [T, K
                                         const dp_bf16* __restrict__ w3 = nullptr,  // [N3, K] bf16
                                         const dp_bf16* __restrict__ w4 = nullptr,  // [N4, K] bf16
                                         const dp_bf16* __restrict__ w5 = nullptr) {  // [N5, K] bf16
-  typedef dp_gemm_geometry<K, M, S> G;
+  typedef dp_gemm_geometry<K, MT, S> G;
   constexpr int kNtot = N0 + N1 + N2 + N3 + N4 + N5;
   static_assert(N0 > 0, "gemm: segment 0 must have rows");
-  __shared__ float partial[DP_GEMM_GROUPS * M * T];  // [8, M, T] fp32 split-K partials
-  __shared__ float result[G::kRows * T];             // [RB, T] fp32 dot products of this block
+  __shared__ float partial[DP_GEMM_GROUPS * G::kSlotRows * T];  // [8, 16*MT, T] fp32 split-K partials
+  __shared__ float result[G::kRows * T];                        // [RB, T] fp32 dot products of this block
 
   // Which segment and tile this block computes (unrolled over the six compile-time segments).
   const int ns[6] = {N0, N1, N2, N3, N4, N5};
@@ -231,17 +364,13 @@ __device__ __forceinline__ void dp_gemm(const dp_bf16* __restrict__ x,  // [T, K
   if (!found) return;  // a grid larger than the tiles: whole block leaves together
   const int row0 = b * G::kRows;
 
-  const int slot = (int)threadIdx.x / DP_GROUP / S;
-  const dp_bf16* w[M];  // this group's rows; rows past the matrix re-read row 0 and are dropped
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    const int r = row0 + slot * M + m;
-    w[m] = wseg + (dp_u64)(r < n_seg ? r : 0) * K;
-  }
-  const dp_bf16* xr[T];
-#pragma unroll
-  for (int t = 0; t < T; ++t) xr[t] = x + (dp_u64)t * K;
-  dp_block_dot<T, K, M, S>(w, xr, partial, result);
+  // Rows past the matrix re-read row 0 and are dropped.
+  dp_block_dot<T, K, MT, S>(
+      [&](int slot, int m) {
+        const int r = row0 + slot * G::kSlotRows + m;
+        return wseg + (dp_u64)(r < n_seg ? r : 0) * K;
+      },
+      [&](int t) { return x + (dp_u64)t * K; }, partial, result);
 
   for (int i = (int)threadIdx.x; i < G::kRows * T; i += DP_GEMM_THREADS) {
     const int t = i % T;

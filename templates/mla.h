@@ -31,11 +31,10 @@
 #include "gemm.h"  // DP_KERNEL_BOUNDS, dp_group_sum, dp_sigmoid, dp_round_bf16, dp_div
 
 #define DP_MLA_THREADS 256
-#define DP_MLA_TILE 32  // cache rows per attention tile (one per lane)
 
 // ---------------------------------------------------------------------------------------------------
-// Launch: grid T + N*ceil(L/512) blocks of 256: blocks [0, T) normalise and write one row's latent,
-// the rest compute one head's q_lat over 512 latent columns (two per thread) for all rows.
+// Launch: grid T + N*ceil(L/128) blocks of 256: blocks [0, T) normalise and write one row's latent,
+// the rest compute one head's q_lat over 128 latent columns (16 per group) for all rows.
 template <int T, int Q, int N, int L, int R, int PN, int V, int BS>
 __device__ __forceinline__ void dp_mla_prep(const dp_bf16* __restrict__ q,             // [T, stride_q] bf16
                                             dp_u32 stride_q,
@@ -51,7 +50,7 @@ __device__ __forceinline__ void dp_mla_prep(const dp_bf16* __restrict__ q,      
                                             dp_u32 cache_stride) {  // elements between cache blocks
   static_assert(L % 64 == 0 && R % 2 == 0 && PN % 8 == 0, "mla_prep: L multiple of 64, even R");
   static_assert(BS >= 1, "mla_prep: cache block size");
-  constexpr int kCols = 2 * DP_MLA_THREADS;  // latent columns per absorb block
+  constexpr int kCols = 16 * (DP_MLA_THREADS / DP_GROUP);  // latent columns per absorb block (128)
   const int tid = (int)threadIdx.x;
   int b = (int)blockIdx.x;
   if (b < T) {
@@ -80,37 +79,71 @@ __device__ __forceinline__ void dp_mla_prep(const dp_bf16* __restrict__ q,      
     for (int e = tid; e < R; e += DP_MLA_THREADS) dst[L + e] = row[L + e];
     return;
   }
-  // ---- absorbed query of head n, latent columns [col0, col0 + 512) ----
+  // ---- absorbed query of head n, latent columns [16*(8*tile + group), +16) ----
+  // Lane l of a group reads rows j = l, l+32, ... of W_UK_T[n] (32 contiguous bytes of each: whole
+  // sectors), all at once, multiplies them by q_nope[t][j] and the group sums over its lanes.
   b -= T;
   constexpr int kTiles = (L + kCols - 1) / kCols;
-  const int n = b / kTiles;
-  const int col = (b % kTiles) * kCols + 2 * tid;  // this thread's two columns
-  __shared__ float qn[T * PN];                     // [T, PN] fp32 q_nope of head n
+  constexpr int kJIters = (PN + DP_GROUP - 1) / DP_GROUP;
+  constexpr int kRowChunk = T < 4 ? T : 4;
+  const int n = b / kTiles, group = tid / DP_GROUP, lane = tid % DP_GROUP;
+  const int col0 = (b % kTiles) * kCols + 16 * group;  // this group's 16 columns
+  __shared__ float qn[T * PN];                         // [T, PN] fp32 q_nope of head n
   for (int e = tid; e < T * PN; e += DP_MLA_THREADS) {
     const int t = e / PN, j = e % PN;
     qn[e] = dp_bf16_to_f32(q[(dp_u64)t * stride_q + n * (PN + R) + j]);
   }
-  __syncthreads();
-  if (col < L) {
-    float acc[T][2];  // [T, 2] fp32
+  const bool cols_in = col0 < L;  // per group (L is a multiple of 64, so of 16)
+  dp_u32x4 wv[kJIters][2];         // rows j = lane + 32*i, columns col0 .. col0 + 15
+  if (cols_in) {
+    const dp_bf16* wk = kv_b + (dp_u64)n * (PN + V) * L + col0;  // W_UK_T[n][j][col0], row stride L
 #pragma unroll
-    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = 0.0f;
-    const dp_bf16* wk = kv_b + (dp_u64)n * (PN + V) * L + col;  // W_UK_T[n][j][col], row stride L
-#pragma unroll 4
-    for (int j = 0; j < PN; ++j) {
-      const dp_u32 w2 = *(const dp_u32*)(wk + (dp_u64)j * L);  // two bf16, little-endian
-      const float w0 = dp_bits_to_f32(w2 << 16), w1 = dp_bits_to_f32(w2 & 0xffff0000u);
+    for (int i = 0; i < kJIters; ++i) {
+      const int j = lane + DP_GROUP * i;
 #pragma unroll
-      for (int t = 0; t < T; ++t) {
-        acc[t][0] += qn[t * PN + j] * w0;
-        acc[t][1] += qn[t * PN + j] * w1;
+      for (int h = 0; h < 2; ++h) {
+        if (j < PN) {
+          wv[i][h] = dp_load16(wk + (dp_u64)j * L + 8 * h);
+        } else {
+          wv[i][h].x = wv[i][h].y = wv[i][h].z = wv[i][h].w = 0u;
+        }
       }
     }
+  }
+  __syncthreads();  // qn
+  if (cols_in) {
+    for (int t0 = 0; t0 < T; t0 += kRowChunk) {
+      float acc[kRowChunk][16];  // [rows, 16] fp32 lane partials
 #pragma unroll
-    for (int t = 0; t < T; ++t) {
-      dp_bf16* dst = q_abs + ((dp_u64)t * N + n) * (L + R) + col;
-      dst[0] = dp_f32_to_bf16(acc[t][0]);
-      dst[1] = dp_f32_to_bf16(acc[t][1]);
+      for (int tt = 0; tt < kRowChunk; ++tt)
+#pragma unroll
+        for (int c = 0; c < 16; ++c) acc[tt][c] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kJIters; ++i) {
+        const int j = lane + DP_GROUP * i;
+        if (j >= PN) continue;
+        float wf[16];
+        dp_unpack8_bf16(wv[i][0], wf);
+        dp_unpack8_bf16(wv[i][1], wf + 8);
+#pragma unroll
+        for (int tt = 0; tt < kRowChunk; ++tt) {
+          const float qv = t0 + tt < T ? qn[(t0 + tt) * PN + j] : 0.0f;
+#pragma unroll
+          for (int c = 0; c < 16; ++c) acc[tt][c] += qv * wf[c];
+        }
+      }
+#pragma unroll
+      for (int tt = 0; tt < kRowChunk; ++tt)
+#pragma unroll
+        for (int c = 0; c < 16; ++c) acc[tt][c] = dp_group_sum(acc[tt][c]);
+#pragma unroll
+      for (int tt = 0; tt < kRowChunk; ++tt)
+#pragma unroll
+        for (int c = 0; c < 16; ++c) {
+          const int t = t0 + tt;
+          if (lane == (tt * 16 + c) % DP_GROUP && t < T)
+            q_abs[((dp_u64)t * N + n) * (L + R) + col0 + c] = dp_f32_to_bf16(acc[tt][c]);
+        }
     }
   }
   if (b % kTiles == 0)  // q_pe rides along unchanged
@@ -121,13 +154,30 @@ __device__ __forceinline__ void dp_mla_prep(const dp_bf16* __restrict__ q,      
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Split-KV attention. Launch: grid (N/HB, NS, W) blocks of 256 threads. A block holds Q*HB (row, head)
-// pairs, one per 32-lane group (HB = heads per block), and walks its slice of the request's tokens in
-// tiles of 32 cache rows staged in shared memory: lane l of a group scores token l of the tile for its
-// pair, the group keeps a running max and sum (online softmax) and accumulates the unnormalised
-// o_lat, 16 latent columns per lane (columns 2*lane + 64*k, k < 8: consecutive lanes read consecutive
-// shared-memory words, no bank conflicts; cache rows are padded by one word for the same reason).
-template <int W, int Q, int N, int L, int R, int BS, int NS, int HB>
+// Split-KV attention. Launch: grid (ceil(Q*N/16), NS, W) blocks of 256 threads. Block (rb, split, r)
+// takes the 16 query rows rho = 16*rb .. 16*rb+15 of request r (rho = i*N + n: draft position i, head
+// n; rows past Q*N are empty) and one of NS slices of the request's tokens, walked in tiles of 16 cache
+// rows staged in shared memory with an online softmax, and leaves (max, sum, unnormalised o_lat)
+// partials per row.
+#define DP_MLA_ROWS 16   // query rows (draft position, head) per block
+#define DP_MLA_TILE 16   // cache rows per attention tile
+
+#if DP_VENDOR_NVIDIA
+// Four 8x8 bf16 matrices from shared memory, transposed (the B operand of a 16x8x16 step from
+// row-major K x N data). Lane i gives the address of row i%8 of matrix i/8.
+__device__ __forceinline__ void dp_ldmatrix_x4_trans(dp_u32 (&r)[4], const void* smem_row) {
+  const unsigned a = (unsigned)__cvta_generic_to_shared(smem_row);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
+__device__ __forceinline__ dp_u32 dp_pack2_bf16(float lo, float hi) {
+  return (dp_u32)dp_f32_to_bf16(lo).bits | ((dp_u32)dp_f32_to_bf16(hi).bits << 16);
+}
+#endif
+
+template <int W, int Q, int N, int L, int R, int BS, int NS>
 __device__ __forceinline__ void dp_mla_attn(const dp_bf16* __restrict__ q_abs,       // [W*Q, N, L+R] bf16
                                             const dp_bf16* __restrict__ cache,       // [blocks, cache_stride] bf16
                                             const dp_i32* __restrict__ block_table,  // [W, stride_bt] i32
@@ -137,117 +187,292 @@ __device__ __forceinline__ void dp_mla_attn(const dp_bf16* __restrict__ q_abs,  
                                             float* __restrict__ part_ml,             // [W, NS, Q, N, 2] fp32
                                             float scale,                             // (PN+R)^-1/2
                                             dp_u32 cache_stride) {                   // elements between blocks
-  constexpr int kRowWords = (L + R) / 2;       // 32-bit words of a cache row
-  constexpr int kStride = kRowWords + 1;       // padded shared-memory row
-  constexpr int kPairs = Q * HB;
-  constexpr int kColWords = L / 2 / DP_GROUP;  // latent words per lane (8 for L = 512)
-  static_assert(kPairs <= DP_MLA_THREADS / DP_GROUP, "mla_attn: Q * heads per block must be at most 8");
-  static_assert((L + R) % 8 == 0 && L % 64 == 0 && N % HB == 0, "mla_attn: shapes");
-  __shared__ dp_u32 tile[DP_MLA_TILE * kStride];  // [32, (L+R)/2 + 1] bf16 pairs of cache rows
-  __shared__ dp_u32 qs[kPairs * kRowWords];       // [pairs, (L+R)/2] bf16 pairs of q_abs
-
-  const int r = (int)blockIdx.z, split = (int)blockIdx.y, h0 = (int)blockIdx.x * HB;
-  const int tid = (int)threadIdx.x, pair = tid / DP_GROUP, lane = tid % DP_GROUP;
-  const int i = pair / HB, n = h0 + pair % HB;  // this group's (draft position, head)
-  const bool active = pair < kPairs;
+  constexpr int KR = L + R;  // values of a cache row
+  static_assert(KR % 16 == 0 && L % 64 == 0, "mla_attn: L a multiple of 64, L + R of 16");
+  const int r = (int)blockIdx.z, split = (int)blockIdx.y, rho0 = (int)blockIdx.x * DP_MLA_ROWS;
+  const int tid = (int)threadIdx.x, warp = tid / DP_GROUP, lane = tid % DP_GROUP;
   const int len = seq_lens[r];
   const int chunk = (len + NS - 1) / NS;
   const int begin = split * chunk;
   const int end = begin + chunk < len ? begin + chunk : len;
-  const int last = len - Q + i;  // the last position this row attends
-
-  for (int e = tid; e < kPairs * kRowWords; e += DP_MLA_THREADS) {
-    const int p = e / kRowWords, w = e % kRowWords;
-    const int row = r * Q + p / HB, head = h0 + p % HB;
-    qs[e] = ((const dp_u32*)(q_abs + ((dp_u64)row * N + head) * (L + R)))[w];
-  }
   const float neg_inf = dp_bits_to_f32(0xff800000u);
-  float m_run = neg_inf, l_run = 0.0f;
-  float acc[kColWords][2];  // [8, 2] fp32: columns 2*(lane + 32k) + {0, 1}
-#pragma unroll
-  for (int k = 0; k < kColWords; ++k) acc[k][0] = acc[k][1] = 0.0f;
+#if DP_VENDOR_NVIDIA
+  // Tensor cores: S = Q_abs C^T (16 rows x 16 tokens, K = L+R split over four warps' K-quarters and
+  // two token halves), softmax per row, O += P C (each warp owns L/8 latent columns of all 16 rows).
+  constexpr int kStride = KR + 8;         // bf16 per staged cache row (16-byte rows, no bank conflicts)
+  constexpr int kSteps = KR / 16;         // 16-deep steps over a cache row
+  constexpr int kQSteps = (kSteps + 3) / 4;  // steps per K-quarter
+  constexpr int kCols = L / 8;            // latent columns per warp in P C
+  constexpr int kNT = kCols / 8;          // 8-column tiles per warp
+  constexpr int kPStride = 24;            // bf16 per P row (conflict-free fragment reads)
+  __shared__ __align__(16) dp_bf16 tile[DP_MLA_TILE * kStride];  // [16, L+R+8] bf16 staged cache rows
+  __shared__ float sred[4 * DP_MLA_ROWS * DP_MLA_TILE];          // [4, 16, 16] fp32 score partials
+  __shared__ __align__(16) dp_bf16 ps[DP_MLA_ROWS * kPStride];   // [16, 24] bf16 probabilities
+  __shared__ float alpha_s[DP_MLA_ROWS];                         // [16] rescale of each row's o this tile
+  const int g = lane / 4, qd = lane % 4;
+  const int kq = warp % 4, nh = warp / 4;  // scores: K-quarter and token half of this warp
 
+  // This warp's A fragments (query rows g, g+8) over its K-quarter, kept for the whole token walk.
+  dp_u32 qa[kQSteps][4];
+#pragma unroll
+  for (int k = 0; k < kQSteps; ++k) {
+    const int ks = kq * kQSteps + k;
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+      const int rho = rho0 + g + 8 * (h % 2);
+      const int col = 16 * ks + 2 * qd + 8 * (h / 2);
+      dp_u32 v = 0u;
+      if (ks < kSteps && rho < Q * N) {
+        const int i = rho / N, n = rho % N;
+        v = *(const dp_u32*)(q_abs + ((dp_u64)(r * Q + i) * N + n) * KR + col);
+      }
+      qa[k][h] = v;
+    }
+  }
+  // Online-softmax state of row sr = tid / 16 (every thread of the row keeps the same copy).
+  const int sr = tid / DP_MLA_TILE, st = tid % DP_MLA_TILE;
+  const int srho = rho0 + sr;
+  const int slast = len - Q + (srho / N);  // the last position row sr attends
+  float m_run = neg_inf, l_run = 0.0f;
+  float acc[kNT][4];  // o fragments: rows g, g+8; columns warp*kCols + 8*nt + 2*qd (+1)
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+
+  // The next tile's cache rows are loaded into registers while this one is computed (tokens past the
+  // slice are zeros: 0 * p stays 0 in P C).
+  constexpr int kLoads = (DP_MLA_TILE * (KR / 8) + DP_MLA_THREADS - 1) / DP_MLA_THREADS;
+  dp_u32x4 next[kLoads];
+  auto load_tile = [&](int p0) {
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const int e = tid + DP_MLA_THREADS * k;
+      const int tok = e / (KR / 8), v = e % (KR / 8);
+      next[k].x = next[k].y = next[k].z = next[k].w = 0u;
+      if (e < DP_MLA_TILE * (KR / 8) && p0 + tok < end) {
+        const int pos = p0 + tok;
+        const dp_i32 block = block_table[(dp_u64)r * stride_bt + pos / BS];
+        next[k] = dp_load16(cache + (dp_u64)block * cache_stride + (dp_u64)((pos % BS) * KR + 8 * v));
+      }
+    }
+  };
+  if (begin < end) load_tile(begin);
   for (int p0 = begin; p0 < end; p0 += DP_MLA_TILE) {
     const int ntok = end - p0 < DP_MLA_TILE ? end - p0 : DP_MLA_TILE;
-    __syncthreads();  // the previous tile (and, first time, nothing) is no longer read
-    for (int e = tid; e < ntok * (kRowWords / 4); e += DP_MLA_THREADS) {
-      const int tok = e / (kRowWords / 4), v = e % (kRowWords / 4);
-      const int pos = p0 + tok;
-      const dp_i32 block = block_table[(dp_u64)r * stride_bt + pos / BS];
-      const dp_u32x4 x =
-          dp_load16(cache + (dp_u64)block * cache_stride + (dp_u64)((pos % BS) * (L + R) + 8 * v));
-      dp_u32* dst = tile + tok * kStride + 4 * v;
-      dst[0] = x.x;
-      dst[1] = x.y;
-      dst[2] = x.z;
-      dst[3] = x.w;
+    __syncthreads();  // the previous tile is no longer read
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const int e = tid + DP_MLA_THREADS * k;
+      if (e < DP_MLA_TILE * (KR / 8)) dp_store16(tile + (e / (KR / 8)) * kStride + 8 * (e % (KR / 8)), next[k]);
+    }
+    if (p0 + DP_MLA_TILE < end) load_tile(p0 + DP_MLA_TILE);
+    __syncthreads();
+    {  // partial scores of rows g, g+8 x tokens 8*nh + 2*qd (+1) over this warp's K-quarter
+      float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      const dp_bf16* crow = tile + (8 * nh + g) * kStride + 2 * qd;
+#pragma unroll
+      for (int k = 0; k < kQSteps; ++k) {
+        const int ks = kq * kQSteps + k;
+        if (ks < kSteps) {
+          const dp_u32 b0 = *(const dp_u32*)(crow + 16 * ks);
+          const dp_u32 b1 = *(const dp_u32*)(crow + 16 * ks + 8);
+          dp_mma_16816(sc, qa[k][0], qa[k][1], qa[k][2], qa[k][3], b0, b1);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 4; ++h)
+        sred[(kq * DP_MLA_ROWS + g + 8 * (h / 2)) * DP_MLA_TILE + 8 * nh + 2 * qd + (h % 2)] = sc[h];
     }
     __syncthreads();
-    if (active) {
-      // Score of token lane for this pair.
+    {  // softmax of row sr, token st (16 threads a row, within one warp)
       float s = neg_inf;
-      const int pos = p0 + lane;
-      if (lane < ntok && pos <= last) {
-        const dp_u32* qrow = qs + pair * kRowWords;
-        const dp_u32* crow = tile + lane * kStride;
-        float dot = 0.0f;
-#pragma unroll 8
-        for (int w = 0; w < kRowWords; ++w) {
-          const dp_u32 a = qrow[w], c = crow[w];
-          dot += dp_bits_to_f32(a << 16) * dp_bits_to_f32(c << 16) +
-                 dp_bits_to_f32(a & 0xffff0000u) * dp_bits_to_f32(c & 0xffff0000u);
-        }
-        s = dot * scale;
+      if (st < ntok && p0 + st <= slast && srho < Q * N) {
+        float d = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) d += sred[(k * DP_MLA_ROWS + sr) * DP_MLA_TILE + st];
+        s = d * scale;
       }
       float m_tile = s;
 #pragma unroll
-      for (int d = DP_GROUP / 2; d > 0; d >>= 1) {
+      for (int d = DP_MLA_TILE / 2; d > 0; d >>= 1) {
         const float o = dp_shfl_xor(m_tile, d);
         m_tile = o > m_tile ? o : m_tile;
       }
-      if (m_tile != neg_inf) {  // uniform over the group
-        const float m_new = m_tile > m_run ? m_tile : m_run;
-        const float alpha = m_run == neg_inf ? 0.0f : dp_expf(m_run - m_new);
-        const float prob = s == neg_inf ? 0.0f : dp_expf(s - m_new);
-        l_run = l_run * alpha + dp_group_sum(prob);
-        m_run = m_new;
+      // m_tile is uniform over the row's 16 threads (but not over the warp's two rows: the shuffles
+      // stay outside the branch).
+      const bool any = m_tile != neg_inf;
+      const float m_new = any && m_tile > m_run ? m_tile : m_run;
+      const float alpha = !any ? 1.0f : m_run == neg_inf ? 0.0f : dp_expf(m_run - m_new);
+      const float prob = !any || s == neg_inf ? 0.0f : dp_expf(s - m_new);
+      float psum = prob;
 #pragma unroll
-        for (int k = 0; k < kColWords; ++k) {
-          acc[k][0] *= alpha;
-          acc[k][1] *= alpha;
+      for (int d = DP_MLA_TILE / 2; d > 0; d >>= 1) psum += dp_shfl_xor(psum, d);
+      if (any) {
+        l_run = l_run * alpha + psum;
+        m_run = m_new;
+      }
+      ps[sr * kPStride + st] = dp_f32_to_bf16(prob);
+      if (st == 0) alpha_s[sr] = alpha;
+    }
+    __syncthreads();
+    {  // O = alpha O + P C over this warp's columns
+      const float a_lo = alpha_s[g], a_hi = alpha_s[g + 8];
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        acc[nt][0] *= a_lo;
+        acc[nt][1] *= a_lo;
+        acc[nt][2] *= a_hi;
+        acc[nt][3] *= a_hi;
+      }
+      const dp_u32 pa0 = *(const dp_u32*)(ps + g * kPStride + 2 * qd);
+      const dp_u32 pa1 = *(const dp_u32*)(ps + (g + 8) * kPStride + 2 * qd);
+      const dp_u32 pa2 = *(const dp_u32*)(ps + g * kPStride + 8 + 2 * qd);
+      const dp_u32 pa3 = *(const dp_u32*)(ps + (g + 8) * kPStride + 8 + 2 * qd);
+      const int mi = lane / 8, ri = lane % 8;
+#pragma unroll
+      for (int nt = 0; nt < kNT; nt += 2) {
+        const int c = warp * kCols + 8 * nt;
+        dp_u32 bm[4];
+        dp_ldmatrix_x4_trans(bm, tile + ((mi % 2) * 8 + ri) * kStride + c + (mi / 2) * 8);
+        dp_mma_16816(acc[nt], pa0, pa1, pa2, pa3, bm[0], bm[1]);
+        if (nt + 1 < kNT) dp_mma_16816(acc[nt + 1], pa0, pa1, pa2, pa3, bm[2], bm[3]);
+      }
+    }
+  }
+  // Row stats live in the softmax threads; alpha_s carries nothing further. Write the partials.
+  if (st == 0 && srho < Q * N) {
+    const int i = srho / N, n = srho % N;
+    const dp_u64 pidx = (((dp_u64)r * NS + split) * Q + i) * N + n;
+    part_ml[2 * pidx] = m_run;  // -inf: this split saw no token of the row (its o is not read)
+    part_ml[2 * pidx + 1] = l_run;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int rho = rho0 + g + 8 * h;
+    if (rho >= Q * N) continue;
+    const int i = rho / N, n = rho % N;
+    float* po = part_o + ((((dp_u64)r * NS + split) * Q + i) * N + n) * L + warp * kCols + 2 * qd;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      po[8 * nt] = acc[nt][2 * h];
+      po[8 * nt + 1] = acc[nt][2 * h + 1];
+    }
+  }
+#else
+  // Lane FMAs, two passes of 8 rows (one per 32-lane group): lane l scores token l of a 32-row tile;
+  // the group keeps a running max and sum and the unnormalised o_lat, 16 latent columns per lane
+  // (columns 2*lane + 64*k, k < 8; cache rows padded by one word against bank conflicts).
+  constexpr int kRowWords = KR / 2;            // 32-bit words of a cache row
+  constexpr int kStride = kRowWords + 1;       // padded shared-memory row
+  constexpr int kTile = 32;                    // cache rows per tile (one per lane)
+  constexpr int kPairs = DP_MLA_THREADS / DP_GROUP;
+  constexpr int kColWords = L / 2 / DP_GROUP;  // latent words per lane (8 for L = 512)
+  __shared__ dp_u32 tile[kTile * kStride];     // [32, (L+R)/2 + 1] bf16 pairs of cache rows
+  __shared__ dp_u32 qs[kPairs * kRowWords];    // [8, (L+R)/2] bf16 pairs of q_abs
+  const int pair = warp;
+  for (int pass = 0; pass < DP_MLA_ROWS / kPairs; ++pass) {
+    const int rho = rho0 + pass * kPairs + pair;
+    const bool active = rho < Q * N;
+    const int i = active ? rho / N : 0, n = active ? rho % N : 0;
+    const int last = len - Q + i;  // the last position this row attends
+    __syncthreads();  // the previous pass no longer reads qs
+    for (int e = tid; e < kPairs * kRowWords; e += DP_MLA_THREADS) {
+      const int p = e / kRowWords, w = e % kRowWords;
+      const int prho = rho0 + pass * kPairs + p;
+      dp_u32 v = 0u;
+      if (prho < Q * N)
+        v = ((const dp_u32*)(q_abs + ((dp_u64)(r * Q + prho / N) * N + prho % N) * KR))[w];
+      qs[e] = v;
+    }
+    float m_run = neg_inf, l_run = 0.0f;
+    float acc[kColWords][2];  // [8, 2] fp32: columns 2*(lane + 32k) + {0, 1}
+#pragma unroll
+    for (int k = 0; k < kColWords; ++k) acc[k][0] = acc[k][1] = 0.0f;
+    for (int p0 = begin; p0 < end; p0 += kTile) {
+      const int ntok = end - p0 < kTile ? end - p0 : kTile;
+      __syncthreads();  // the previous tile (and, first time, nothing) is no longer read
+      for (int e = tid; e < ntok * (kRowWords / 4); e += DP_MLA_THREADS) {
+        const int tok = e / (kRowWords / 4), v = e % (kRowWords / 4);
+        const int pos = p0 + tok;
+        const dp_i32 block = block_table[(dp_u64)r * stride_bt + pos / BS];
+        const dp_u32x4 x = dp_load16(cache + (dp_u64)block * cache_stride + (dp_u64)((pos % BS) * KR + 8 * v));
+        dp_u32* dst = tile + tok * kStride + 4 * v;
+        dst[0] = x.x;
+        dst[1] = x.y;
+        dst[2] = x.z;
+        dst[3] = x.w;
+      }
+      __syncthreads();
+      if (active) {
+        float s = neg_inf;
+        const int pos = p0 + lane;
+        if (lane < ntok && pos <= last) {
+          const dp_u32* qrow = qs + pair * kRowWords;
+          const dp_u32* crow = tile + lane * kStride;
+          float dot = 0.0f;
+#pragma unroll 8
+          for (int w = 0; w < kRowWords; ++w) {
+            const dp_u32 a = qrow[w], c = crow[w];
+            dot += dp_bits_to_f32(a << 16) * dp_bits_to_f32(c << 16) +
+                   dp_bits_to_f32(a & 0xffff0000u) * dp_bits_to_f32(c & 0xffff0000u);
+          }
+          s = dot * scale;
         }
-        for (int tok = 0; tok < ntok; ++tok) {
-          const float pt = dp_bits_to_f32(dp_shfl_group32(dp_f32_to_bits(prob), (dp_u32)tok));
-          const dp_u32* crow = tile + tok * kStride;
+        float m_tile = s;
+#pragma unroll
+        for (int d = DP_GROUP / 2; d > 0; d >>= 1) {
+          const float o = dp_shfl_xor(m_tile, d);
+          m_tile = o > m_tile ? o : m_tile;
+        }
+        if (m_tile != neg_inf) {  // uniform over the group
+          const float m_new = m_tile > m_run ? m_tile : m_run;
+          const float alpha = m_run == neg_inf ? 0.0f : dp_expf(m_run - m_new);
+          const float prob = s == neg_inf ? 0.0f : dp_expf(s - m_new);
+          l_run = l_run * alpha + dp_group_sum(prob);
+          m_run = m_new;
 #pragma unroll
           for (int k = 0; k < kColWords; ++k) {
-            const dp_u32 c = crow[lane + DP_GROUP * k];
-            acc[k][0] += pt * dp_bits_to_f32(c << 16);
-            acc[k][1] += pt * dp_bits_to_f32(c & 0xffff0000u);
+            acc[k][0] *= alpha;
+            acc[k][1] *= alpha;
+          }
+          for (int tok = 0; tok < ntok; ++tok) {
+            const float pt = dp_bits_to_f32(dp_shfl_group32(dp_f32_to_bits(prob), (dp_u32)tok));
+            const dp_u32* crow = tile + tok * kStride;
+#pragma unroll
+            for (int k = 0; k < kColWords; ++k) {
+              const dp_u32 c = crow[lane + DP_GROUP * k];
+              acc[k][0] += pt * dp_bits_to_f32(c << 16);
+              acc[k][1] += pt * dp_bits_to_f32(c & 0xffff0000u);
+            }
           }
         }
       }
     }
-  }
-  if (!active) return;
-  const dp_u64 pidx = (((dp_u64)r * NS + split) * Q + i) * N + n;  // (r, split, i, n)
-  float* po = part_o + pidx * L;
-  if (m_run != neg_inf) {
+    if (active) {
+      const dp_u64 pidx = (((dp_u64)r * NS + split) * Q + i) * N + n;  // (r, split, i, n)
+      float* po = part_o + pidx * L;
+      if (m_run != neg_inf) {
 #pragma unroll
-    for (int k = 0; k < kColWords; ++k) {
-      po[2 * (lane + DP_GROUP * k)] = acc[k][0];
-      po[2 * (lane + DP_GROUP * k) + 1] = acc[k][1];
+        for (int k = 0; k < kColWords; ++k) {
+          po[2 * (lane + DP_GROUP * k)] = acc[k][0];
+          po[2 * (lane + DP_GROUP * k) + 1] = acc[k][1];
+        }
+      }
+      if (lane == 0) {
+        part_ml[2 * pidx] = m_run;  // -inf: this split saw no token of the row (its o is not written)
+        part_ml[2 * pidx + 1] = l_run;
+      }
     }
   }
-  if (lane == 0) {
-    part_ml[2 * pidx] = m_run;  // -inf: this split saw no token of the row (its o is not written)
-    part_ml[2 * pidx + 1] = l_run;
-  }
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Merge + W_UV (+ K3 output gate). Launch: grid N blocks of 256 threads, one per head; rows in chunks
-// of 8. o_lat = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, rounded to bf16 (vLLM's attention output),
+// Merge + W_UV (+ K3 output gate). Launch: grid (N, ceil(V/VB)) blocks of 256 threads, VB = 32:
+// block (n, vt) computes outputs v in [VB*vt, VB*vt + VB) of head n for every row,
+// rows in chunks of up to 8; each group owns VB/8 of the block's v and issues all its W_UV loads at once (many blocks with few
+// dependent loads each, instead of one block per head walking V). Every block of a head merges the
+// head's splits itself (the partials are L2-resident; a few times the bytes of one merge).
+// o_lat = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, rounded to bf16 (vLLM's attention output),
 // then o[v] = o_lat . W_UV[n][:, v], rounded to bf16, times sigmoid(gate) when kGate.
 template <int W, int Q, int N, int L, int PN, int V, int NS, int kGate>
 __device__ __forceinline__ void dp_mla_combine(const float* __restrict__ part_o,     // [W, NS, Q, N, L] fp32
@@ -258,79 +483,138 @@ __device__ __forceinline__ void dp_mla_combine(const float* __restrict__ part_o,
                                                dp_u32 stride_g,
                                                dp_bf16* __restrict__ out) {          // [T, N*V] bf16
   constexpr int T = W * Q;
-  constexpr int kChunk = 8;
-  constexpr int kGroups = DP_MLA_THREADS / DP_GROUP;
+  constexpr int kChunk = T < 8 ? T : 8;
   constexpr int kVecs = L / 8;
   constexpr int kIters = (kVecs + DP_GROUP - 1) / DP_GROUP;
+  constexpr int kVPerGroup = 4;  // output columns per group
+  constexpr int kBlockV = kVPerGroup * (DP_MLA_THREADS / DP_GROUP);
   static_assert(L % 8 == 0, "mla_combine: L multiple of 8");
-  __shared__ float olat[kChunk * L];  // [8, L] fp32 (bf16 values)
-  __shared__ float wgt[kChunk * NS];  // [8, NS] merge weights e^(m_s - M) / sum
+  __shared__ float olat[kChunk * L];  // [chunk, L] fp32 (bf16 values)
+  __shared__ float wgt[kChunk * NS];  // [chunk, NS] merge weights e^(m_s - M) / sum
   const int n = (int)blockIdx.x, tid = (int)threadIdx.x, group = tid / DP_GROUP, lane = tid % DP_GROUP;
+  const int v0 = (int)blockIdx.y * kBlockV + group * kVPerGroup;
   const float neg_inf = dp_bits_to_f32(0xff800000u);
 
+  // This group's W_UV rows, all loads in flight before the merge (they do not depend on it).
+  dp_u32x4 wv[kVPerGroup][kIters];
+#pragma unroll
+  for (int k = 0; k < kVPerGroup; ++k) {
+    const int v = v0 + k < V ? v0 + k : V - 1;
+    const dp_bf16* wrow = kv_b + ((dp_u64)n * (PN + V) + PN + v) * L;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int vec = lane + DP_GROUP * it;
+      if (vec < kVecs) {
+        wv[k][it] = dp_load16(wrow + 8 * vec);
+      } else {
+        wv[k][it].x = wv[k][it].y = wv[k][it].z = wv[k][it].w = 0u;
+      }
+    }
+  }
+
+  // Merge: group tt < rows takes row t0 + tt's weights (lanes over the splits); then every row's o_lat
+  // with the threads split into kSG groups of splits x kCG groups of 8 columns (float4 loads), the split
+  // groups summed in a fixed order.
+  constexpr int kCG = L / 8;                         // 8-column groups
+  constexpr int kSG = kCG >= 256 ? 1 : 256 / kCG;    // split groups
+  __shared__ float red[kSG * L];                     // [kSG, L] fp32 split-group partials
   for (int t0 = 0; t0 < T; t0 += kChunk) {
     const int rows = T - t0 < kChunk ? T - t0 : kChunk;
     __syncthreads();
-    if (tid < rows) {
-      const int t = t0 + tid, r = t / Q, i = t % Q;
+    if (group < rows) {  // whole groups: the shuffles below stay uniform
+      const int t = t0 + group, r = t / Q, i = t % Q;
+      const dp_u64 base = ((dp_u64)r * NS * Q + i) * N + n;  // (r, s = 0, i, n); split s adds s*Q*N
       float mx = neg_inf;
-      for (int s = 0; s < NS; ++s) {
-        const float m = part_ml[2 * ((((dp_u64)r * NS + s) * Q + i) * N + n)];
+      for (int s = lane; s < NS; s += DP_GROUP) {
+        const float m = part_ml[2 * (base + (dp_u64)s * Q * N)];
         mx = m > mx ? m : mx;
       }
+#pragma unroll
+      for (int d = DP_GROUP / 2; d > 0; d >>= 1) {
+        const float o = dp_shfl_xor(mx, d);
+        mx = o > mx ? o : mx;
+      }
       float sum = 0.0f;
-      for (int s = 0; s < NS; ++s) {
-        const dp_u64 p = (((dp_u64)r * NS + s) * Q + i) * N + n;
+      for (int s = lane; s < NS; s += DP_GROUP) {
+        const dp_u64 p = base + (dp_u64)s * Q * N;
         const float m = part_ml[2 * p];
         const float w = m == neg_inf ? 0.0f : dp_expf(m - mx);
-        wgt[tid * NS + s] = w;
+        wgt[group * NS + s] = w;
         sum += w * part_ml[2 * p + 1];
       }
+      sum = dp_group_sum(sum);
       const float inv = (seq_lens[r] == 0 || mx == neg_inf) ? 0.0f : dp_div(1.0f, sum);
-      for (int s = 0; s < NS; ++s) wgt[tid * NS + s] *= inv;
+      for (int s = lane; s < NS; s += DP_GROUP) wgt[group * NS + s] *= inv;
     }
     __syncthreads();
-    for (int e = tid; e < rows * L; e += DP_MLA_THREADS) {
-      const int tt = e / L, l = e % L, t = t0 + tt, r = t / Q, i = t % Q;
-      float o = 0.0f;
-      for (int s = 0; s < NS; ++s) {
-        const float w = wgt[tt * NS + s];
-        if (w != 0.0f) o += w * part_o[((((dp_u64)r * NS + s) * Q + i) * N + n) * L + l];
+    for (int tt = 0; tt < rows; ++tt) {
+      const int t = t0 + tt, r = t / Q, i = t % Q;
+      const int sg = tid / kCG < kSG ? tid / kCG : kSG;  // kSG: idle thread
+      for (int cg = tid % kCG; sg < kSG && cg < kCG; cg += (kCG >= 256 ? 256 : kCG)) {
+        float o[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+        for (int s = sg; s < NS; s += kSG) {
+          const float w = wgt[tt * NS + s];
+          const float* po = part_o + ((((dp_u64)r * NS + s) * Q + i) * N + n) * L + 8 * cg;
+          const dp_u32x4 a = dp_load16(po), c = dp_load16(po + 4);  // 8 fp32
+          if (w != 0.0f) {  // a split that saw no token left its o unwritten
+            o[0] += w * dp_bits_to_f32(a.x);
+            o[1] += w * dp_bits_to_f32(a.y);
+            o[2] += w * dp_bits_to_f32(a.z);
+            o[3] += w * dp_bits_to_f32(a.w);
+            o[4] += w * dp_bits_to_f32(c.x);
+            o[5] += w * dp_bits_to_f32(c.y);
+            o[6] += w * dp_bits_to_f32(c.z);
+            o[7] += w * dp_bits_to_f32(c.w);
+          }
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) red[sg * L + 8 * cg + k] = o[k];
       }
-      olat[e] = dp_round_bf16(o);
+      __syncthreads();
+      for (int l = tid; l < L; l += DP_MLA_THREADS) {
+        float o = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kSG; ++k) o += red[k * L + l];
+        olat[tt * L + l] = dp_round_bf16(o);
+      }
+      __syncthreads();
     }
-    __syncthreads();
-    // o[v] = o_lat . kv_b[n*(PN+V) + PN + v, :]: group g takes v = g, g+8, ...
-    for (int v = group; v < V; v += kGroups) {
-      const dp_bf16* wrow = kv_b + ((dp_u64)n * (PN + V) + PN + v) * L;
-      float acc[kChunk];
+    // o[v] = o_lat . kv_b[n*(PN+V) + PN + v, :] for this group's v.
+    float acc[kVPerGroup][kChunk];
 #pragma unroll
-      for (int tt = 0; tt < kChunk; ++tt) acc[tt] = 0.0f;
+    for (int k = 0; k < kVPerGroup; ++k)
 #pragma unroll
-      for (int it = 0; it < kIters; ++it) {
-        const int vec = lane + DP_GROUP * it;
-        if (vec < kVecs) {
+      for (int tt = 0; tt < kChunk; ++tt) acc[k][tt] = 0.0f;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int vec = lane + DP_GROUP * it;
+      if (vec < kVecs) {
+#pragma unroll
+        for (int k = 0; k < kVPerGroup; ++k) {
           float wf[8];
-          dp_unpack8_bf16(dp_load16(wrow + 8 * vec), wf);
+          dp_unpack8_bf16(wv[k][it], wf);
 #pragma unroll
           for (int tt = 0; tt < kChunk; ++tt)
 #pragma unroll
-            for (int k = 0; k < 8; ++k) acc[tt] += wf[k] * olat[tt * L + 8 * vec + k];
-        }
-      }
-#pragma unroll
-      for (int tt = 0; tt < kChunk; ++tt) acc[tt] = dp_group_sum(acc[tt]);
-      if (lane < rows) {
-#pragma unroll
-        for (int tt = 0; tt < kChunk; ++tt) {
-          if (tt != lane) continue;
-          const int t = t0 + tt;
-          float o = dp_round_bf16(acc[tt]);
-          if (kGate) o *= dp_sigmoid(dp_bf16_to_f32(gate[(dp_u64)t * stride_g + n * V + v]));
-          if (seq_lens[t / Q] == 0) o = 0.0f;
-          out[(dp_u64)t * (N * V) + n * V + v] = dp_f32_to_bf16(o);
+            for (int j = 0; j < 8; ++j) acc[k][tt] += wf[j] * olat[tt * L + 8 * vec + j];
         }
       }
     }
+#pragma unroll
+    for (int k = 0; k < kVPerGroup; ++k)
+#pragma unroll
+      for (int tt = 0; tt < kChunk; ++tt) acc[k][tt] = dp_group_sum(acc[k][tt]);
+#pragma unroll
+    for (int k = 0; k < kVPerGroup; ++k)
+#pragma unroll
+      for (int tt = 0; tt < kChunk; ++tt) {
+        const int v = v0 + k, t = t0 + tt;
+        if (lane != (k * kChunk + tt) % DP_GROUP || tt >= rows || v >= V) continue;
+        float o = dp_round_bf16(acc[k][tt]);
+        if (kGate) o *= dp_sigmoid(dp_bf16_to_f32(gate[(dp_u64)t * stride_g + n * V + v]));
+        if (seq_lens[t / Q] == 0) o = 0.0f;
+        out[(dp_u64)t * (N * V) + n * V + v] = dp_f32_to_bf16(o);
+      }
   }
 }

@@ -10,8 +10,8 @@
 //   dp_mlp_up       the dense MLP's gate/up + activation (its down is a plain gemm.h launch)
 //
 // Only used experts' weights are read, each once per step however many rows chose it: the up kernel
-// gives each used expert its own blocks, and every block of the down kernel walks the used experts
-// for its slice of output features and sums them in registers in a fixed order (deterministic, no
+// gives each used expert its own blocks, and every block of the down kernel owns a few output features
+// and spreads the used experts over its groups, summing them in a fixed order (deterministic, no
 // atomics). Grids are sized for the most experts a step can use, U = min(E, T*KT); blocks beyond the
 // step's actual count leave at once.
 //
@@ -163,32 +163,40 @@ __device__ __forceinline__ void dp_moe_route(
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Gate/up tiles. A block computes RB = (8/S)*M intermediate features of one MLP (an expert or the
-// shared/dense MLP): each group streams M gate rows and the M up rows of the same features, so the
-// activation is applied in the block and only the activated product leaves it.
-template <int T, int D, int M, int S, int kAct>
-__device__ __forceinline__ void dp_gate_up_tile(const dp_bf16* const (&x)[T],    // [T] rows of [D] bf16, or null
+// Gate/up tiles. A block computes RB = (8/S)*8*MT intermediate features of one MLP (an expert or the
+// shared/dense MLP): each 16-row tile of a slot holds the gate rows of 8 features (rows 0-7) and the up
+// rows of the same features (rows 8-15), so the activation is applied in the block and only the
+// activated product leaves it.
+template <int T, int D, int MT, int S>
+struct dp_gate_up_geometry {
+  typedef dp_gemm_geometry<D, MT, S> G;
+  static constexpr int kSlotFeatures = 8 * MT;
+  static constexpr int kFeatures = G::kSlots * kSlotFeatures;  // RB
+};
+
+template <int T, int D, int MT, int S, int kAct, typename XRow>
+__device__ __forceinline__ void dp_gate_up_tile(XRow xrow,                       // row t of [D] bf16, or null
                                                 const dp_bf16* __restrict__ wg,  // [Irows, D] bf16 gate rows
                                                 const dp_bf16* __restrict__ wu,  // [Irows, D] bf16 up rows
                                                 int Irows, int row0, float act_beta, float act_lbeta,
                                                 float* partial, float* result,   // smem
                                                 float* act_out) {                // smem [RB, T] fp32
-  typedef dp_gemm_geometry<D, 2 * M, S> G;
-  const int slot = (int)threadIdx.x / DP_GROUP / S;
-  const dp_bf16* w[2 * M];  // M gate rows then M up rows; rows past the matrix re-read row 0
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    const int r = row0 + slot * M + m;
-    const dp_u64 off = (dp_u64)(r < Irows ? r : 0) * D;
-    w[m] = wg + off;
-    w[M + m] = wu + off;
-  }
-  dp_block_dot<T, D, 2 * M, S>(w, x, partial, result);
-  // result[(slot*2M + m)*T + t] holds gate (m < M) and up (m >= M) dot products.
-  for (int i = (int)threadIdx.x; i < (G::kRows / 2) * T; i += DP_GEMM_THREADS) {
-    const int t = i % T, m = (i / T) % M, sl = i / (T * M);
-    const float g = dp_round_bf16(result[(sl * 2 * M + m) * T + t]);
-    const float u = dp_round_bf16(result[(sl * 2 * M + M + m) * T + t]);
+  typedef dp_gate_up_geometry<T, D, MT, S> F;
+  typedef typename F::G G;
+  dp_block_dot<T, D, MT, S>(
+      [&](int slot, int m) {
+        const int f = row0 + slot * F::kSlotFeatures + 8 * (m / 16) + m % 8;  // feature of row m
+        const dp_u64 off = (dp_u64)(f < Irows ? f : 0) * D;  // features past the matrix re-read row 0
+        return (m % 16 < 8 ? wg : wu) + off;
+      },
+      xrow, partial, result);
+  // result[(slot*16*MT + 16*mt + i)*T + t]: gate (i < 8) and up (i >= 8) of feature slot*8*MT + 8*mt + i%8.
+  for (int i = (int)threadIdx.x; i < F::kFeatures * T; i += DP_GEMM_THREADS) {
+    const int t = i % T, f = i / T;  // feature within the block
+    const int slot = f / F::kSlotFeatures, mt = (f % F::kSlotFeatures) / 8, k = f % 8;
+    const int rg = slot * G::kSlotRows + 16 * mt + k;
+    const float g = dp_round_bf16(result[rg * T + t]);
+    const float u = dp_round_bf16(result[(rg + 8) * T + t]);
     act_out[i] = dp_gated_act<kAct>(g, u, act_beta, act_lbeta);
   }
   __syncthreads();
@@ -197,7 +205,7 @@ __device__ __forceinline__ void dp_gate_up_tile(const dp_bf16* const (&x)[T],   
 // Routed + shared gate/up. Launch: grid = nS + U*nI blocks, block 256, where nI = ceil(I/RB) tiles of
 // one expert, nS = ceil(SI/RB) tiles of the shared expert (0 without one): shared tiles first, then
 // used expert u's tiles at nS + u*nI .. (u+1)*nI - 1.
-template <int T, int D, int I, int E, int KT, int SI, int kAct, int M, int S>
+template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S>
 __device__ __forceinline__ void dp_moe_up(
     const dp_bf16* __restrict__ x,             // [T, D] bf16 post-attention-norm rows (or latent)
     const dp_bf16* __restrict__ w1,            // [E, stride_w1] bf16 expert gate (w1) weights, [I, D] each
@@ -211,23 +219,21 @@ __device__ __forceinline__ void dp_moe_up(
     dp_u32 stride_w1,                          // elements between experts of w1 (dense: I*D)
     dp_u32 stride_w3,                          // elements between experts of w3 (dense: I*D)
     float act_beta = 0.0f, float act_lbeta = 0.0f) {  // SiTU betas (kAct 1)
-  typedef dp_gemm_geometry<D, 2 * M, S> G;
-  constexpr int RB = G::kRows / 2;
+  typedef dp_gate_up_geometry<T, D, MT, S> F;
+  typedef typename F::G G;
+  constexpr int RB = F::kFeatures;
   constexpr int nI = (I + RB - 1) / RB;
   constexpr int nS = (SI + RB - 1) / RB;
-  __shared__ float partial[DP_GEMM_GROUPS * 2 * M * T];  // [8, 2M, T] fp32
-  __shared__ float result[G::kRows * T];                 // [2*RB, T] fp32
-  __shared__ float act[RB * T];                          // [RB, T] fp32
-  __shared__ dp_i32 slot_of[T];                          // [T] i32 this expert's top-k position per row
+  __shared__ float partial[DP_GEMM_GROUPS * G::kSlotRows * T];  // [8, 16*MT, T] fp32
+  __shared__ float result[G::kRows * T];                        // [2*RB, T] fp32
+  __shared__ float act[RB * T];                                 // [RB, T] fp32
+  __shared__ dp_i32 slot_of[T];                                 // [T] i32 this expert's top-k position per row
 
   int b = (int)blockIdx.x;
-  const dp_bf16* xr[T];
   if (b < nS) {
-#pragma unroll
-    for (int t = 0; t < T; ++t) xr[t] = x + (dp_u64)t * D;
     const int row0 = b * RB;
-    dp_gate_up_tile<T, D, M, S, kAct>(xr, shared_gate, shared_up, SI, row0, act_beta, act_lbeta, partial, result,
-                                      act);
+    dp_gate_up_tile<T, D, MT, S, kAct>([&](int t) { return x + (dp_u64)t * D; }, shared_gate, shared_up, SI, row0,
+                                       act_beta, act_lbeta, partial, result, act);
     for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
       const int t = i % T, r = row0 + i / T;
       if (r < SI) hs[(dp_u64)t * SI + r] = dp_f32_to_bf16(act[i]);
@@ -240,11 +246,10 @@ __device__ __forceinline__ void dp_moe_up(
   const dp_i32 e = experts[1 + u];
   if ((int)threadIdx.x < T) slot_of[threadIdx.x] = expert_slots[u * T + threadIdx.x];
   __syncthreads();
-#pragma unroll
-  for (int t = 0; t < T; ++t) xr[t] = slot_of[t] >= 0 ? x + (dp_u64)t * D : nullptr;  // rows that chose e
   const int row0 = tile * RB;
-  dp_gate_up_tile<T, D, M, S, kAct>(xr, w1 + (dp_u64)e * stride_w1, w3 + (dp_u64)e * stride_w3, I, row0, act_beta,
-                                    act_lbeta, partial, result, act);
+  dp_gate_up_tile<T, D, MT, S, kAct>(
+      [&](int t) { return slot_of[t] >= 0 ? x + (dp_u64)t * D : nullptr; },  // rows that chose e
+      w1 + (dp_u64)e * stride_w1, w3 + (dp_u64)e * stride_w3, I, row0, act_beta, act_lbeta, partial, result, act);
   for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
     const int t = i % T, r = row0 + i / T;
     const int j = slot_of[t];
@@ -253,22 +258,21 @@ __device__ __forceinline__ void dp_moe_up(
 }
 
 // Dense MLP gate/up: h = act(gate x, up x). Launch: grid ceil(I/RB), block 256.
-template <int T, int D, int I, int kAct, int M, int S>
+template <int T, int D, int I, int kAct, int MT, int S>
 __device__ __forceinline__ void dp_mlp_up(const dp_bf16* __restrict__ x,       // [T, D] bf16
                                           const dp_bf16* __restrict__ w_gate,  // [I, D] bf16 gate_proj
                                           const dp_bf16* __restrict__ w_up,    // [I, D] bf16 up_proj
                                           dp_bf16* __restrict__ h,             // [T, I] bf16
                                           float act_beta = 0.0f, float act_lbeta = 0.0f) {
-  typedef dp_gemm_geometry<D, 2 * M, S> G;
-  constexpr int RB = G::kRows / 2;
-  __shared__ float partial[DP_GEMM_GROUPS * 2 * M * T];  // [8, 2M, T] fp32
-  __shared__ float result[G::kRows * T];                 // [2*RB, T] fp32
-  __shared__ float act[RB * T];                          // [RB, T] fp32
-  const dp_bf16* xr[T];
-#pragma unroll
-  for (int t = 0; t < T; ++t) xr[t] = x + (dp_u64)t * D;
+  typedef dp_gate_up_geometry<T, D, MT, S> F;
+  typedef typename F::G G;
+  constexpr int RB = F::kFeatures;
+  __shared__ float partial[DP_GEMM_GROUPS * G::kSlotRows * T];  // [8, 16*MT, T] fp32
+  __shared__ float result[G::kRows * T];                        // [2*RB, T] fp32
+  __shared__ float act[RB * T];                                 // [RB, T] fp32
   const int row0 = (int)blockIdx.x * RB;
-  dp_gate_up_tile<T, D, M, S, kAct>(xr, w_gate, w_up, I, row0, act_beta, act_lbeta, partial, result, act);
+  dp_gate_up_tile<T, D, MT, S, kAct>([&](int t) { return x + (dp_u64)t * D; }, w_gate, w_up, I, row0, act_beta,
+                                     act_lbeta, partial, result, act);
   for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
     const int t = i % T, r = row0 + i / T;
     if (r < I) h[(dp_u64)t * I + r] = dp_f32_to_bf16(act[i]);
@@ -277,10 +281,12 @@ __device__ __forceinline__ void dp_mlp_up(const dp_bf16* __restrict__ x,       /
 
 // ---------------------------------------------------------------------------------------------------
 // Down + weighted sum + shared expert:
-//   out[t, n] = routed_scaling * sum_j topk_weights[t, j] * (W2[ids[t, j]] h[t, j])[n] + (W2s hs[t])[n]
-// Launch: grid ceil(D/RB) blocks (RB = 8*M output features each), block 256. Each group owns M output
-// features and walks the used experts in order; the expert's rows are read once for all the rows
-// that chose it (rows that did not are masked out of the FMAs).
+//   out[t, n] = sum_j (routed_scaling * topk_weights[t, j]) * (W2[ids[t, j]] h[t, j])[n] + (W2s hs[t])[n]
+// Launch: grid ceil(D/M) blocks, block 256. A block owns M output features; its 8 groups share out the
+// items (the shared expert first, then the used experts in order: item i goes to group i % 8), so that
+// many experts' rows are in flight at once instead of one expert after another. Each expert's rows are
+// read once for all the rows that chose it (rows that did not are masked out of the FMAs). A group
+// sums its items in order and the block sums its groups in order: deterministic, no atomics.
 template <int T, int D, int I, int E, int KT, int SI, int M>
 __device__ __forceinline__ void dp_moe_down(
     const dp_bf16* __restrict__ h,             // [T, KT, I] bf16 from dp_moe_up
@@ -296,63 +302,73 @@ __device__ __forceinline__ void dp_moe_down(
   static_assert(I % 8 == 0 && SI % 8 == 0 && D % 8 == 0, "moe_down: widths must be multiples of 8");
   constexpr int kItersI = (I / 8 + DP_GROUP - 1) / DP_GROUP;
   constexpr int kItersS = (SI / 8 + DP_GROUP - 1) / DP_GROUP;
-  constexpr int RB = DP_GEMM_GROUPS * M;
+  constexpr int kShared = SI > 0 ? 1 : 0;
+  __shared__ float partial[DP_GEMM_GROUPS * M * T];  // [8, M, T] fp32 group sums
   const int group = (int)threadIdx.x / DP_GROUP, lane = (int)threadIdx.x % DP_GROUP;
-  const int row0 = (int)blockIdx.x * RB + group * M;
-  const int count = experts[0];
+  const int row0 = (int)blockIdx.x * M;
+  const int items = kShared + experts[0];
 
-  float acc[M][T];  // [M, T] fp32 lane partials of the routed sum
+  float acc[M][T];  // [M, T] fp32 lane partials of this group's items
 #pragma unroll
   for (int m = 0; m < M; ++m)
 #pragma unroll
     for (int t = 0; t < T; ++t) acc[m][t] = 0.0f;
   const dp_bf16* w[M];
-  for (int u = 0; u < count; ++u) {
-    const dp_i32 e = experts[1 + u];
-    const dp_bf16* xr[T];
-    float wt[T];
-#pragma unroll
-    for (int t = 0; t < T; ++t) {
-      const dp_i32 j = expert_slots[u * T + t];
-      xr[t] = j >= 0 ? h + ((dp_u64)t * KT + j) * I : nullptr;
-      wt[t] = j >= 0 ? topk_weights[t * KT + j] : 0.0f;
-    }
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const int r = row0 + m;
-      w[m] = w2 + (dp_u64)e * stride_w2 + (dp_u64)(r < D ? r : 0) * I;
-    }
-    float tmp[M][T];  // [M, T] fp32 this expert's lane partials
+  for (int item = group; item < items; item += DP_GEMM_GROUPS) {
+    float tmp[M][T];  // [M, T] fp32 this item's lane partials
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
       for (int t = 0; t < T; ++t) tmp[m][t] = 0.0f;
-    dp_dot_rows<T, M, kItersI>(w, xr, 0, I / 8, lane, tmp);
+    float coef[T];  // [T] fp32 weight of this item in row t's output (0: row t does not use it)
+    if (kShared && item == 0) {
+      const dp_bf16* xr[T];
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        xr[t] = hs + (dp_u64)t * SI;
+        coef[t] = 1.0f;
+      }
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const int r = row0 + m;
+        w[m] = shared_down + (dp_u64)(r < D ? r : 0) * SI;
+      }
+      dp_dot_rows<T, M, kItersS>(w, xr, 0, SI / 8, lane, tmp);
+    } else {
+      const int u = item - kShared;
+      const dp_i32 e = experts[1 + u];
+      const dp_bf16* xr[T];
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        const dp_i32 j = expert_slots[u * T + t];
+        xr[t] = j >= 0 ? h + ((dp_u64)t * KT + j) * I : nullptr;
+        coef[t] = j >= 0 ? routed_scaling * topk_weights[t * KT + j] : 0.0f;
+      }
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const int r = row0 + m;
+        w[m] = w2 + (dp_u64)e * stride_w2 + (dp_u64)(r < D ? r : 0) * I;
+      }
+      dp_dot_rows<T, M, kItersI>(w, xr, 0, I / 8, lane, tmp);
+    }
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
-      for (int t = 0; t < T; ++t) acc[m][t] += wt[t] * tmp[m][t];
-  }
-#pragma unroll
-  for (int m = 0; m < M; ++m)
-#pragma unroll
-    for (int t = 0; t < T; ++t) acc[m][t] *= routed_scaling;
-  if (SI > 0) {
-    const dp_bf16* xr[T];
-#pragma unroll
-    for (int t = 0; t < T; ++t) xr[t] = hs + (dp_u64)t * SI;
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const int r = row0 + m;
-      w[m] = shared_down + (dp_u64)(r < D ? r : 0) * SI;
-    }
-    dp_dot_rows<T, M, kItersS>(w, xr, 0, SI / 8, lane, acc);
+      for (int t = 0; t < T; ++t) acc[m][t] += coef[t] * tmp[m][t];
   }
   dp_group_reduce<T, M>(acc);
-  // Lane (m*T + t) % 32 writes output (row0 + m, t).
+  if (lane == 0) {
 #pragma unroll
-  for (int m = 0; m < M; ++m)
+    for (int m = 0; m < M; ++m)
 #pragma unroll
-    for (int t = 0; t < T; ++t)
-      if (lane == (m * T + t) % DP_GROUP && row0 + m < D) out[(dp_u64)t * D + row0 + m] = dp_f32_to_bf16(acc[m][t]);
+      for (int t = 0; t < T; ++t) partial[(group * M + m) * T + t] = acc[m][t];
+  }
+  __syncthreads();
+  for (int i = (int)threadIdx.x; i < M * T; i += DP_GEMM_THREADS) {
+    const int m = i / T, t = i % T;
+    float s = 0.0f;
+#pragma unroll
+    for (int g = 0; g < DP_GEMM_GROUPS; ++g) s += partial[(g * M + m) * T + t];
+    if (row0 + m < D) out[(dp_u64)t * D + row0 + m] = dp_f32_to_bf16(s);
+  }
 }

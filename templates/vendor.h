@@ -201,6 +201,28 @@ __device__ __forceinline__ void dp_prefetch_l2(const void* p, dp_u32 bytes /* <=
 }
 #endif  // vendor
 
+// Programmatic dependent launch (sm_90+): every generated entry point starts with this. It lets the
+// next kernel of the stream be scheduled once every block of this one has started, and waits until
+// the previous kernel has finished and its writes are visible before this one reads anything, so a
+// kernel launched with the attribute behaves as in plain stream order, minus the launch gap. Without
+// the attribute (and on AMD) both are no-ops.
+// (Waiting later, after an L2 prefetch of the block's weights, was measured slower on the H200: the
+// prefetch requests cost more than the overlap won; bench/NOTES.md.)
+#if DP_VENDOR_NVIDIA && __CUDA_ARCH__ >= 900
+#define DP_GRID_DEPENDENCY_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+__device__ __forceinline__ void dp_grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+#else
+#define DP_GRID_DEPENDENCY_TRIGGER() \
+  do {                               \
+  } while (0)
+__device__ __forceinline__ void dp_grid_dependency_wait() {}
+#endif
+#define DP_GRID_DEPENDENCY_ENTRY() \
+  do {                             \
+    DP_GRID_DEPENDENCY_TRIGGER();  \
+    dp_grid_dependency_wait();     \
+  } while (0)
+
 // ===================================================================================================
 // Common to both vendors.
 

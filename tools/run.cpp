@@ -95,6 +95,7 @@ void add_run(CLI::App& app, Action& action) {
              "Exit 0: ran (and every check passed); 5: a check failed; 8: no GPU or the GPU/driver refused");
   auto o = std::make_shared<RunOptions>();
   auto json = std::make_shared<bool>(false), no_prefetch = std::make_shared<bool>(false);
+  auto no_pdl = std::make_shared<bool>(false);
   cmd->add_option("bundle", o->bundle, "Bundle directory or .dpk file")->required();
   cmd->add_option("--model", o->model,
                   "The checkpoint directory (config.json + safetensors) the bundle was built from: its weights are "
@@ -133,6 +134,8 @@ void add_run(CLI::App& app, Action& action) {
                                            "different length in [context/2, context])")
       ->capture_default_str();
   cmd->add_flag("--no-prefetch", *no_prefetch, "Launch no L2 weight prefetch (DP_SESSION_NO_PREFETCH)");
+  cmd->add_flag("--no-pdl", *no_pdl,
+                "Launch without programmatic dependent launch (DP_SESSION_NO_PDL; for comparisons)");
   cmd->add_flag("--json", *json, "Print the result as JSON (progress stays on stderr)");
   cmd->footer(
       "Needs an NVIDIA GPU: the driver (libcuda.so.1, or $DECODEPACK_CUDA_LIBRARY) is loaded at run time.\n"
@@ -140,9 +143,10 @@ void add_run(CLI::App& app, Action& action) {
       "buffers, and --check computes each layer's reference from the very rows the GPU layer read.\n"
       "Exit codes: 0 ok, 1 internal error, 2 usage (e.g. a width the bundle lacks), 3 bad input (model/bundle\n"
       "mismatch, layers without programs), 4 I/O, 5 a check failed, 8 device (no driver or GPU, driver errors).");
-  cmd->callback([o, json, no_prefetch, &action] {
-    action = [o, json, no_prefetch] {
+  cmd->callback([o, json, no_prefetch, no_pdl, &action] {
+    action = [o, json, no_prefetch, no_pdl] {
       o->prefetch = !*no_prefetch;
+      o->pdl = !*no_pdl;
       o->log = [](const std::string& s) { std::fprintf(stderr, "decodepack: run: %s\n", s.c_str()); };
       const RunResult r = run_bundle(*o);
       if (*json) std::printf("%s\n", to_json(r).dump(2).c_str());

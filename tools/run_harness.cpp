@@ -607,6 +607,7 @@ void Harness::open_device() {
   so.tensor_parallel = tp_;
   so.num_speculative_tokens = q_ - 1;
   if (!o_.prefetch) so.flags |= DP_SESSION_NO_PREFETCH;
+  if (!o_.pdl) so.flags |= DP_SESSION_NO_PDL;
   rt(dp_session_create(sh_.b, &so, &sh_.s), fmt::format("creating a session on device {}", o_.device));
   res_.target = dp_session_target(sh_.s);
   stream_ = std::make_unique<Stream>(*drv_);

@@ -50,6 +50,7 @@ struct RunOptions {
   bool graph = false;
   bool skip_missing = false;  // run only the layers with a program at this width
   bool prefetch = true;
+  bool pdl = true;        // programmatic dependent launch where the bundle and device take it (--no-pdl)
   bool verify_weights = false;
   uint64_t seed = 0;
   int rank = 0;

@@ -58,18 +58,22 @@ uint32_t rmsnorm_threads(int64_t h) {
 
 
 // ---- GEMM-shaped kernels (templates/gemm.h, moe.h) -----------------------------------------------
-// Every GEMM-shaped block is 256 threads = 8 groups of 32 lanes; a group owns M weight rows and one of
-// S K-slices (split-K), so a block covers (8/S)*M rows. These are functions of the named parameters
-// (never of the target), so the kernel name stays a function of its parameters.
+// Every GEMM-shaped block is 256 threads = 8 groups of 32 lanes; a group owns a slot of 16*MT weight
+// rows (MT tiles of 16 rows, the tensor-core tile height on NVIDIA) and one of S K-slices (split-K), so
+// a block covers (8/S)*16*MT rows. These are functions of the named parameters (never of the target),
+// so the kernel name stays a function of its parameters.
 constexpr uint32_t kGemmThreads = 256;
 constexpr int64_t kGemmGroups = 8;
-constexpr int64_t kMaxGemmRows = 32;     // activation rows (W*q) of one launch: fp32 accumulators per lane
+constexpr int64_t kTileRows = 16;        // weight rows of one tensor-core tile
+constexpr int64_t kChunkElems = 32;      // K elements a group consumes per step (four 16-byte vectors per row)
+constexpr int64_t kMinSliceChunks = 8;   // chunks a K-slice should have (the loads one lane keeps in flight)
+constexpr int64_t kMaxGemmRows = 32;     // activation rows (W*q) of one launch
 constexpr int64_t kTargetBlocks = 264;   // about two blocks per SM of a 132-SM H200
 
 struct GemmGeometry {
-  int64_t m = 1;  // weight rows per group
-  int64_t s = 1;  // K-slices (split-K) per block
-  int64_t rows() const { return kGemmGroups / s * m; }
+  int64_t mt = 1;  // 16-row tiles per slot
+  int64_t s = 1;   // K-slices (split-K) per block
+  int64_t rows() const { return kGemmGroups / s * kTileRows * mt; }
 };
 
 int64_t pow2_floor(int64_t x) {
@@ -78,23 +82,23 @@ int64_t pow2_floor(int64_t x) {
   return p;
 }
 
-// Rows per block from the matrix height: tall matrices get several rows per group (more loads in
-// flight per lane, fewer activation re-reads), short ones split K so that they still fill the GPU.
-// The lane accumulators (M x T) stay at 64 or fewer.
-GemmGeometry gemm_geometry(int64_t t, int64_t k, int64_t n_total) {
-  const int64_t m_max = std::max<int64_t>(1, std::min<int64_t>(4, 64 / t));
-  int64_t rb = pow2_floor(std::max<int64_t>(1, n_total / kTargetBlocks));
-  rb = std::min(rb, kGemmGroups * m_max);
+// Rows per block from the matrix height: about kTargetBlocks blocks where the matrix is tall enough,
+// otherwise one tile of 16 rows per block with K split over the 8 groups, as far as K is long enough
+// that every slice still keeps a lane's loads in flight.
+GemmGeometry gemm_geometry(int64_t /*t*/, int64_t k, int64_t n_total) {
+  const int64_t rb = std::clamp<int64_t>(pow2_floor(std::max<int64_t>(1, n_total / kTargetBlocks)), kTileRows,
+                                         kGemmGroups * kTileRows);
   GemmGeometry g;
-  if (rb <= kGemmGroups) {
-    g.s = kGemmGroups / rb;
-  } else {
-    g.m = rb / kGemmGroups;
-  }
-  // A K-slice shorter than one 16-byte vector per lane leaves lanes idle: fewer slices instead.
-  g.s = std::min(g.s, std::max<int64_t>(1, pow2_floor(k / 8 / 32)));
+  g.s = kGemmGroups * kTileRows / rb;
+  const int64_t chunks = (k + kChunkElems - 1) / kChunkElems;
+  g.s = std::min(g.s, std::max<int64_t>(1, pow2_floor(chunks / kMinSliceChunks)));
   return g;
 }
+
+// MoE / MLP gate-up blocks: S = 4 K-slices, so a block holds 2 slots of 8 features (gate and up rows
+// of a feature in one 16-row tile): 16 features per block.
+constexpr int64_t kFfnSlices = 4;
+constexpr int64_t kFfnFeatures = kGemmGroups / kFfnSlices * (kTileRows / 2);
 
 constexpr const char* kGemmSegKeys[6] = {"NA", "NB", "NC", "ND", "NE", "NF"};
 
@@ -111,10 +115,13 @@ uint32_t gemm_grid(const Params& p) {
   return static_cast<uint32_t>(blocks);
 }
 
-// MoE / MLP gate-up and down blocks: one row per group, whole K per group (RB = 8 features).
-constexpr int64_t kFfnRows = kGemmGroups;
 
 int64_t moe_max_used(const Params& p) { return std::min(p.at("E"), p.at("W") * p.at("K")); }
+
+// moe_down: output features per block (M). Every group keeps M x T accumulators for its items and
+// streams M rows of each: more rows per group put more loads in flight when few activation rows ride
+// along.
+int64_t moe_down_rows(int64_t t) { return t <= 4 ? 4 : t <= 8 ? 2 : 1; }
 
 void check_multiple_of_8(const Params& p, const std::string& who, std::initializer_list<const char*> keys) {
   for (const char* k : keys)
@@ -134,13 +141,12 @@ std::string shape(std::initializer_list<int64_t> d, const char* dtype) {
   return s + "] " + dtype;
 }
 
-// MLA split-KV attention: (row, head) pairs per block, at most one per 32-lane group of the 256 threads.
-int64_t mla_heads_per_block(int64_t q, int64_t n) {
-  int64_t hb = std::max<int64_t>(1, 8 / q);
-  while (hb > 1 && n % hb != 0) --hb;
-  return std::min(hb, n);
-}
-constexpr int64_t kMlaAbsorbCols = 512;  // latent columns per mla_prep absorb block
+// MLA split-KV attention: query rows (draft position, head) per block (DP_MLA_ROWS).
+constexpr int64_t kMlaRows = 16;
+int64_t mla_row_blocks(int64_t q, int64_t n) { return (q * n + kMlaRows - 1) / kMlaRows; }
+// mla_combine: output columns per block (four per group).
+int64_t mla_combine_cols(int64_t /*t*/) { return 32; }
+constexpr int64_t kMlaAbsorbCols = 128;  // latent columns per mla_prep absorb block
 
 std::string dims(const Params& p, std::initializer_list<const char*> keys, const char* dtype) {
   std::string s = "[";
@@ -199,7 +205,7 @@ const std::vector<OpSpec>& ops() {
           [](const Params& p) {
             const GemmGeometry g = gemm_geometry(p.at("W"), p.at("K"), gemm_ntot(p));
             return std::vector<int64_t>{p.at("W"), p.at("K"), p.at("NA"), p.at("NB"), p.at("NC"), p.at("ND"),
-                                        p.at("NE"), p.at("NF"), p.at("F"), g.m, g.s};
+                                        p.at("NE"), p.at("NF"), p.at("F"), g.mt, g.s};
           },
           [](const Params& p) {
             const char* out_t = p.at("F") ? "fp32" : "bf16";
@@ -350,7 +356,7 @@ const std::vector<OpSpec>& ops() {
           },
           [](const Params& p) {
             return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"),
-                                        p.at("ACT"), 1, 1};
+                                        p.at("ACT"), 1, kFfnSlices};
           },
           [](const Params& p) {
             const int64_t W = p.at("W"), D = p.at("D"), I = p.at("I"), E = p.at("E"), K = p.at("K"), S = p.at("S");
@@ -386,7 +392,8 @@ const std::vector<OpSpec>& ops() {
           },
           [](const Params& p) {
             LaunchShape s;
-            const int64_t n_i = (p.at("I") + kFfnRows - 1) / kFfnRows, n_s = (p.at("S") + kFfnRows - 1) / kFfnRows;
+            const int64_t n_i = (p.at("I") + kFfnFeatures - 1) / kFfnFeatures;
+            const int64_t n_s = (p.at("S") + kFfnFeatures - 1) / kFfnFeatures;
             s.grid[0] = static_cast<uint32_t>(n_s + moe_max_used(p) * n_i);
             s.block[0] = kGemmThreads;
             return s;
@@ -410,7 +417,8 @@ const std::vector<OpSpec>& ops() {
             check_topk(p, who);
           },
           [](const Params& p) {
-            return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"), 1};
+            return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"),
+                                        moe_down_rows(p.at("W"))};
           },
           [](const Params& p) {
             const int64_t W = p.at("W"), D = p.at("D"), I = p.at("I"), E = p.at("E"), K = p.at("K"), S = p.at("S");
@@ -434,7 +442,8 @@ const std::vector<OpSpec>& ops() {
           },
           [](const Params& p) {
             LaunchShape s;
-            s.grid[0] = static_cast<uint32_t>((p.at("D") + kFfnRows - 1) / kFfnRows);
+            const int64_t m = moe_down_rows(p.at("W"));
+            s.grid[0] = static_cast<uint32_t>((p.at("D") + m - 1) / m);
             s.block[0] = kGemmThreads;
             return s;
           },
@@ -452,7 +461,7 @@ const std::vector<OpSpec>& ops() {
            {"ACT", "act", 0, 1, "0: silu(gate)*up, 1: K3 SiTU"}},
           [](const Params& p, const std::string& who) { check_multiple_of_8(p, who, {"D", "I"}); },
           [](const Params& p) {
-            return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("ACT"), 1, 1};
+            return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("ACT"), 1, kFfnSlices};
           },
           [](const Params& p) {
             std::vector<ArgSpec> a{
@@ -471,7 +480,7 @@ const std::vector<OpSpec>& ops() {
           },
           [](const Params& p) {
             LaunchShape s;
-            s.grid[0] = static_cast<uint32_t>((p.at("I") + kFfnRows - 1) / kFfnRows);
+            s.grid[0] = static_cast<uint32_t>((p.at("I") + kFfnFeatures - 1) / kFfnFeatures);
             s.block[0] = kGemmThreads;
             return s;
           },
@@ -557,16 +566,18 @@ const std::vector<OpSpec>& ops() {
             if (p.at("L") % 64 != 0 || (p.at("L") + p.at("R")) % 8 != 0)
               fail(Errc::input, "{}: L = {} must be a multiple of 64 and L + R = {} a multiple of 8", who, p.at("L"),
                    p.at("L") + p.at("R"));
-            // The staged tile (32 rows) and the block's queries share 48 KiB of static shared memory.
-            const int64_t words = (p.at("L") + p.at("R")) / 2;
-            const int64_t pairs = p.at("Q") * mla_heads_per_block(p.at("Q"), p.at("N"));
-            if ((32 * (words + 1) + pairs * words) * 4 > 48 * 1024)
-              fail(Errc::input, "{}: a cache row of L + R = {} values is too wide for the attention tile (at most "
-                   "{} with Q = {})", who, p.at("L") + p.at("R"), 2 * (48 * 1024 / 4 - 32) / (32 + pairs), p.at("Q"));
+            // The staged tile and the block's queries share 48 KiB of static shared memory: 32 rows
+            // of (L+R)/2 + 1 words and 8 query rows (lane-FMA path), 16 rows of L+R+8 bf16 and 4 KiB
+            // of scores (tensor-core path).
+            const int64_t kr = p.at("L") + p.at("R");
+            const int64_t fma_bytes = (32 * (kr / 2 + 1) + 8 * (kr / 2)) * 4;
+            const int64_t mma_bytes = 16 * (kr + 8) * 2 + 4 * 16 * 16 * 4 + 16 * 24 * 2 + 16 * 4;
+            if (std::max(fma_bytes, mma_bytes) > 48 * 1024 || kr % 16 != 0)
+              fail(Errc::input, "{}: a cache row of L + R = {} values is too wide for the attention tile (or not a "
+                   "multiple of 16; at most {})", who, kr, 2 * (48 * 1024 / 4 - 32) / 40 / 16 * 16);
           },
           [](const Params& p) {
-            return std::vector<int64_t>{p.at("W"),  p.at("Q"),  p.at("N"), p.at("L"),
-                                        p.at("R"),  p.at("BS"), p.at("NS"), mla_heads_per_block(p.at("Q"), p.at("N"))};
+            return std::vector<int64_t>{p.at("W"), p.at("Q"), p.at("N"), p.at("L"), p.at("R"), p.at("BS"), p.at("NS")};
           },
           [](const Params& p) {
             const int64_t W = p.at("W"), Q = p.at("Q"), N = p.at("N"), L = p.at("L"), NS = p.at("NS");
@@ -591,14 +602,14 @@ const std::vector<OpSpec>& ops() {
           },
           [](const Params& p) {
             LaunchShape s;
-            s.grid[0] = static_cast<uint32_t>(p.at("N") / mla_heads_per_block(p.at("Q"), p.at("N")));
+            s.grid[0] = static_cast<uint32_t>(mla_row_blocks(p.at("Q"), p.at("N")));
             s.grid[1] = static_cast<uint32_t>(p.at("NS"));
             s.grid[2] = static_cast<uint32_t>(p.at("W"));
             s.block[0] = 256;
             return s;
           },
           [](const Params&) { return uint32_t{256}; },
-          "DP_KERNEL_BOUNDS",
+          "DP_KERNEL_BOUNDS_2",  // two blocks per SM hide one block's tile load behind the other's arithmetic
       },
       {
           // MLA: merge the splits, o_lat . W_UV per head, K3 output gate.
@@ -638,6 +649,8 @@ const std::vector<OpSpec>& ops() {
           [](const Params& p) {
             LaunchShape s;
             s.grid[0] = static_cast<uint32_t>(p.at("N"));
+            const int64_t cols = mla_combine_cols(p.at("W") * p.at("Q"));
+            s.grid[1] = static_cast<uint32_t>((p.at("V") + cols - 1) / cols);
             s.block[0] = 256;
             return s;
           },
@@ -937,6 +950,7 @@ std::string generate_source(const KernelInstance& k) {
   }
   std::string call_args;
   for (const KernelParam& p : sig.params) call_args += fmt::format("{}{}", call_args.empty() ? "" : ", ", p.name);
+  s += "  DP_GRID_DEPENDENCY_ENTRY();  // programmatic dependent launch (vendor.h)\n";
   s += fmt::format("  {}<{}>({});\n}}\n", op.device_fn, targs, call_args);
   return s;
 }

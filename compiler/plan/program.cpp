@@ -147,13 +147,13 @@ class StepBuilder {
   std::map<std::string, ProgramArg> args_;
 };
 
-// Split-KV partitions per request: enough blocks for about two per SM of a 132-SM H200 at this width.
+// Split-KV partitions per request: about 256 blocks (two per SM of a 132-SM H200) at this width, at
+// most 64 splits (every split's partials are merged again by each mla_combine block of the head).
+// mla_attn's blocks take 16 query rows (draft position, head) of one request each.
 int64_t mla_splits(int64_t width, int64_t q, int64_t heads) {
-  int64_t hb = std::max<int64_t>(1, 8 / q);
-  while (hb > 1 && heads % hb != 0) --hb;
-  const int64_t blocks = width * std::max<int64_t>(1, heads / hb);
+  const int64_t blocks = width * ((q * heads + 15) / 16);
   int64_t ns = 1;
-  while (ns < 64 && blocks * ns < 264) ns *= 2;
+  while (ns < 64 && blocks * ns < 256) ns *= 2;
   return ns;
 }
 

@@ -22,7 +22,9 @@ using Json = nlohmann::json;
 
 inline constexpr const char* kFormatName = "decodepack-bundle";
 inline constexpr int kFormatMajor = 1;
-inline constexpr int kFormatMinor = 2;  // 1.1 added `programs` and `indexer`, 1.2 indexer kernels
+// 1.1 added `programs` and `indexer`, 1.2 indexer kernels, 1.3 kernels that take programmatic dependent
+// launch (NVIDIA sm_90+: every entry point waits for the previous kernel of the stream before it reads)
+inline constexpr int kFormatMinor = 3;
 inline constexpr const char* kManifestFile = "manifest.json";
 
 // Thrown by the reader and validator; `what()` names the file, field, actual and expected value.

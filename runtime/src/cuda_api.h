@@ -58,6 +58,7 @@ inline void* const CU_LAUNCH_PARAM_BUFFER_POINTER = reinterpret_cast<void*>(0x01
 inline void* const CU_LAUNCH_PARAM_BUFFER_SIZE = reinterpret_cast<void*>(0x02);
 
 // CUlaunchAttributeID values used by the prefetch launches.
+inline constexpr int CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6;
 inline constexpr int CU_LAUNCH_ATTRIBUTE_PRIORITY = 8;
 inline constexpr int CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 14;
 
@@ -66,6 +67,7 @@ union CUlaunchAttributeValue {
   char pad[64];
   int priority;
   unsigned int sharedMemCarveout;
+  int programmaticStreamSerializationAllowed;
   void* align_as_pointer_;
 };
 

@@ -38,6 +38,18 @@ int32_t point_id(const std::string& p) {
   return -1;
 }
 
+// Whether the bundle's kernels for `target` take programmatic dependent launch: NVIDIA sm_90 and later,
+// built by a compiler of format 1.3 or later (whose entry points wait for the previous kernel before
+// they read anything; older kernels would race with it).
+bool takes_programmatic_launch(const dp_bundle& b, const std::string& target) {
+  const dp::format::Manifest& m = b.manifest();
+  if (m.format_version.major != 1 || m.format_version.minor < 3) return false;
+  if (target.rfind("sm_", 0) != 0) return false;
+  int cc = 0;
+  for (size_t i = 3; i < target.size() && target[i] >= '0' && target[i] <= '9'; ++i) cc = cc * 10 + (target[i] - '0');
+  return cc >= 90;
+}
+
 std::string dims_text(const int64_t* v, int32_t n) {
   return fmt::format("[{}]", fmt::join(std::vector<int64_t>(v, v + std::max(n, 0)), ", "));
 }
@@ -102,6 +114,7 @@ Result<dp_session*> dp_session::create(dp_bundle* b, const dp_session_options& o
     DP_RETURN_IF_ERROR(check_device(*b, s->device->desc(), o.device, &s->target, asked));
   }
   DP_RETURN_IF_ERROR(check_kernels(*b, s->target));
+  s->programmatic = s->device && !(o.flags & DP_SESSION_NO_PDL) && takes_programmatic_launch(*b, s->target);
 
   s->weights = b->rank_weights(o.rank);
   for (const WeightSpec& w : s->weights->weights) {
@@ -806,7 +819,8 @@ namespace {
 // Packs a kernel's parameter block (the load-time constants plus this call's values, taken from
 // `value_of` per slot) and launches it. The one launch path of final norm and layer programs.
 template <typename ValueOf>
-Status launch_packed(Device& device, const LoadedKernel& k, dp_stream stream, ValueOf&& value_of) {
+Status launch_packed(Device& device, const LoadedKernel& k, dp_stream stream, bool programmatic,
+                     ValueOf&& value_of) {
   alignas(16) uint8_t block[kMaxParamBytes];
   std::memcpy(block, k.block.data(), k.block.size());
   for (const ParamSlot& s : k.call_slots) {
@@ -821,6 +835,7 @@ Status launch_packed(Device& device, const LoadedKernel& k, dp_stream stream, Va
   l.stream = stream;
   l.params = block;
   l.param_bytes = k.block.size();
+  l.programmatic = programmatic;
   return device.launch(l, k.entry->key.c_str());
 }
 
@@ -843,7 +858,7 @@ Status dp_session::launch_final_norm(const dp_step* step, const dp_final_norm_io
   // Without a residual the sum is `hidden` alone: the kernel then writes hidden to residual_out.
   DeviceScope scope(device.get());
   DP_RETURN_IF_ERROR(scope.status());
-  return launch_packed(*device, k, stream, [&](ParamSource src) -> uint64_t {
+  return launch_packed(*device, k, stream, programmatic, [&](ParamSource src) -> uint64_t {
     switch (src) {
       case ParamSource::io_hidden: return io.hidden;
       case ParamSource::io_residual: return io.residual;
@@ -900,7 +915,7 @@ Status dp_session::launch_layer(const dp_step* step, int32_t layer, const dp_lay
     }
   };
   for (const LoadedKernel& k : layer_programs[step->index][layer])
-    DP_RETURN_IF_ERROR(launch_packed(*device, k, stream, value_of));
+    DP_RETURN_IF_ERROR(launch_packed(*device, k, stream, programmatic, value_of));
   return ok();
 }
 

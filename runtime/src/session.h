@@ -106,6 +106,7 @@ struct dp_session {
   uint64_t flag_device = 0;
   uint32_t host_flag_storage = 0;
   bool aborted = false;
+  bool programmatic = false;  // launch layer and final-norm kernels with programmatic dependent launch
 
   static dp::rt::Result<dp_session*> create(dp_bundle* b, const dp_session_options& o);
 

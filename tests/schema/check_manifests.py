@@ -106,7 +106,7 @@ def mode_valid(c):
     m = c.check_valid("tiny with weights", member(os.path.join(c.work, "tiny.dpk"), "manifest.json"), d)
     c.check(m["weights_fingerprinted"] and all(w["sha256"] for r in m["ranks"] for w in r["weights"]),
             "tiny with weights: every weight has fingerprints")
-    c.check(m["format_version"] == {"major": 1, "minor": 2} and m["programs"] and
+    c.check(m["format_version"] == {"major": 1, "minor": 3} and m["programs"] and
             all(p["steps"] and not p["reason"] for p in m["programs"]),
             "tiny with weights: format 1.2, every layer class has its program")
     bad = copy.deepcopy(m)

@@ -127,7 +127,7 @@ extern "C" {
  * (manifests/bundle-format.md). A bundle outside that range is refused with DP_ERR_FORMAT_VERSION before
  * any other field is read, the message giving both versions and the supported range. */
 #define DP_BUNDLE_FORMAT_MAJOR 1
-#define DP_BUNDLE_FORMAT_MINOR 2
+#define DP_BUNDLE_FORMAT_MINOR 3
 
 /* The loaded library's version as MAJOR * 10000 + MINOR * 100 + PATCH. This signature never changes. */
 DP_API uint32_t dp_version(void);
@@ -348,6 +348,8 @@ typedef struct dp_session dp_session;
 
 /* dp_session_options.flags */
 #define DP_SESSION_NO_PREFETCH 0x1u /* dp_prefetch_fork launches nothing (prefetch off, for comparisons) */
+#define DP_SESSION_NO_PDL 0x2u      /* launch without programmatic dependent launch (for comparisons; it is
+                                       used on sm_90+ devices with bundles of format 1.3 or later) */
 
 typedef struct dp_session_options {
   size_t size;

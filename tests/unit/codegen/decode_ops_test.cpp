@@ -181,34 +181,44 @@ TEST(DecodeOps, SignaturesListOnlyThePresentWeights) {
 }
 
 TEST(DecodeOps, LaunchShapes) {
-  // o_proj: 2304 rows over about 264 blocks -> 8 rows per block, one row per group.
+  // o_proj: 2304 rows; blocks of one 16-row tile (the least), split-K over the 8 groups.
   LaunchShape o = launch_shape(gemm(4, 4096, {2304}));
   EXPECT_EQ(o.block[0], 256u);
-  EXPECT_EQ(o.grid[0], 288u);
-  // Router: 256 rows -> one row per block, split-K over the 8 groups.
-  EXPECT_EQ(launch_shape(gemm(1, 2304, {256}, true)).grid[0], 256u);
+  EXPECT_EQ(o.grid[0], 144u);
+  // Router: 256 rows -> 16-row blocks, split-K over the 8 groups.
+  EXPECT_EQ(launch_shape(gemm(1, 2304, {256}, true)).grid[0], 16u);
   // Stacked KDA projections: every segment gets whole tiles of its own.
   LaunchShape p = launch_shape(gemm(1, 2304, {4096, 4096, 4096, 128, 128, 32}));
-  EXPECT_EQ(p.grid[0], 3u * 128u + 4u + 4u + 1u);  // 32 rows per block
+  EXPECT_EQ(p.grid[0], 3u * 128u + 4u + 4u + 1u);  // 32 rows per block (2 slots, 4 K-slices)
+  // Tall matrices: 128 rows per block (8 slots of one tile), no split-K.
+  EXPECT_EQ(launch_shape(gemm(1, 2304, {163840})).grid[0], 1280u);
   LaunchShape k = launch_shape(kda(4, 2, 32));
   EXPECT_EQ(k.grid[0], 32u);
   EXPECT_EQ(k.grid[1], 4u);
   EXPECT_EQ(k.block[0], 512u);
   EXPECT_EQ(launch_shape(route(4, 256, 8)).grid[0], 1u);
-  // moe_up: shared tiles + min(E, W*K) experts' tiles, 8 features per block.
-  EXPECT_EQ(launch_shape(moe_up(1, 2304, 1024, 256, 8, 1024)).grid[0], 128u + 8u * 128u);
-  EXPECT_EQ(launch_shape(moe_up(64 / 4, 2304, 1024, 256, 8, 1024)).grid[0], 128u + 128u * 128u);
-  EXPECT_EQ(launch_shape(moe_down(4, 2304, 1024, 256, 8, 1024)).grid[0], 288u);
-  EXPECT_EQ(launch_shape(mlp_up(4, 2304, 9216)).grid[0], 1152u);
-  // MLA: one block per (heads group, split, request); 8 (row, head) pairs per block.
+  // moe_up: shared tiles + min(E, W*K) experts' tiles, 16 features per block.
+  EXPECT_EQ(launch_shape(moe_up(1, 2304, 1024, 256, 8, 1024)).grid[0], 64u + 8u * 64u);
+  EXPECT_EQ(launch_shape(moe_up(64 / 4, 2304, 1024, 256, 8, 1024)).grid[0], 64u + 128u * 64u);
+  // moe_down: M output features per block, the items spread over its groups (M = 4 up to 4 rows,
+  // 2 up to 8, then 1).
+  EXPECT_EQ(launch_shape(moe_down(4, 2304, 1024, 256, 8, 1024)).grid[0], 576u);
+  EXPECT_EQ(launch_shape(moe_down(8, 2304, 1024, 256, 8, 1024)).grid[0], 1152u);
+  EXPECT_EQ(launch_shape(moe_down(16, 2304, 1024, 256, 8, 1024)).grid[0], 2304u);
+  EXPECT_EQ(launch_shape(mlp_up(4, 2304, 9216)).grid[0], 576u);
+  // MLA: one block per (16 query rows, split, request); rows are (draft position, head) pairs.
   LaunchShape a = launch_shape(mla_attn(4, 2, 32));
-  EXPECT_EQ(a.grid[0], 8u);  // 4 heads x 2 rows per block
+  EXPECT_EQ(a.grid[0], 4u);  // 2 x 32 rows in blocks of 16
   EXPECT_EQ(a.grid[1], 16u);
   EXPECT_EQ(a.grid[2], 4u);
-  EXPECT_EQ(launch_shape(mla_attn(1, 1, 32)).grid[0], 4u);
+  EXPECT_EQ(launch_shape(mla_attn(1, 1, 32)).grid[0], 2u);
   EXPECT_EQ(launch_shape(mla_attn(1, 1, 2)).grid[0], 1u);  // tiny: both heads in one block
-  EXPECT_EQ(launch_shape(mla_prep(4, 2, 32)).grid[0], 8u + 32u);
-  EXPECT_EQ(launch_shape(mla_combine(4, 2, 32)).grid[0], 32u);
+  // mla_prep: one block per row's latent, then 128 latent columns of one head per block.
+  EXPECT_EQ(launch_shape(mla_prep(4, 2, 32)).grid[0], 8u + 32u * 4u);
+  // mla_combine: one block per (head, 32 output columns).
+  LaunchShape c = launch_shape(mla_combine(4, 2, 32));
+  EXPECT_EQ(c.grid[0], 32u);
+  EXPECT_EQ(c.grid[1], 4u);
   const std::string src = generate_source(kda(4, 2, 32));
   EXPECT_NE(src.find("grid 32 x 4 x 1 blocks"), std::string::npos) << src;
   EXPECT_NE(src.find("dp_kda_step<4, 2, 32, 128, 4, 128, 128, 0, 0>(proj, w_fb,"), std::string::npos) << src;
@@ -216,7 +226,9 @@ TEST(DecodeOps, LaunchShapes) {
   const std::string prep_src = generate_source(mla_prep(4, 2, 32));
   EXPECT_NE(prep_src.find("dp_mla_prep<8, 2, 32, 512, 64, 128, 128, 64>("), std::string::npos) << prep_src;
   const std::string g = generate_source(gemm(4, 4096, {2304}));
-  EXPECT_NE(g.find("dp_gemm<4, 4096, 2304, 0, 0, 0, 0, 0, 0, 1, 1>(x, out, w0);"), std::string::npos) << g;
+  EXPECT_NE(g.find("dp_gemm<4, 4096, 2304, 0, 0, 0, 0, 0, 0, 1, 8>(x, out, w0);"), std::string::npos) << g;
+  EXPECT_NE(g.find("DP_GRID_DEPENDENCY_ENTRY();"), std::string::npos) << g;
+  EXPECT_NE(src.find("DP_GRID_DEPENDENCY_ENTRY();"), std::string::npos) << src;
 }
 
 // One real compile per target of every op at the shapes the presets and the big models use.
