@@ -122,6 +122,12 @@ void CompileCache::put(const std::string& key, const CacheEntry& e) {
   write_file_atomic(path, file);
 }
 
+void CompileCache::mark_unusable() {
+  --hits_;
+  ++corrupt_;
+  ++misses_;
+}
+
 CacheStats CompileCache::stats() const { return {hits_.load(), misses_.load(), corrupt_.load()}; }
 
 }  // namespace dp::backend

@@ -210,10 +210,11 @@ BuildResult build_bundle(const BuildOptions& o) {
   for (const auto& [vendor, version] : report.toolchains) man.toolchains[vendor] = version;
   man.templates_digest = report.templates_digest;
 
-  StagingDir stage(o.out.extension() == ".dpk" ? fs::path(o.out.string() + ".d") : o.out);
+  StagingDir stage(o.out);
   for (size_t i = 0; i < report.kernels.size(); ++i) {
     const backend::CompiledKernel& ck = report.kernels[i];
     const plan::KernelInstance& pk = *planned[i];
+    for (const std::string& n : ck.notes) log(fmt::format("note: {}: {}", ck.key, n));
     for (const std::string& w : ck.warnings) log(fmt::format("warning: {}: {}", ck.key, w));
     format::KernelEntry e;
     e.key = ck.key;
