@@ -858,7 +858,9 @@ PullResult pull(const Reference& ref, const fs::path& out_dpk, const PullOptions
   cg.method = "GET";
   cg.url = client.repo_url("blobs/" + art.config.digest);
   cg.follow_redirects = true;
-  cg.max_body = static_cast<size_t>(art.config.size);
+  // Bounded by what the manifest promises (its size is checked below), but never so tightly that an
+  // error document cannot be read.
+  cg.max_body = std::max<size_t>(static_cast<size_t>(art.config.size), size_t{64} << 10);
   Response c = client.send(cg);
   if (c.status != 200) client.fail_response(c, fmt::format("cannot get config blob {}", art.config.digest));
   std::string config_actual = "sha256:" + sha256_hex(c.body);
