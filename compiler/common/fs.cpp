@@ -124,7 +124,7 @@ StagingDir::~StagingDir() {
 
 void StagingDir::commit() {
   std::error_code ec;
-  fs::path dst = fs::absolute(target_);
+  fs::path dst = fs::absolute(target_).lexically_normal();
   if (dst.filename().empty()) dst = dst.parent_path();  // "out/"
   // Nothing there, or an empty directory: one rename.
   if (::rename(path_.c_str(), dst.c_str()) == 0) {
@@ -196,7 +196,7 @@ void remove_owned_file(const fs::path& root, const std::string& rel) {
 }  // namespace
 
 void StagingDir::commit_into(const std::vector<std::string>& previous, const std::vector<std::string>& last) {
-  fs::path dst = fs::absolute(target_);
+  fs::path dst = fs::absolute(target_).lexically_normal();
   if (dst.filename().empty()) dst = dst.parent_path();
   std::vector<std::string> staged;
   std::error_code ec;

@@ -105,7 +105,7 @@ std::vector<std::string> foreign_entries(const fs::path& dir, const std::set<std
 
 // The directory an output lives in and its name ("out/" names "out").
 std::pair<fs::path, std::string> split_target(const fs::path& target) {
-  fs::path abs = fs::absolute(target);
+  fs::path abs = fs::absolute(target).lexically_normal();  // "out/." and "a/../out" name "out"
   if (abs.filename().empty()) abs = abs.parent_path();
   return {abs.parent_path(), abs.filename().string()};
 }

@@ -123,8 +123,9 @@ std::optional<std::vector<std::string>> synth_own_files(const fs::path& dir) {
 }
 
 SynthResult synthesize(const SynthOptions& opt) {
-  // Checked before anything is written, and again before publishing.
-  refuse_output_over_input(opt.out, opt.preset, "input config");
+  // Checked before anything is written, and again before publishing. A preset name means the
+  // embedded preset, even where a directory of that name exists (a previous `synth -o <preset name>`).
+  if (!embedded_file("presets/" + opt.preset + ".json")) refuse_output_over_input(opt.out, opt.preset, "input config");
   plan_output(opt.out, OutputKind::directory, opt.force, "a checkpoint", synth_own_files);
   remove_stale_staging(opt.out);
 

@@ -20,12 +20,12 @@ import tempfile
 exe = sys.argv[1]
 
 
-def run(*args, expect=0, limit_bytes=None):
+def run(*args, expect=0, limit_bytes=None, cwd=None):
     def limit():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write(2) fails with EFBIG instead of killing us
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, resource.RLIM_INFINITY))
     r = subprocess.run([exe, *args], capture_output=True, text=True, env=dict(os.environ, LC_ALL="C"),
-                       preexec_fn=limit if limit_bytes else None)
+                       preexec_fn=limit if limit_bytes else None, cwd=cwd)
     if r.returncode != expect:
         sys.exit(f"{args}: exit {r.returncode}, expected {expect}\n{r.stdout}{r.stderr}")
     if r.returncode < 0 or "Sanitizer" in r.stderr:
@@ -136,6 +136,9 @@ with tempfile.TemporaryDirectory(prefix="dp-out-") as tmp:
         f.write(open(f"{ck}/config.json").read())
     r = run("synth", "--preset", f"{tmp}/cfg.json", "-o", f"{tmp}/cfg.json", "--force", expect=2)
     expect_in(r.stderr, "is the input config")
+    # A directory named like the preset is not the preset: synth into it again replaces it.
+    run("synth", "--preset", "kimi-linear-tiny", "-o", "kimi-linear-tiny", cwd=tmp)
+    run("synth", "--preset", "kimi-linear-tiny", "-o", "kimi-linear-tiny", "--seed", "3", cwd=tmp)
     print("ok: synth replaces its own checkpoint, refuses other folders (exit 2), keeps their files with --force")
 
     # 5. A write error names the path and the system's reason, and leaves the previous output.

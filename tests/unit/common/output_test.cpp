@@ -259,6 +259,14 @@ TEST(StagingDir, CommitSwapsAPreviousOutputInOneStep) {
     s.commit();
   }
   EXPECT_EQ(slurp(t / "fresh/f"), "1");
+  // "out/." and "x/../out" name "out" (e.g. `-o .` inside it).
+  for (const fs::path& same : {t / "out" / ".", t / "x" / ".." / "out"}) {
+    StagingDir s(same);
+    EXPECT_EQ(s.path().parent_path(), t.path());
+    put(s.path() / "again.txt", same.string());
+    s.commit();
+    EXPECT_EQ(names(t / "out"), (std::set<std::string>{"again.txt"}));
+  }
   EXPECT_EQ(names(t.path()), (std::set<std::string>{"out", "file", "fresh"}));
 }
 
