@@ -14,12 +14,15 @@ void add_build(CLI::App& app, Action& action) {
   struct Opts {
     std::string model, deploy = "default", out, cache_dir, emit_source, cuda_root, hip_clang;
     unsigned jobs = 0;
-    bool no_cache = false, no_weights = false, json = false;
+    bool no_cache = false, no_weights = false, force = false, json = false;
   };
   auto o = std::make_shared<Opts>();
   cmd->add_option("--model", o->model, "Checkpoint directory, config file, or preset")->required();
   cmd->add_option("--deploy", o->deploy, "Deploy config JSON, or `default`")->capture_default_str();
-  cmd->add_option("-o,--output", o->out, "Bundle to write: DIR or FILE.dpk (replaced atomically)")->required();
+  cmd->add_option("-o,--output", o->out, "Bundle to write: DIR or FILE.dpk (replaced atomically; an existing output "
+                                        "that is not a bundle is refused)")->required();
+  cmd->add_flag("--force", o->force, "Write over an output that is not a bundle: a file is replaced, a directory is "
+                                     "written into and keeps its other files");
   cmd->add_option("-j,--jobs", o->jobs, "Parallel compile and hashing jobs (default: all cores)");
   cmd->add_option("--cache-dir", o->cache_dir, "Compile cache (default: $XDG_CACHE_HOME/decodepack)");
   cmd->add_flag("--no-cache", o->no_cache, "Compile everything; read and write no cache");
@@ -36,6 +39,7 @@ void add_build(CLI::App& app, Action& action) {
       bo.model = o->model;
       bo.deploy = o->deploy;
       bo.out = o->out;
+      bo.force = o->force;
       bo.jobs = o->jobs;
       bo.cache_dir = o->cache_dir;
       bo.use_cache = !o->no_cache;

@@ -30,6 +30,7 @@
 #include "bundle/bundle.h"
 #include "commands.h"
 #include "common/error.h"
+#include "common/fs.h"
 #include "common/json.h"
 #include "indexer/geometry.h"
 #include "indexer/key.h"
@@ -151,13 +152,7 @@ std::vector<T> read_raw(const fs::path& p, size_t count) {
 
 template <class T>
 void write_raw(const fs::path& p, const std::vector<T>& v) {
-  const fs::path tmp = p.string() + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(T)));
-    if (!f) fail(Errc::io, "{}: write failed", tmp.string());
-  }
-  fs::rename(tmp, p);
+  write_file_atomic(p, std::string_view(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T)));
 }
 
 Inputs make_inputs(const Options& o, int64_t heads, int64_t k) {

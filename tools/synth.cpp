@@ -14,12 +14,15 @@ void add_synth(CLI::App& app, Action& action) {
   struct Opts {
     std::string preset, out, layout = "vllm";
     uint64_t seed = 0, shard_mb = 0;
-    bool json = false;
+    bool force = false, json = false;
   };
   auto o = std::make_shared<Opts>();
   cmd->add_option("--preset", o->preset, "Preset name (see `decodepack plan --help`) or config.json path")
       ->required();
-  cmd->add_option("-o,--output", o->out, "Output directory (replaced atomically)")->required();
+  cmd->add_option("-o,--output", o->out, "Output directory (replaced atomically; an existing directory that synth "
+                                        "did not write is refused)")->required();
+  cmd->add_flag("--force", o->force, "Write into an existing directory that synth did not write (its other files are "
+                                     "kept), or over a file");
   cmd->add_option("--seed", o->seed, "Seed; the same seed gives the same bytes")->capture_default_str();
   cmd->add_option("--shard-mb", o->shard_mb, "Target shard size in MiB (default: a third of the model)");
   cmd->add_option("--layout", o->layout, "Tensor names/dtypes: vllm (as the Hub ships them) or transformers "
@@ -32,6 +35,7 @@ void add_synth(CLI::App& app, Action& action) {
       model::SynthOptions so;
       so.preset = o->preset;
       so.out = o->out;
+      so.force = o->force;
       so.seed = o->seed;
       so.shard_bytes = o->shard_mb << 20;
       so.layout = o->layout == "vllm" ? model::CheckpointLayout::vllm : model::CheckpointLayout::transformers;

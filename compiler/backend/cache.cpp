@@ -7,6 +7,7 @@
 #include "common/error.h"
 #include "common/fs.h"
 #include "common/hash.h"
+#include "common/output.h"
 
 namespace fs = std::filesystem;
 
@@ -117,7 +118,14 @@ void CompileCache::put(const std::string& key, const CacheEntry& e) {
   std::string file = fmt::format("{}\nkey {}\nsha256 {}\nsizes {} {} {}\n", kMagic, key, sha256_hex(payload),
                                  e.code_object.size(), e.log.size(), e.ptx.size());
   file += payload;
+  remove_stale_staging(path);  // a build killed while writing this entry
   write_file_atomic(path, file);
+}
+
+void CompileCache::mark_unusable() {
+  --hits_;
+  ++corrupt_;
+  ++misses_;
 }
 
 CacheStats CompileCache::stats() const { return {hits_.load(), misses_.load(), corrupt_.load()}; }

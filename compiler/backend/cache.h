@@ -12,7 +12,9 @@
 //   payload code-object bytes, then the compiler log, then PTX (may be empty)
 // Entries are written to a temporary file and renamed into place, so concurrent builds sharing a
 // cache each see a whole entry or none. On read the header and digest are checked; an entry that
-// fails is counted as corrupt, never used, and the caller recompiles and overwrites it.
+// fails is counted as corrupt, never used, and the caller recompiles and overwrites it. The caller
+// also checks that a hit's code object holds the kernel of its key (compile_all() inspects it) and
+// reports one that does not as corrupt (mark_unusable()).
 #pragma once
 
 #include <atomic>
@@ -49,6 +51,10 @@ class CompileCache {
   std::optional<CacheEntry> get(const std::string& key);
   // Thread-safe; replaces any existing entry atomically. I/O errors are dp::Error(io) naming the path.
   void put(const std::string& key, const CacheEntry& e);
+
+  // The entry get() returned for a key turned out not to hold that key's code object (its checksum is
+  // valid, its contents are not what the key says): counted as corrupt instead of a hit.
+  void mark_unusable();
 
   CacheStats stats() const;
   const std::filesystem::path& dir() const { return dir_; }

@@ -61,27 +61,39 @@ CompiledKernel build_one(const codegen::KernelInstance& inst, const DeviceToolch
                                              std::string(target.name), tc.version(), job.stem);
   std::optional<CacheEntry> hit = sh.cache ? sh.cache->get(ckey) : std::nullopt;
   if (hit) {
-    k.cache_hit = true;
-    k.code_object = std::move(hit->code_object);
-    k.log = std::move(hit->log);
-    k.ptx = std::move(hit->ptx);
-  } else {
+    // An entry with a valid checksum can still hold another kernel's code object (an entry copied or
+    // edited by hand, a cache shared with a broken build): it is checked as a compile result would be,
+    // and one that does not hold this kernel is compiled again and overwritten.
+    try {
+      k.usage = require_kernel(inspect_code_object(hit->code_object, inst.target, k.file_name), k.name, k.file_name,
+                               k.signature.bytes);
+      k.cache_hit = true;
+      k.code_object = std::move(hit->code_object);
+      k.log = std::move(hit->log);
+      k.ptx = std::move(hit->ptx);
+    } catch (const Error& e) {
+      sh.cache->mark_unusable();
+      k.notes.push_back(fmt::format("compile cache entry {} does not hold this kernel ({}); compiled it again",
+                                    sh.cache->entry_path(ckey).string(), e.what()));
+      hit.reset();
+    }
+  }
+  if (!hit) {
     CompileOutput out = tc.compile(job);
-    if (sh.cache) sh.cache->put(ckey, {out.code_object, out.log, out.ptx});
     k.code_object = std::move(out.code_object);
     k.log = std::move(out.log);
     k.ptx = std::move(out.ptx);
+    // The entry point must be in the code object with the parameter size the host will pack. A
+    // mismatch means compiler/codegen and templates/ disagree: a decodepack bug, not a user error.
+    const auto kernels = inspect_code_object(k.code_object, inst.target, k.file_name);
+    try {
+      k.usage = require_kernel(kernels, k.name, k.file_name, k.signature.bytes);
+    } catch (const Error& e) {
+      fail(Errc::internal, "{} (the signature in compiler/codegen and the template in templates/ disagree)", e.what());
+    }
+    if (sh.cache) sh.cache->put(ckey, {k.code_object, k.log, k.ptx});
   }
   k.sha256 = sha256_hex(std::span<const uint8_t>(k.code_object));
-
-  // The entry point must be in the code object with the parameter size the host will pack. A
-  // mismatch means compiler/codegen and templates/ disagree: a decodepack bug, not a user error.
-  const auto kernels = inspect_code_object(k.code_object, inst.target, k.file_name);
-  try {
-    k.usage = require_kernel(kernels, k.name, k.file_name, k.signature.bytes);
-  } catch (const Error& e) {
-    fail(Errc::internal, "{} (the signature in compiler/codegen and the template in templates/ disagree)", e.what());
-  }
   if (target.vendor == Vendor::nvidia) {
     auto usage = parse_ptxas_log(k.log);
     if (auto it = usage.find(k.name); it != usage.end()) {

@@ -57,6 +57,7 @@ struct CompiledKernel {
   std::string toolchain;   // the version string of the compiler that built it
   std::string log;         // compiler diagnostics (ptxas -v for NVIDIA), timing lines removed
   std::vector<std::string> warnings;  // spills, compiler warnings
+  std::vector<std::string> notes;     // e.g. a cache entry that did not hold this kernel and was replaced
   bool cache_hit = false;
   double seconds = 0;
 };

@@ -11,12 +11,12 @@
 #include <cstring>
 #include <functional>
 #include <map>
-#include <random>
 #include <utility>
 #include <vector>
 
 #include "common/error.h"
 #include "common/fs.h"
+#include "common/output.h"
 
 namespace fs = std::filesystem;
 
@@ -56,11 +56,6 @@ bool ustar_fits(std::string_view p) {
     if (s <= kUstarPrefixMax && name_len > 0 && name_len <= kUstarNameMax) return true;
   }
   return false;
-}
-
-std::string random_suffix() {
-  std::random_device rd;
-  return fmt::format("{:08x}{:08x}", rd(), rd());
 }
 
 struct ArchiveFree {
@@ -151,9 +146,11 @@ std::vector<SourceFile> collect_files(const fs::path& dir) {
   return files;
 }
 
+// libarchive's message for a failed write(2) is only "Write error": the system's reason comes from its errno.
 [[noreturn]] void fail_write(struct archive* a, const fs::path& out, std::string_view what) {
-  fail(Errc::io, "{}: cannot write archive ({}): {}", out.string(), what,
-       archive_error_string(a) ? archive_error_string(a) : "unknown libarchive error");
+  std::string why = archive_error_string(a) ? archive_error_string(a) : "unknown libarchive error";
+  if (int e = archive_errno(a); e > 0 && why.find(std::strerror(e)) == std::string::npos) why += fmt::format(": {}", std::strerror(e));
+  fail(Errc::io, "{}: cannot write archive ({}): {}", out.string(), what, why);
 }
 
 void write_entries(struct archive* a, const std::vector<SourceFile>& files, const fs::path& out) {
@@ -393,7 +390,7 @@ void write_archive(const fs::path& dir, const fs::path& out_file) {
 
   // Staging name in the destination directory, so the final rename stays on one file system.
   fs::path parent = out_abs.parent_path();
-  fs::path tmp = parent / fmt::format(".{}.tmp-{}", out_abs.filename().string(), random_suffix());
+  fs::path tmp = staging_path(out_abs, "tmp");
   Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
   if (fd.get() < 0)
     fail(Errc::io, "{}: cannot create a staging file in {}: {}", out_file.string(), parent.string(),
@@ -411,8 +408,8 @@ void write_archive(const fs::path& dir, const fs::path& out_file) {
     if (archive_write_open_fd(a.get(), fd.get()) != ARCHIVE_OK) fail_write(a.get(), out_file, "open");
     write_entries(a.get(), files, out_file);
     if (archive_write_close(a.get()) != ARCHIVE_OK) fail_write(a.get(), out_file, "close");
-    if (::fsync(fd.get()) != 0) fail(Errc::io, "{}: cannot flush: {}", tmp.string(), std::strerror(errno));
-    if (::close(fd.release()) != 0) fail(Errc::io, "{}: cannot close: {}", tmp.string(), std::strerror(errno));
+    if (::fsync(fd.get()) != 0) fail(Errc::io, "{}: cannot flush to disk: {}", out_file.string(), std::strerror(errno));
+    if (::close(fd.release()) != 0) fail(Errc::io, "{}: cannot close: {}", out_file.string(), std::strerror(errno));
     if (::rename(tmp.c_str(), out_abs.c_str()) != 0)
       fail(Errc::io, "{}: cannot rename into place: {}", out_file.string(), std::strerror(errno));
   } catch (...) {

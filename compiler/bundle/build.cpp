@@ -5,10 +5,12 @@
 
 #include "backend/compile.h"
 #include "bundle/archive.h"
+#include "bundle/bundle.h"
 #include "bundle/fingerprint.h"
 #include "common/error.h"
 #include "common/fs.h"
 #include "common/hash.h"
+#include "common/output.h"
 #include "indexer/workspace.h"
 #include "deploy/deploy.h"
 #include "format/manifest.h"
@@ -65,6 +67,22 @@ BuildResult build_bundle(const BuildOptions& o) {
   };
   const unsigned jobs = o.jobs ? o.jobs : std::max(1u, std::thread::hardware_concurrency());
   if (o.out.empty()) fail(Errc::usage, "build: -o/--output is required");
+
+  // The output is checked before any work, and again just before publishing (it may have changed
+  // meanwhile): a build never writes over its inputs, nor over anything that is not a bundle.
+  const bool archive = o.out.extension() == ".dpk";
+  const OutputKind out_kind = archive ? OutputKind::file : OutputKind::directory;
+  refuse_output_over_input(o.out, o.model, "input model");
+  if (o.deploy != "default") refuse_output_over_input(o.out, o.deploy, "deploy config");
+  const fs::path cache_dir = !o.use_cache ? fs::path() : !o.cache_dir.empty() ? o.cache_dir : backend::CompileCache::default_dir();
+  for (const auto& [dir, flag] : {std::pair{cache_dir, "compile cache (--cache-dir)"},
+                                  std::pair{o.emit_source, "--emit-source directory"}})
+    if (!dir.empty() && paths_overlap(dir, o.out))
+      fail(Errc::usage, "{}: the output and the {} {} overlap; publishing the bundle would replace one with the other: "
+                        "choose separate paths", o.out.string(), flag, dir.string());
+  plan_output(o.out, out_kind, o.force, "a bundle", bundle_own_files);
+  for (const fs::path& stale : remove_stale_staging(o.out))
+    log(fmt::format("removed {}, left by a build that was killed", stale.string()));
 
   model::Model m = model::load_model(o.model);
   deploy::Deploy d = deploy::load_deploy(o.deploy);
@@ -192,10 +210,11 @@ BuildResult build_bundle(const BuildOptions& o) {
   for (const auto& [vendor, version] : report.toolchains) man.toolchains[vendor] = version;
   man.templates_digest = report.templates_digest;
 
-  StagingDir stage(o.out.extension() == ".dpk" ? fs::path(o.out.string() + ".d") : o.out);
+  StagingDir stage(o.out);
   for (size_t i = 0; i < report.kernels.size(); ++i) {
     const backend::CompiledKernel& ck = report.kernels[i];
     const plan::KernelInstance& pk = *planned[i];
+    for (const std::string& n : ck.notes) log(fmt::format("note: {}: {}", ck.key, n));
     for (const std::string& w : ck.warnings) log(fmt::format("warning: {}: {}", ck.key, w));
     format::KernelEntry e;
     e.key = ck.key;
@@ -241,8 +260,16 @@ BuildResult build_bundle(const BuildOptions& o) {
   const std::string bytes = format::canonical_bytes(man);
   write_file_atomic(stage.path() / format::kManifestFile, bytes);
 
-  if (o.out.extension() == ".dpk") {
+  const OutputPlan publish = plan_output(o.out, out_kind, o.force, "a bundle", bundle_own_files);
+  if (archive) {
     write_archive(stage.path(), o.out);  // staged under a temporary name and renamed by write_archive
+  } else if (publish.action == OutputPlan::Action::write_into) {
+    stage.commit_into(publish.previous, {format::kManifestFile});
+    std::string others;
+    for (size_t i = 0; i < publish.others.size() && i < 5; ++i) others += (i ? ", " : "") + publish.others[i];
+    log(fmt::format("warning: {} also holds entries that are not part of the bundle ({}{}), kept as --force asks; "
+                    "`decodepack verify` and the runtime refuse a bundle directory with files its manifest does not "
+                    "list", o.out.string(), others, publish.others.size() > 5 ? ", ..." : ""));
   } else {
     stage.commit();
   }

@@ -1,6 +1,10 @@
 // `decodepack build`: plan, fingerprint the weights, generate and compile the kernels, write the
 // manifest, and publish the bundle (a directory or a .dpk archive) with one atomic rename.
 //
+// Nothing but decodepack's own files is ever removed (common/output.h): an existing output is
+// replaced only when it is a bundle (bundle_own_files()), and the staging entries of killed builds of
+// the same output are removed first.
+//
 // The output is a function of the inputs only: the same model, deploy config, tool version and
 // toolchains give the same bytes whatever the thread count, the clock, the locale or the output path.
 #pragma once
@@ -18,6 +22,10 @@ struct BuildOptions {
   std::string model;                 // checkpoint dir, config file or preset
   std::string deploy = "default";    // deploy file or "default"
   std::filesystem::path out;         // "x.dpk": archive; anything else: directory
+  // Write over an output that is not a bundle decodepack wrote: a file is replaced, a directory is
+  // written into (its other entries kept). Without it such an output is refused (Errc::usage). An
+  // output that is, lies in or contains the input model or deploy file is refused regardless.
+  bool force = false;
   unsigned jobs = 0;                 // 0: hardware concurrency
   std::filesystem::path cache_dir;   // empty: the default compile cache
   bool use_cache = true;

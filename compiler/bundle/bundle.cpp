@@ -1,6 +1,12 @@
 #include "bundle/bundle.h"
 
+#include <system_error>
+
+#include "bundle/archive.h"
 #include "common/error.h"
+#include "common/fs.h"
+#include "common/json.h"
+#include "common/output.h"
 
 namespace dp::bundle {
 
@@ -14,6 +20,43 @@ Bundle Bundle::open(const std::filesystem::path& path) {
     return Bundle(path, format::BundleReader::open(path));
   } catch (const format::FormatError& e) {
     rethrow_format_error(e);
+  }
+}
+
+std::optional<std::vector<std::string>> bundle_own_files(const std::filesystem::path& path) {
+  namespace fs = std::filesystem;
+  // A manifest this large is not one decodepack wrote; it is not read.
+  constexpr uint64_t kMaxManifest = uint64_t{64} << 20;
+  try {
+    std::error_code ec;
+    const fs::file_status st = fs::symlink_status(path, ec);
+    std::string text;
+    if (fs::is_directory(st)) {
+      const fs::path m = path / format::kManifestFile;
+      if (!fs::is_regular_file(fs::symlink_status(m, ec)) || fs::file_size(m, ec) > kMaxManifest || ec) return std::nullopt;
+      text = read_text_file(m);
+    } else if (fs::is_regular_file(st)) {
+      bool found = false;
+      for (const ArchiveEntry& e : list_archive(path))
+        if (e.path == format::kManifestFile) found = e.size <= kMaxManifest;
+      if (!found) return std::nullopt;
+      text = read_archive_member(path, format::kManifestFile);
+    } else {
+      return std::nullopt;
+    }
+    const Json j = parse_json(text, format::kManifestFile);
+    if (!j.is_object() || !j.contains("format") || j["format"] != format::kFormatName) return std::nullopt;
+    std::vector<std::string> own;
+    if (!fs::is_directory(st)) return own;
+    own.push_back(format::kManifestFile);
+    if (j.contains("files") && j["files"].is_array())
+      for (const Json& f : j["files"])
+        if (f.is_object() && f.contains("path") && f["path"].is_string() &&
+            is_safe_relative_path(f["path"].get<std::string>()))
+          own.push_back(f["path"].get<std::string>());
+    return own;
+  } catch (const std::exception&) {
+    return std::nullopt;
   }
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <filesystem>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -34,6 +35,13 @@ class Bundle {
   std::filesystem::path path_;
   format::BundleReader reader_;
 };
+
+// Whether `path` is a bundle that decodepack wrote, for deciding what a build may replace (plan_output(),
+// common/output.h): a directory whose manifest.json has this format's name ("format":
+// "decodepack-bundle"), or a ustar archive holding such a manifest.json. Any format version counts;
+// nothing else is checked. Returns the bundle's own files (manifest.json and the paths its `files`
+// list names; empty for an archive), or nullopt. Never throws.
+std::optional<std::vector<std::string>> bundle_own_files(const std::filesystem::path& path);
 
 // Converts the format library's errors into dp::Error with the CLI's codes.
 [[noreturn]] void rethrow_format_error(const format::FormatError& e);

@@ -6,29 +6,36 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <random>
+#include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "bundle/bundle.h"
+#include "bundle/verify.h"
 #include "common/error.h"
 #include "common/fs.h"
 #include "common/hash.h"
 #include "common/json.h"
+#include "common/output.h"
 
 namespace fs = std::filesystem;
 
 namespace dp::bundle {
 namespace {
 
-// Manifests, config blobs, error documents and token responses are small; anything larger that is not
-// streamed to a file is refused rather than buffered.
-constexpr size_t kMaxSmallBody = size_t{16} << 20;
+// Response headers are small; a registry sending more than this is refused rather than buffered.
+constexpr size_t kMaxHeaderBytes = size_t{256} << 10;
+
+// Blob transfers get one more second of deadline per this many bytes (options.timeout_s).
+constexpr uint64_t kDeadlineBytesPerSecond = uint64_t{1} << 20;
 
 constexpr std::string_view kRefForms =
     "expected host[:port]/repository:tag or host[:port]/repository@sha256:<64 hex digits>";
@@ -50,15 +57,16 @@ std::string_view trim(std::string_view s) {
   return s;
 }
 
-bool is_digit(char c) { return c >= '0' && c <= '9'; }
-bool is_lower_alnum(char c) { return (c >= 'a' && c <= 'z') || is_digit(c); }
-bool is_lower_hex(std::string_view s) {
-  return std::all_of(s.begin(), s.end(), [](char c) { return is_digit(c) || (c >= 'a' && c <= 'f'); });
+// Untrusted text for a message: printable ASCII, at most 200 characters.
+std::string printable(std::string_view s) {
+  std::string out;
+  for (char c : s.substr(0, 200)) out += (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) > 0x7e) ? '?' : c;
+  if (s.size() > 200) out += "...";
+  return out;
 }
 
-bool valid_digest(std::string_view d) {
-  return d.size() == 7 + 64 && d.substr(0, 7) == "sha256:" && is_lower_hex(d.substr(7));
-}
+bool is_digit(char c) { return c >= '0' && c <= '9'; }
+bool is_lower_alnum(char c) { return (c >= 'a' && c <= 'z') || is_digit(c); }
 
 constexpr char kB64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
@@ -201,12 +209,18 @@ struct Request {
   bool follow_redirects = false;  // blob downloads may be redirected to storage
   // Sent instead of the session's credentials (token requests go to another origin).
   std::optional<std::string> authorization;
+  size_t max_body = kMaxSmallBody;  // a larger body that is not streamed to `sink` is refused
+  uint64_t blob_bytes = 0;          // bytes of blob carried, which extend the deadline
+  // Called before a retry of a request whose `sink` has already received data; without it such a
+  // request is not retried.
+  std::function<void()> restart;
 };
 
 struct Response {
   long status = 0;
   std::map<std::string, std::string> headers;  // lower-case names; the first value of a repeated header
   std::string body;                            // when not streamed to a sink
+  int attempts = 1;                            // with retries
 };
 
 struct Transfer {
@@ -216,10 +230,18 @@ struct Transfer {
   std::string_view body_left;
   std::exception_ptr error;
   bool too_large = false;
+  size_t header_bytes = 0;
+  bool headers_too_large = false;
+  bool sink_used = false;
 };
 
 size_t on_header(char* p, size_t size, size_t n, void* ud) {
   auto* t = static_cast<Transfer*>(ud);
+  t->header_bytes += size * n;
+  if (t->header_bytes > kMaxHeaderBytes) {
+    t->headers_too_large = true;
+    return 0;  // makes curl stop
+  }
   std::string_view line = trim(std::string_view(p, size * n));
   // Each response (redirects, 100 Continue) starts with a status line: only the last one counts.
   if (line.substr(0, 5) == "HTTP/") {
@@ -237,9 +259,10 @@ size_t on_write(char* p, size_t size, size_t n, void* ud) {
   size_t len = size * n;
   try {
     if (t->req->sink && t->resp->status >= 200 && t->resp->status < 300) {
+      t->sink_used = true;
       t->req->sink(p, len);
     } else {
-      if (t->resp->body.size() + len > kMaxSmallBody) {
+      if (t->resp->body.size() + len > t->req->max_body) {
         t->too_large = true;
         return 0;
       }
@@ -279,36 +302,19 @@ std::string curl_escape(CURL* curl, std::string_view s) {
   return out;
 }
 
-// "CODE: message; CODE: message" from the OCI error document, or the start of a non-JSON body.
-std::string describe_errors(const Response& r) {
-  if (r.body.empty()) return {};
-  Json j = Json::parse(r.body, nullptr, /*allow_exceptions=*/false);
-  if (j.is_object() && j.contains("errors") && j["errors"].is_array()) {
-    std::string out;
-    for (const Json& e : j["errors"]) {
-      if (!e.is_object()) continue;
-      if (!out.empty()) out += "; ";
-      out += e.value("code", std::string("?"));
-      if (e.contains("message") && e["message"].is_string()) out += ": " + e["message"].get<std::string>();
-    }
-    if (!out.empty()) return out;
-  }
-  std::string text = r.body.substr(0, 200);
-  for (char& c : text)
-    if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) > 0x7e) c = ' ';
-  return fmt::format("\"{}\"", trim(text));
-}
-
 // One registry session: base URL, credentials and the current Authorization value, which the token
 // flow replaces as the registry asks for wider scopes (a push needs pull,push).
 class Client {
  public:
-  Client(const Reference& ref, bool insecure, long connect_timeout_s)
+  Client(const Reference& ref, const TransferOptions& options)
       : ref_(ref),
-        base_(registry_base_url(ref, insecure)),
-        allow_http_(insecure || ref.is_loopback()),
-        connect_timeout_s_(connect_timeout_s),
+        base_(registry_base_url(ref, options.insecure)),
+        allow_http_(options.insecure || ref.is_loopback()),
+        options_(options),
         creds_(find_credentials(ref.host)) {
+    if (options_.timeout_s < 0) fail(Errc::usage, "--timeout {}: expected a number of seconds >= 0", options_.timeout_s);
+    if (options_.retries < 0 || options_.retries > 20)
+      fail(Errc::usage, "--retries {}: expected 0 to 20", options_.retries);
     init_curl_once();
     curl_ = curl_easy_init();
     if (!curl_) fail(Errc::internal, "libcurl: cannot create a handle");
@@ -331,15 +337,15 @@ class Client {
 
   CURL* handle() const { return curl_; }
 
-  // Performs `r`; on 401, answers the registry's challenge once and retries.
+  // Performs `r` (with retries); on 401, answers the registry's challenge once and performs it again.
   Response send(const Request& r) {
-    Response resp = perform(r);
-    if (resp.status == 401 && !r.authorization && authenticate(resp)) resp = perform(r);
+    Response resp = send_with_retries(r);
+    if (resp.status == 401 && !r.authorization && authenticate(resp)) resp = send_with_retries(r);
     return resp;
   }
 
   [[noreturn]] void fail_response(const Response& r, std::string_view what) const {
-    std::string detail = describe_errors(r);
+    std::string detail = describe_registry_errors(r.body);
     std::string hint;
     if (r.status == 401 || r.status == 403)
       hint = creds_.source.empty()
@@ -347,16 +353,70 @@ class Client {
                                "or DECODEPACK_REGISTRY_TOKEN, or add \"{}\" to the \"auths\" of a docker config.json)",
                                ref_.host, ref_.host)
                  : fmt::format(" (credentials from {} were not accepted)", creds_.source);
-    fail(Errc::registry, "{}: {}: HTTP {}{}{}", ref_.str(), what, r.status, detail.empty() ? "" : ", " + detail, hint);
+    fail(Errc::registry, "{}: {}: HTTP {}{}{}{}", ref_.str(), what, r.status, detail.empty() ? "" : ", " + detail, hint,
+         r.attempts > 1 ? fmt::format(" (after {} attempts)", r.attempts) : "");
   }
 
  private:
-  Response perform(const Request& r) {
-    curl_easy_reset(curl_);  // keeps the connection cache
+  // The outcome of one attempt: a response, or a transport failure (`rc`).
+  struct Attempt {
     Response resp;
+    CURLcode rc = CURLE_OK;
+    std::string error;  // curl's description of a transport failure
+    bool sink_used = false;
+  };
+
+  static bool retryable_status(long status) { return status == 500 || status == 502 || status == 503 || status == 504; }
+  // The connection broke (reset, closed without or in the middle of an answer); a refused connection
+  // or a deadline is final.
+  static bool retryable_transport(CURLcode rc) {
+    return rc == CURLE_RECV_ERROR || rc == CURLE_SEND_ERROR || rc == CURLE_GOT_NOTHING || rc == CURLE_PARTIAL_FILE ||
+           rc == CURLE_HTTP2 || rc == CURLE_HTTP2_STREAM;
+  }
+
+  // Deadline of one attempt, in milliseconds (0: none).
+  long deadline_ms(const Request& r) const {
+    if (options_.timeout_s == 0) return 0;
+    uint64_t s = static_cast<uint64_t>(options_.timeout_s) + r.blob_bytes / kDeadlineBytesPerSecond;
+    return static_cast<long>(std::min<uint64_t>(s, 100'000'000) * 1000);
+  }
+
+  Response send_with_retries(const Request& r) {
+    for (int attempt = 1;; ++attempt) {
+      Attempt a = perform(r);
+      const bool transient = a.rc != CURLE_OK ? retryable_transport(a.rc) : retryable_status(a.resp.status);
+      const bool can_repeat = !a.sink_used || static_cast<bool>(r.restart);
+      if (!transient || !can_repeat || attempt > options_.retries) {
+        if (a.rc != CURLE_OK) fail_transport(r, a, attempt);
+        a.resp.attempts = attempt;
+        return std::move(a.resp);
+      }
+      const long delay = std::min<long>(options_.retry_delay_ms << (attempt - 1), 8000);
+      if (options_.log)
+        options_.log(fmt::format("{} {}: {}; retrying in {:.1f} s (attempt {} of {})", r.method, r.url,
+                                 a.rc != CURLE_OK ? a.error : fmt::format("HTTP {}", a.resp.status), delay / 1000.0,
+                                 attempt + 1, options_.retries + 1));
+      std::this_thread::sleep_for(std::chrono::milliseconds(delay));
+      if (a.sink_used) r.restart();
+    }
+  }
+
+  [[noreturn]] void fail_transport(const Request& r, const Attempt& a, int attempts) const {
+    std::string why = a.error;
+    if (a.rc == CURLE_OPERATION_TIMEDOUT && options_.timeout_s > 0)
+      why = fmt::format("no complete answer within the deadline of {} s{} ({}); a slow registry needs a larger "
+                        "--timeout", deadline_ms(r) / 1000,
+                        r.blob_bytes >= kDeadlineBytesPerSecond ? " (--timeout plus 1 s per MiB of blob)" : "", why);
+    fail(Errc::registry, "{}: {} {}: {}{}", ref_.str(), r.method, r.url, why,
+         attempts > 1 ? fmt::format(" (after {} attempts)", attempts) : "");
+  }
+
+  Attempt perform(const Request& r) {
+    curl_easy_reset(curl_);  // keeps the connection cache
+    Attempt out;
     Transfer t;
     t.req = &r;
-    t.resp = &resp;
+    t.resp = &out.resp;
     char errbuf[CURL_ERROR_SIZE] = {};
 
     std::string protocols = allow_http_ ? "http,https" : "https";
@@ -366,8 +426,10 @@ class Client {
     curl_easy_setopt(curl_, CURLOPT_USERAGENT, "decodepack/" DP_VERSION_STRING);
     curl_easy_setopt(curl_, CURLOPT_PROTOCOLS_STR, protocols.c_str());
     curl_easy_setopt(curl_, CURLOPT_REDIR_PROTOCOLS_STR, protocols.c_str());
-    curl_easy_setopt(curl_, CURLOPT_CONNECTTIMEOUT, connect_timeout_s_);
-    // No overall timeout (a multi-GB bundle may take long); a stalled transfer is abandoned instead.
+    curl_easy_setopt(curl_, CURLOPT_CONNECTTIMEOUT, options_.connect_timeout_s);
+    // The whole request has a deadline (a registry dripping bytes is abandoned), and a transfer that
+    // stalls is abandoned sooner.
+    curl_easy_setopt(curl_, CURLOPT_TIMEOUT_MS, deadline_ms(r));
     curl_easy_setopt(curl_, CURLOPT_LOW_SPEED_LIMIT, 1L);
     curl_easy_setopt(curl_, CURLOPT_LOW_SPEED_TIME, 120L);
     // A proxy from the environment must not intercept a registry on this machine.
@@ -418,16 +480,21 @@ class Client {
       fail(Errc::internal, "registry client: unsupported method {}", r.method);
     }
 
-    CURLcode rc = curl_easy_perform(curl_);
+    out.rc = curl_easy_perform(curl_);
     if (fd >= 0) ::close(fd);
     if (t.error) std::rethrow_exception(t.error);
     if (t.too_large)
-      fail(Errc::registry, "{}: {} {}: response larger than {} bytes", ref_.str(), r.method, r.url, kMaxSmallBody);
-    if (rc != CURLE_OK)
-      fail(Errc::registry, "{}: {} {}: {}{}{}", ref_.str(), r.method, r.url, curl_easy_strerror(rc),
-           errbuf[0] ? ": " : "", errbuf);
-    curl_easy_getinfo(curl_, CURLINFO_RESPONSE_CODE, &resp.status);
-    return resp;
+      fail(Errc::registry, "{}: {} {}: the reply is larger than {} bytes; refused", ref_.str(), r.method, r.url,
+           r.max_body);
+    if (t.headers_too_large)
+      fail(Errc::registry, "{}: {} {}: the reply's headers are larger than {} bytes; refused", ref_.str(), r.method,
+           r.url, kMaxHeaderBytes);
+    out.sink_used = t.sink_used;
+    if (out.rc != CURLE_OK)
+      out.error = fmt::format("{}{}{}", curl_easy_strerror(out.rc), errbuf[0] ? ": " : "", errbuf);
+    else
+      curl_easy_getinfo(curl_, CURLINFO_RESPONSE_CODE, &out.resp.status);
+    return out;
   }
 
   // Answers a 401 challenge; false when there is nothing new to try (the caller reports the 401).
@@ -457,8 +524,11 @@ class Client {
     const std::string& realm = ch.params.at("realm");
     bool https = realm.compare(0, 8, "https://") == 0;
     if (!https && !(allow_http_ && realm.compare(0, 7, "http://") == 0))
-      fail(Errc::registry, "{}: the registry's token service {} is not an https URL (plain HTTP is used only for "
-                           "loopback registries or with --insecure)", ref_.str(), realm);
+      fail(Errc::registry, "{}: the registry's token service '{}' is not an https URL (plain HTTP is used only for "
+                           "loopback registries or with --insecure)", ref_.str(), printable(realm));
+    if (std::any_of(realm.begin(), realm.end(), [](char c) { return static_cast<unsigned char>(c) <= 0x20 || c == 0x7f; }))
+      fail(Errc::registry, "{}: the registry's token service '{}' is not a URL (it contains spaces or control "
+                           "characters)", ref_.str(), printable(realm));
     std::string url = realm;
     char sep = realm.find('?') == std::string::npos ? '?' : '&';
     for (const char* key : {"service", "scope"}) {
@@ -472,54 +542,58 @@ class Client {
     req.url = url;
     req.follow_redirects = true;
     req.authorization = creds_.has_basic() ? "Basic " + base64_encode(creds_.username + ":" + creds_.password) : "";
-    Response resp = perform(req);
+    Response resp = send_with_retries(req);
     if (resp.status != 200) fail_response(resp, fmt::format("token request to {} refused", realm));
-    Json j = Json::parse(resp.body, nullptr, false);
-    for (const char* key : {"token", "access_token"})
-      if (j.is_object() && j.contains(key) && j[key].is_string() && !j[key].get<std::string>().empty())
-        return j[key].get<std::string>();
-    fail(Errc::registry, "{}: token response from {} has no \"token\" or \"access_token\" string", ref_.str(), realm);
+    try {
+      return parse_token_reply(resp.body, realm);
+    } catch (const Error& e) {
+      throw Error(e.code(), fmt::format("{}: {}", ref_.str(), e.what()));
+    }
   }
 
   Reference ref_;
   std::string base_;
   bool allow_http_;
-  long connect_timeout_s_;
+  TransferOptions options_;
   Credentials creds_;
   std::string authorization_;
   CURL* curl_ = nullptr;
 };
-
-std::string random_suffix() {
-  std::random_device rd;
-  return fmt::format("{:08x}{:08x}", rd(), rd());
-}
 
 std::string getenv_str(const char* name) {
   const char* v = std::getenv(name);
   return v ? v : "";
 }
 
-// A descriptor's digest and size, checked.
-struct Descriptor {
-  std::string digest;
-  uint64_t size = 0;
-};
-
-Descriptor read_descriptor(const Json& d, std::string_view field, std::string_view media_type, const Reference& ref) {
-  if (!d.is_object()) fail(Errc::input, "{}: manifest field {} is not an object", ref.str(), field);
-  std::string mt = d.value("mediaType", std::string());
-  if (mt != media_type)
-    fail(Errc::input, "{}: not a decodepack bundle: {}.mediaType is '{}', expected '{}'", ref.str(), field, mt,
-         media_type);
-  Descriptor out;
-  out.digest = d.value("digest", std::string());
-  if (!valid_digest(out.digest))
-    fail(Errc::input, "{}: manifest field {}.digest '{}' is not sha256:<64 hex digits>", ref.str(), field, out.digest);
-  if (!d.contains("size") || !d["size"].is_number_unsigned())
-    fail(Errc::input, "{}: manifest field {}.size is missing or not a non-negative integer", ref.str(), field);
-  out.size = d["size"].get<uint64_t>();
-  return out;
+// A pulled archive (at `file`) must be a bundle whose manifest.json is the config blob and whose files
+// are exactly what that manifest lists, and have `expect_digest` when one is given; its messages name
+// the layer, not the staging file.
+void check_pulled_bundle(const fs::path& file, const Reference& ref, PullResult& result,
+                         const std::string& expect_digest) {
+  auto rename_file = [&](std::string msg) {
+    const std::string name = file.string(), layer = "layer blob " + result.layer_digest;
+    for (size_t at = msg.find(name); at != std::string::npos; at = msg.find(name, at + layer.size()))
+      msg.replace(at, name.size(), layer);
+    return msg;
+  };
+  std::optional<Bundle> b;
+  try {
+    b.emplace(Bundle::open(file));
+  } catch (const Error& e) {
+    throw Error(e.code(), fmt::format("{}: the layer is not a valid bundle archive: {}", ref.str(), rename_file(e.what())));
+  }
+  if (b->manifest_bytes() != result.config_json)
+    fail(Errc::verify, "{}: the layer's manifest.json (bundle {}) is not the manifest's config blob {}", ref.str(),
+         b->digest(), "sha256:" + sha256_hex(result.config_json));
+  VerifyReport report = verify_bundle(*b, {"", expect_digest, 1});
+  if (!report.ok()) {
+    std::string problems;
+    for (size_t i = 0; i < report.problems.size() && i < 3; ++i)
+      problems += (i ? "; " : "") + rename_file(report.problems[i].message);
+    if (report.problems.size() > 3) problems += fmt::format("; and {} more", report.problems.size() - 3);
+    fail(Errc::verify, "{}: the pulled bundle does not verify: {}", ref.str(), problems);
+  }
+  result.bundle_digest = b->digest();
 }
 
 }  // namespace
@@ -568,7 +642,7 @@ Reference parse_reference(std::string_view text) {
   if (size_t at = rest.find('@'); at != std::string_view::npos) {
     std::string_view d = rest.substr(at + 1);
     if (d.substr(0, 7) != "sha256:") bad_ref(text, fmt::format("digest '{}' is not sha256 (the only algorithm supported)", d));
-    if (!valid_digest(d)) bad_ref(text, fmt::format("digest '{}' is not sha256: followed by 64 lowercase hex digits", d));
+    if (!is_sha256_digest(d)) bad_ref(text, fmt::format("digest '{}' is not sha256: followed by 64 lowercase hex digits", d));
     ref.digest = std::string(d);
     rest = rest.substr(0, at);
   }
@@ -601,50 +675,6 @@ Reference parse_reference(std::string_view text) {
 
 std::string registry_base_url(const Reference& ref, bool insecure) {
   return (insecure || ref.is_loopback() ? "http://" : "https://") + ref.host;
-}
-
-std::optional<AuthChallenge> parse_auth_challenge(std::string_view header) {
-  std::string_view s = trim(header);
-  size_t sp = s.find(' ');
-  AuthChallenge ch;
-  ch.scheme = to_lower(s.substr(0, sp));
-  if (ch.scheme.empty() || ch.scheme.find_first_of(",=\"") != std::string::npos) return std::nullopt;
-  if (sp == std::string_view::npos) return ch;
-  s = s.substr(sp + 1);
-  while (true) {
-    while (!s.empty() && (s.front() == ' ' || s.front() == ',')) s.remove_prefix(1);
-    if (s.empty()) break;
-    size_t eq = s.find('=');
-    if (eq == std::string_view::npos) break;
-    std::string_view key = trim(s.substr(0, eq));
-    if (key.find(' ') != std::string_view::npos) break;  // the next challenge begins: only the first is used
-    s.remove_prefix(eq + 1);
-    std::string value;
-    if (!s.empty() && s.front() == '"') {
-      s.remove_prefix(1);
-      bool closed = false;
-      while (!s.empty()) {
-        char c = s.front();
-        s.remove_prefix(1);
-        if (c == '\\' && !s.empty()) {
-          value += s.front();
-          s.remove_prefix(1);
-        } else if (c == '"') {
-          closed = true;
-          break;
-        } else {
-          value += c;
-        }
-      }
-      if (!closed) return std::nullopt;
-    } else {
-      size_t comma = s.find(',');
-      value = std::string(trim(s.substr(0, comma)));
-      s = comma == std::string_view::npos ? std::string_view() : s.substr(comma);
-    }
-    ch.params[to_lower(key)] = std::move(value);
-  }
-  return ch;
 }
 
 Credentials find_credentials(std::string_view host) {
@@ -712,7 +742,7 @@ PushResult push(const fs::path& dpk_file, std::string_view manifest_json,
   const Descriptor layer{"sha256:" + sha256_file(dpk_file), dpk_size};
   const Descriptor config{"sha256:" + sha256_hex(manifest_json), manifest_json.size()};
 
-  Client client(ref, options.insecure, options.connect_timeout_s);
+  Client client(ref, options);
   PushResult result;
 
   auto ensure_blob = [&](const Descriptor& blob, const Request& body) {
@@ -754,6 +784,7 @@ PushResult push(const fs::path& dpk_file, std::string_view manifest_json,
   Request layer_body;
   layer_body.body_file = &dpk_file;
   layer_body.body_size = dpk_size;
+  layer_body.blob_bytes = dpk_size;
   ensure_blob(layer, layer_body);
 
   std::string title = options.title.empty() ? dpk_file.filename().string() : options.title;
@@ -786,7 +817,10 @@ PushResult push(const fs::path& dpk_file, std::string_view manifest_json,
 }
 
 PullResult pull(const Reference& ref, const fs::path& out_dpk, const PullOptions& options) {
-  Client client(ref, options.insecure, options.connect_timeout_s);
+  // Before anything is fetched: what is at the output may be replaced only if it is a bundle.
+  plan_output(out_dpk, OutputKind::file, options.force, "a bundle archive", bundle_own_files);
+  remove_stale_staging(out_dpk);
+  Client client(ref, options);
   const std::string target = ref.digest.empty() ? ref.tag : ref.digest;
 
   // 1. The manifest, checked against the pinned digest and the registry's own claim.
@@ -795,6 +829,7 @@ PullResult pull(const Reference& ref, const fs::path& out_dpk, const PullOptions
   get.url = client.repo_url("manifests/" + target);
   get.headers.push_back(fmt::format("Accept: {}", kOciManifestMediaType));
   get.follow_redirects = true;
+  get.max_body = kMaxManifestBytes;
   Response m = client.send(get);
   if (m.status != 200) client.fail_response(m, fmt::format("cannot get manifest {}", target));
   PullResult result;
@@ -804,84 +839,89 @@ PullResult pull(const Reference& ref, const fs::path& out_dpk, const PullOptions
          result.manifest_digest);
   if (auto d = m.headers.find("docker-content-digest"); d != m.headers.end() && d->second != result.manifest_digest)
     fail(Errc::verify, "{}: manifest digest mismatch: the registry says {}, its bytes hash to {}", ref.str(),
-         d->second, result.manifest_digest);
+         printable(d->second), result.manifest_digest);
 
   // 2. Is it a decodepack bundle?
-  Json j = parse_json(m.body, ref.str() + " manifest");
-  if (!j.is_object()) fail(Errc::input, "{}: manifest is not a JSON object", ref.str());
-  std::string media = j.value("mediaType", std::string());
-  if (media.empty()) {
-    auto ct = m.headers.find("content-type");
-    if (ct != m.headers.end()) media = ct->second.substr(0, ct->second.find(';'));
+  auto ct = m.headers.find("content-type");
+  BundleArtifact art;
+  try {
+    art = parse_bundle_manifest(m.body, ct == m.headers.end() ? "" : ct->second, get.url);
+  } catch (const Error& e) {
+    throw Error(e.code(), fmt::format("{}: {}", ref.str(), e.what()));
   }
-  if (media != kOciManifestMediaType)
-    fail(Errc::input, "{}: not an OCI image manifest: mediaType '{}', expected '{}'", ref.str(), media,
-         kOciManifestMediaType);
-  std::string artifact = j.value("artifactType", std::string());
-  if (artifact != kBundleArtifactType)
-    fail(Errc::input, "{}: not a decodepack bundle: artifactType '{}', expected '{}'", ref.str(), artifact,
-         kBundleArtifactType);
-  const Descriptor config = read_descriptor(j.value("config", Json()), "config", kBundleConfigMediaType, ref);
-  if (!j.contains("layers") || !j["layers"].is_array() || j["layers"].size() != 1)
-    fail(Errc::input, "{}: not a decodepack bundle: expected exactly one layer", ref.str());
-  const Descriptor layer = read_descriptor(j["layers"][0], "layers[0]", kBundleLayerMediaType, ref);
-  if (j.contains("annotations") && j["annotations"].is_object())
-    for (const auto& [k, v] : j["annotations"].items())
-      if (v.is_string()) result.annotations[k] = v.get<std::string>();
-  result.layer_digest = layer.digest;
-  result.size = layer.size;
+  result.annotations = art.annotations;
+  result.layer_digest = art.layer.digest;
+  result.size = art.layer.size;
 
   // 3. The config blob (the bundle manifest): small, read into memory and verified.
   Request cg;
   cg.method = "GET";
-  cg.url = client.repo_url("blobs/" + config.digest);
+  cg.url = client.repo_url("blobs/" + art.config.digest);
   cg.follow_redirects = true;
+  // Bounded by what the manifest promises (its size is checked below), but never so tightly that an
+  // error document cannot be read.
+  cg.max_body = std::max<size_t>(static_cast<size_t>(art.config.size), size_t{64} << 10);
   Response c = client.send(cg);
-  if (c.status != 200) client.fail_response(c, fmt::format("cannot get config blob {}", config.digest));
+  if (c.status != 200) client.fail_response(c, fmt::format("cannot get config blob {}", art.config.digest));
   std::string config_actual = "sha256:" + sha256_hex(c.body);
-  if (c.body.size() != config.size || config_actual != config.digest)
+  if (c.body.size() != art.config.size || config_actual != art.config.digest)
     fail(Errc::verify, "{}: config blob digest mismatch: expected {} ({} bytes), got {} ({} bytes)", ref.str(),
-         config.digest, config.size, config_actual, c.body.size());
+         art.config.digest, art.config.size, config_actual, c.body.size());
   result.config_json = std::move(c.body);
 
-  // 4. The layer, streamed to a staging file beside the output while hashing.
-  fs::path out_abs = fs::absolute(out_dpk);
-  fs::path tmp = out_abs.parent_path() / fmt::format(".{}.tmp-{}", out_abs.filename().string(), random_suffix());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  // 4. The layer, streamed to a staging file beside the output while hashing, then checked as a bundle:
+  // only a complete, verified bundle whose manifest is the config blob replaces the output.
+  const fs::path tmp = staging_path(out_dpk, "tmp");
+  int fd = ::open(tmp.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0)
-    fail(Errc::io, "{}: cannot create a staging file in {}: {}", out_dpk.string(), out_abs.parent_path().string(),
+    fail(Errc::io, "{}: cannot create a staging file in {}: {}", out_dpk.string(), tmp.parent_path().string(),
          std::strerror(errno));
   try {
-    Sha256 hash;
+    std::optional<Sha256> hash;
+    hash.emplace();
     uint64_t got = 0;
     Request lg;
     lg.method = "GET";
-    lg.url = client.repo_url("blobs/" + layer.digest);
+    lg.url = client.repo_url("blobs/" + art.layer.digest);
     lg.follow_redirects = true;
+    lg.blob_bytes = art.layer.size;
     lg.sink = [&](const char* p, size_t n) {
       got += n;
-      if (got > layer.size)
+      if (got > art.layer.size)
         fail(Errc::verify, "{}: layer blob {}: the registry sent more than the {} bytes the manifest gives",
-             ref.str(), layer.digest, layer.size);
-      hash.update(p, n);
+             ref.str(), art.layer.digest, art.layer.size);
+      hash->update(p, n);
       for (size_t done = 0; done < n;) {
         ssize_t w = ::write(fd, p + done, n - done);
         if (w < 0 && errno == EINTR) continue;
-        if (w < 0) fail(Errc::io, "{}: write failed: {}", tmp.string(), std::strerror(errno));
+        if (w < 0)
+          fail(Errc::io, "{}: write failed after {} bytes of the layer: {}", out_dpk.string(), got - n + done,
+               std::strerror(errno));
         done += static_cast<size_t>(w);
       }
     };
+    lg.restart = [&] {  // a retry after a broken transfer starts the file over
+      if (::ftruncate(fd, 0) != 0 || ::lseek(fd, 0, SEEK_SET) != 0)
+        fail(Errc::io, "{}: cannot truncate the staging file {}: {}", out_dpk.string(), tmp.string(),
+             std::strerror(errno));
+      hash.emplace();
+      got = 0;
+    };
     Response l = client.send(lg);
-    if (l.status != 200) client.fail_response(l, fmt::format("cannot get layer blob {}", layer.digest));
-    std::string actual = "sha256:" + hash.hex();
-    if (got != layer.size || actual != layer.digest)
+    if (l.status != 200) client.fail_response(l, fmt::format("cannot get layer blob {}", art.layer.digest));
+    std::string actual = "sha256:" + hash->hex();
+    if (got != art.layer.size || actual != art.layer.digest)
       fail(Errc::verify, "{}: layer blob digest mismatch: expected {} ({} bytes), got {} ({} bytes)", ref.str(),
-           layer.digest, layer.size, actual, got);
-    if (::fsync(fd) != 0) fail(Errc::io, "{}: cannot flush: {}", tmp.string(), std::strerror(errno));
+           art.layer.digest, art.layer.size, actual, got);
+    if (::fsync(fd) != 0) fail(Errc::io, "{}: cannot flush to disk: {}", out_dpk.string(), std::strerror(errno));
     int rc = ::close(fd);
     fd = -1;
-    if (rc != 0) fail(Errc::io, "{}: cannot close: {}", tmp.string(), std::strerror(errno));
-    if (::rename(tmp.c_str(), out_abs.c_str()) != 0)
+    if (rc != 0) fail(Errc::io, "{}: cannot close: {}", out_dpk.string(), std::strerror(errno));
+
+    check_pulled_bundle(tmp, ref, result, options.expect_digest);
+    // The output may have changed during the download: checked again just before the rename.
+    plan_output(out_dpk, OutputKind::file, options.force, "a bundle archive", bundle_own_files);
+    if (::rename(tmp.c_str(), out_dpk.c_str()) != 0)
       fail(Errc::io, "{}: cannot rename into place: {}", out_dpk.string(), std::strerror(errno));
   } catch (...) {
     if (fd >= 0) ::close(fd);

@@ -15,8 +15,13 @@
 // Basic credentials are sent only after the registry asks (401 + WWW-Authenticate: Basic), or are used
 // to obtain a token from the realm a Bearer challenge names (the docker token flow).
 //
-// Errors (dp::Error): Errc::usage for a malformed reference, Errc::registry for transport failures and
-// refusals (the message has the HTTP status and the registry's error codes), Errc::verify for content
+// Every request has a deadline and transient failures are retried a bounded number of times
+// (TransferOptions). Replies are parsed by bundle/oci.h and never trusted: sizes are bounded before
+// anything is buffered.
+//
+// Errors (dp::Error): Errc::usage for a malformed reference or an output that is not a bundle,
+// Errc::registry for transport failures, deadlines, refusals (the message has the HTTP status and the
+// registry's error codes) and malformed replies (naming the URL and the field), Errc::verify for content
 // whose digest or size differs from what the manifest promises, Errc::input for an artifact that is not
 // a decodepack bundle, Errc::io for local files.
 //
@@ -28,18 +33,15 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
 #include <string_view>
 
-namespace dp::bundle {
+#include "bundle/oci.h"
 
-inline constexpr std::string_view kOciManifestMediaType = "application/vnd.oci.image.manifest.v1+json";
-inline constexpr std::string_view kBundleArtifactType = "application/vnd.decodepack.bundle.v1";
-inline constexpr std::string_view kBundleConfigMediaType = "application/vnd.decodepack.bundle.config.v1+json";
-inline constexpr std::string_view kBundleLayerMediaType = "application/vnd.decodepack.bundle.layer.v1.tar";
-inline constexpr std::string_view kTitleAnnotation = "org.opencontainers.image.title";
+namespace dp::bundle {
 
 // `host[:port]/repository[:tag][@sha256:<64 hex>]`. The host is mandatory (there is no default registry):
 // the first path component is a host when it contains '.' or ':' or is "localhost", as for docker.
@@ -59,10 +61,24 @@ Reference parse_reference(std::string_view text);
 // "http://host" for loopback hosts or when insecure, else "https://host".
 std::string registry_base_url(const Reference& ref, bool insecure);
 
-struct PushOptions {
+// Transport settings shared by push and pull.
+struct TransferOptions {
   bool insecure = false;       // allow plain HTTP to a non-loopback host
-  std::string title;           // layer title annotation; empty: the .dpk's file name
   long connect_timeout_s = 30;
+  // Deadline of each request, in seconds, plus one second per MiB of blob it carries (so a large bundle
+  // over a slow link is not cut, but a registry that drips a manifest is abandoned); 0: none. A
+  // transfer that moves no byte for 120 s is abandoned sooner.
+  long timeout_s = 300;
+  // A request answered with HTTP 500, 502, 503 or 504, or whose connection broke (reset, closed before
+  // the answer was complete), is sent again up to `retries` times, after retry_delay_ms, then twice
+  // that, and so on (at most 8 s). Other answers (4xx), refused connections and deadlines are final.
+  int retries = 3;
+  long retry_delay_ms = 500;
+  std::function<void(const std::string&)> log;  // a line per retry (stderr in the CLI)
+};
+
+struct PushOptions : TransferOptions {
+  std::string title;  // layer title annotation; empty: the .dpk's file name
 };
 
 struct PushResult {
@@ -79,22 +95,28 @@ PushResult push(const std::filesystem::path& dpk_file, std::string_view manifest
                 const std::map<std::string, std::string>& annotations, const Reference& ref,
                 const PushOptions& options = {});
 
-struct PullOptions {
-  bool insecure = false;
-  long connect_timeout_s = 30;
+struct PullOptions : TransferOptions {
+  // Replace an output file that is not a bundle archive (without it, such a file is refused with
+  // Errc::usage; a directory is always refused).
+  bool force = false;
+  std::string expect_digest;  // "sha256:..." the pulled bundle must have (its manifest.json), or empty
 };
 
 struct PullResult {
   std::string manifest_digest;
   std::string layer_digest;
+  std::string bundle_digest;                       // sha256 of the bundle's manifest.json
   uint64_t size = 0;                               // of the .dpk
   std::string config_json;                         // the bundle manifest from the config blob (verified)
   std::map<std::string, std::string> annotations;  // of the OCI manifest
 };
 
 // Fetches the manifest (by digest when ref has one, and then checks it), checks that it is a decodepack
-// bundle, and streams the layer into a staging file beside `out_dpk` while hashing it; only a blob whose
-// size and sha256 match the manifest is renamed to `out_dpk`. Nothing is left behind on failure.
+// bundle, and streams the layer into a staging file beside `out_dpk` while hashing it. Only a layer whose
+// size and sha256 match the manifest, that opens as a bundle whose manifest.json is the config blob,
+// whose files all verify (verify_bundle(), with expect_digest when given) is renamed to `out_dpk`; on
+// any failure the previous `out_dpk` is left as it was and the staging file is removed. Staging files
+// of killed pulls of the same output are removed first (common/output.h).
 PullResult pull(const Reference& ref, const std::filesystem::path& out_dpk, const PullOptions& options = {});
 
 // --- Pieces of the client, exposed for unit tests -------------------------------------------------
@@ -109,12 +131,5 @@ struct Credentials {
 // Looks up credentials for `host` (host[:port]) in the environment, then in the docker config file.
 // An unreadable or malformed config file is an error (Errc::input) naming it; no match is not.
 Credentials find_credentials(std::string_view host);
-
-// One challenge of a WWW-Authenticate header: `Bearer realm="...",service="...",scope="..."`.
-struct AuthChallenge {
-  std::string scheme;                         // lower-case: "basic", "bearer"
-  std::map<std::string, std::string> params;  // lower-case names, unquoted values
-};
-std::optional<AuthChallenge> parse_auth_challenge(std::string_view header);
 
 }  // namespace dp::bundle

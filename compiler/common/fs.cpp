@@ -1,18 +1,21 @@
 #include "common/fs.h"
 
 #include <fcntl.h>
+#include <stdio.h>  // renameat2
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
-#include <random>
 #include <sstream>
+#include <set>
 #include <utility>
 
 #include "common/error.h"
+#include "common/output.h"
 
 namespace fs = std::filesystem;
 
@@ -70,16 +73,11 @@ std::string read_text_file(const fs::path& path) {
   return ss.str();
 }
 
-static std::string random_suffix() {
-  std::random_device rd;
-  return fmt::format("{:08x}{:08x}", rd(), rd());
-}
-
 void write_file_atomic(const fs::path& path, std::string_view bytes) {
-  fs::path dir = path.parent_path().empty() ? fs::path(".") : path.parent_path();
-  fs::path tmp = dir / fmt::format(".{}.tmp-{}", path.filename().string(), random_suffix());
+  const fs::path tmp = staging_path(path, "tmp");
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) fail(Errc::io, "{}: cannot create: {}", tmp.string(), std::strerror(errno));
+  if (fd < 0) fail(Errc::io, "{}: cannot create a temporary file in {}: {}", path.string(), tmp.parent_path().string(),
+                   std::strerror(errno));
   const char* p = bytes.data();
   size_t left = bytes.size();
   while (left > 0) {
@@ -89,7 +87,8 @@ void write_file_atomic(const fs::path& path, std::string_view bytes) {
       int e = errno;
       ::close(fd);
       ::unlink(tmp.c_str());
-      fail(Errc::io, "{}: write failed: {}", tmp.string(), std::strerror(e));
+      fail(Errc::io, "{}: write failed after {} of {} bytes: {}", path.string(), bytes.size() - left, bytes.size(),
+           std::strerror(e));
     }
     p += n;
     left -= static_cast<size_t>(n);
@@ -97,7 +96,7 @@ void write_file_atomic(const fs::path& path, std::string_view bytes) {
   if (::fsync(fd) != 0 || ::close(fd) != 0) {
     int e = errno;
     ::unlink(tmp.c_str());
-    fail(Errc::io, "{}: cannot flush: {}", tmp.string(), std::strerror(e));
+    fail(Errc::io, "{}: cannot flush {} bytes to disk: {}", path.string(), bytes.size(), std::strerror(e));
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     int e = errno;
@@ -107,12 +106,11 @@ void write_file_atomic(const fs::path& path, std::string_view bytes) {
 }
 
 StagingDir::StagingDir(const fs::path& target) : target_(target) {
-  fs::path abs = fs::absolute(target);
-  fs::path dir = abs.parent_path();
+  path_ = staging_path(target, "staging");
+  const fs::path dir = path_.parent_path();
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) fail(Errc::io, "{}: cannot create directory: {}", dir.string(), ec.message());
-  path_ = dir / fmt::format(".{}.staging-{}", abs.filename().string(), random_suffix());
   if (!fs::create_directory(path_, ec) || ec)
     fail(Errc::io, "{}: cannot create staging directory: {}", path_.string(), ec.message());
 }
@@ -126,23 +124,107 @@ StagingDir::~StagingDir() {
 
 void StagingDir::commit() {
   std::error_code ec;
-  fs::path abs = fs::absolute(target_);
-  // rename(2) replaces a file or an empty directory atomically; a non-empty old directory is first
-  // moved aside (one rename), then the new one is renamed in, then the old one is removed.
-  if (fs::is_directory(abs, ec) && !fs::is_empty(abs, ec)) {
-    fs::path old = abs.parent_path() / fmt::format(".{}.old-{}", abs.filename().string(), random_suffix());
-    if (::rename(abs.c_str(), old.c_str()) != 0)
-      fail(Errc::io, "{}: cannot move previous output aside: {}", abs.string(), std::strerror(errno));
-    if (::rename(path_.c_str(), abs.c_str()) != 0) {
-      int e = errno;
-      ::rename(old.c_str(), abs.c_str());
-      fail(Errc::io, "{}: cannot publish: {}", abs.string(), std::strerror(e));
-    }
-    fs::remove_all(old, ec);
-  } else if (::rename(path_.c_str(), abs.c_str()) != 0) {
-    fail(Errc::io, "{}: cannot publish: {}", abs.string(), std::strerror(errno));
+  fs::path dst = fs::absolute(target_).lexically_normal();
+  if (dst.filename().empty()) dst = dst.parent_path();  // "out/"
+  // Nothing there, or an empty directory: one rename.
+  if (::rename(path_.c_str(), dst.c_str()) == 0) {
+    committed_ = true;
+    return;
+  }
+  if (errno != EEXIST && errno != ENOTEMPTY && errno != ENOTDIR && errno != EISDIR)
+    fail(Errc::io, "{}: cannot publish: {}", dst.string(), std::strerror(errno));
+  // Something there: exchange the two atomically, then remove the old one (now at the staging name).
+  if (::renameat2(AT_FDCWD, path_.c_str(), AT_FDCWD, dst.c_str(), RENAME_EXCHANGE) == 0) {
+    committed_ = true;
+    fs::remove_all(path_, ec);
+    return;
+  }
+  if (errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP)
+    fail(Errc::io, "{}: cannot publish: {}", dst.string(), std::strerror(errno));
+  // A file system without RENAME_EXCHANGE: move the old one aside (one rename), rename the new one
+  // in, remove the old one. A command killed in between leaves the old one at an "old" staging name,
+  // which the next one puts back (remove_stale_staging()).
+  const fs::path old = staging_path(dst, "old");
+  if (::rename(dst.c_str(), old.c_str()) != 0)
+    fail(Errc::io, "{}: cannot move the previous output aside: {}", dst.string(), std::strerror(errno));
+  if (::rename(path_.c_str(), dst.c_str()) != 0) {
+    int e = errno;
+    ::rename(old.c_str(), dst.c_str());
+    fail(Errc::io, "{}: cannot publish: {}", dst.string(), std::strerror(e));
   }
   committed_ = true;
+  fs::remove_all(old, ec);
+}
+
+namespace {
+
+// Makes every component of `rel` below `root` a directory, creating missing ones; a component that
+// is a file or a symbolic link is an error (following a link could write outside `root`).
+void ensure_real_directories(const fs::path& root, const fs::path& rel) {
+  fs::path cur = root;
+  for (const fs::path& c : rel) {
+    cur /= c;
+    struct stat st {};
+    if (::lstat(cur.c_str(), &st) == 0) {
+      if (S_ISDIR(st.st_mode)) continue;
+      fail(Errc::io, "{}: is not a directory, and the output needs one here; move it away or choose another output",
+           cur.string());
+    }
+    if (errno != ENOENT || (::mkdir(cur.c_str(), 0755) != 0 && errno != EEXIST))
+      fail(Errc::io, "{}: cannot create directory: {}", cur.string(), std::strerror(errno));
+  }
+}
+
+// Removes root/rel if it is a regular file reached through real directories only, then the
+// directories above it that this leaves empty (never `root`). Anything else is left alone.
+void remove_owned_file(const fs::path& root, const std::string& rel) {
+  if (!is_safe_relative_path(rel)) return;
+  const fs::path r(rel);
+  fs::path cur = root;
+  for (const fs::path& c : r.parent_path()) {
+    cur /= c;
+    struct stat st {};
+    if (::lstat(cur.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return;
+  }
+  const fs::path file = root / r;
+  struct stat st {};
+  if (::lstat(file.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || ::unlink(file.c_str()) != 0) return;
+  for (fs::path d = r.parent_path(); !d.empty(); d = d.parent_path())
+    if (::rmdir((root / d).c_str()) != 0) break;
+}
+
+}  // namespace
+
+void StagingDir::commit_into(const std::vector<std::string>& previous, const std::vector<std::string>& last) {
+  fs::path dst = fs::absolute(target_).lexically_normal();
+  if (dst.filename().empty()) dst = dst.parent_path();
+  std::vector<std::string> staged;
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(path_, ec), end; !ec && it != end; it.increment(ec))
+    if (it->is_regular_file()) staged.push_back(it->path().lexically_relative(path_).generic_string());
+  if (ec) fail(Errc::io, "{}: cannot list: {}", path_.string(), ec.message());
+  std::sort(staged.begin(), staged.end());
+  std::vector<std::string> order;
+  for (const std::string& f : staged)
+    if (std::find(last.begin(), last.end(), f) == last.end()) order.push_back(f);
+  for (const std::string& f : last)
+    if (std::binary_search(staged.begin(), staged.end(), f)) order.push_back(f);
+  for (const std::string& rel : order) {
+    const fs::path r(rel);
+    ensure_real_directories(dst, r.parent_path());
+    const fs::path to = dst / r;
+    struct stat st {};
+    if (::lstat(to.c_str(), &st) == 0 && S_ISDIR(st.st_mode))
+      fail(Errc::io, "{}: is a directory where the output has a file; move it away or choose another output",
+           to.string());
+    if (::rename((path_ / r).c_str(), to.c_str()) != 0)
+      fail(Errc::io, "{}: cannot publish: {}", to.string(), std::strerror(errno));
+  }
+  const std::set<std::string> now(staged.begin(), staged.end());
+  for (const std::string& rel : previous)
+    if (!now.count(rel)) remove_owned_file(dst, rel);
+  committed_ = true;
+  fs::remove_all(path_, ec);
 }
 
 }  // namespace dp

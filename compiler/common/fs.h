@@ -8,6 +8,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace dp {
 
@@ -37,10 +38,13 @@ class MappedFile {
 // Reads a small file (configs, manifests) completely; throws dp::Error(io) naming the path.
 std::string read_text_file(const std::filesystem::path& path);
 
-// Writes `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename.
+// Writes `bytes` to `path` atomically: a temporary file in the same directory (named by
+// staging_path(), common/output.h), fsync, rename. Errors name `path` and the system's reason.
 void write_file_atomic(const std::filesystem::path& path, std::string_view bytes);
 
 // A directory that is removed on destruction unless committed; used to stage outputs before one rename.
+// Its name records this process (staging_path(target, "staging")), so the leftovers of a killed
+// command can be told from a live one's (remove_stale_staging()).
 class StagingDir {
  public:
   // Creates a fresh directory next to `target` (same file system, so the final rename is atomic).
@@ -49,8 +53,17 @@ class StagingDir {
   StagingDir(const StagingDir&) = delete;
   StagingDir& operator=(const StagingDir&) = delete;
   const std::filesystem::path& path() const { return path_; }
-  // Replaces `target` (file or directory) with the staged contents in one rename.
+  // Replaces `target` (file or directory) with the staged contents in one rename: the old one is
+  // exchanged with the staged one (renameat2 RENAME_EXCHANGE) and then removed, so `target` always
+  // holds the old or the new contents. The caller has checked that whatever is there may go
+  // (plan_output()).
   void commit();
+  // Publishes into an existing directory that also holds files of others (plan_output()'s
+  // write_into): each staged file is renamed over its path in `target` (the files named in `last`
+  // last, in that order), then the files of `previous` (the previous output's own, relative) that
+  // the new output lacks are removed, with their directories if that empties them. Nothing else in
+  // `target` is touched. Not atomic as a whole: each file is.
+  void commit_into(const std::vector<std::string>& previous, const std::vector<std::string>& last);
 
  private:
   std::filesystem::path target_;

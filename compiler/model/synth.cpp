@@ -1,5 +1,6 @@
 #include "model/synth.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -8,6 +9,8 @@
 #include "common/error.h"
 #include "common/fs.h"
 #include "common/hash.h"
+#include "common/json.h"
+#include "common/output.h"
 #include "model/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -100,7 +103,32 @@ std::vector<uint8_t> synth_tensor(const WeightSpec& w, DType dtype, uint64_t see
   return out;
 }
 
+std::optional<std::vector<std::string>> synth_own_files(const fs::path& dir) {
+  try {
+    std::error_code ec;
+    const fs::path marker = dir / kSynthMarker;
+    if (!fs::is_regular_file(fs::symlink_status(marker, ec)) || fs::file_size(marker, ec) > (1u << 20) || ec)
+      return std::nullopt;
+    const Json j = parse_json(read_text_file(marker), kSynthMarker);
+    if (!j.is_object() || j.value("written_by", Json()) != "decodepack synth" || !j.contains("files") ||
+        !j["files"].is_array())
+      return std::nullopt;
+    std::vector<std::string> own{kSynthMarker};
+    for (const Json& f : j["files"])
+      if (f.is_string() && is_safe_relative_path(f.get<std::string>())) own.push_back(f.get<std::string>());
+    return own;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
 SynthResult synthesize(const SynthOptions& opt) {
+  // Checked before anything is written, and again before publishing. A preset name means the
+  // embedded preset, even where a directory of that name exists (a previous `synth -o <preset name>`).
+  if (!embedded_file("presets/" + opt.preset + ".json")) refuse_output_over_input(opt.out, opt.preset, "input config");
+  plan_output(opt.out, OutputKind::directory, opt.force, "a checkpoint", synth_own_files);
+  remove_stale_staging(opt.out);
+
   Model m = load_model(opt.preset);
   const bool hf = opt.layout == CheckpointLayout::transformers;
   if (hf && m.type != ModelType::kimi_linear)
@@ -156,7 +184,17 @@ SynthResult synthesize(const SynthOptions& opt) {
   if (auto data = embedded_file("presets/" + opt.preset + ".json")) cfg = parse_json(*data, opt.preset);
   else cfg = load_json_file(fs::is_directory(opt.preset) ? fs::path(opt.preset) / "config.json" : fs::path(opt.preset));
   write_file_atomic(stage.path() / "config.json", cfg.dump(2) + "\n");
-  stage.commit();
+  std::vector<std::string> written;
+  for (const fs::directory_entry& e : fs::directory_iterator(stage.path())) written.push_back(e.path().filename().string());
+  std::sort(written.begin(), written.end());
+  const Json files = written;
+  write_file_atomic(stage.path() / kSynthMarker,
+                    Json{{"files", files}, {"written_by", "decodepack synth"}}.dump(2) + "\n");
+  const OutputPlan publish = plan_output(opt.out, OutputKind::directory, opt.force, "a checkpoint", synth_own_files);
+  if (publish.action == OutputPlan::Action::write_into)
+    stage.commit_into(publish.previous, {"config.json", kSynthMarker});
+  else
+    stage.commit();
   return {plan.size(), ns, total};
 }
 

@@ -5,7 +5,9 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "model/ir.h"
 
@@ -19,6 +21,9 @@ enum class CheckpointLayout {
 struct SynthOptions {
   std::string preset;                 // preset name or config path
   std::filesystem::path out;          // output directory (replaced atomically)
+  // Write into an existing directory that is not a checkpoint synth wrote (its other entries are
+  // kept), or over a file. Without it such an output is refused (Errc::usage).
+  bool force = false;
   uint64_t seed = 0;
   uint64_t shard_bytes = 0;           // target shard size; 0: about a third of the model (>= 2 shards)
   CheckpointLayout layout = CheckpointLayout::vllm;
@@ -30,6 +35,15 @@ struct SynthResult {
   size_t shards = 0;
   uint64_t bytes = 0;
 };
+
+// Besides the checkpoint files, synth writes kSynthMarker, {"files": [...], "written_by": "decodepack
+// synth"}, listing them: it is how a later synth knows that the directory is its own and may be
+// replaced (checkpoint readers skip dot files). A directory without it, or with files it does not
+// list, is never replaced.
+inline constexpr const char* kSynthMarker = ".decodepack-synth.json";
+
+// The files a synth output lists in its marker (the marker included), or nullopt. Never throws.
+std::optional<std::vector<std::string>> synth_own_files(const std::filesystem::path& dir);
 
 SynthResult synthesize(const SynthOptions& opt);
 

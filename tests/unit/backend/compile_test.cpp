@@ -214,6 +214,51 @@ TEST(CompileCache, ACorruptEntryIsDetectedRecompiledAndOverwritten) {
   EXPECT_EQ(again.cache.corrupt, 0u);
 }
 
+// Issue 12: an entry whose checksum is valid but which holds another kernel's code object (here: one
+// entry's bytes written under another entry's key, header and all) made the build fail with an internal
+// error. It is compiled again, with a note naming the entry, counted as corrupt, and overwritten.
+TEST(CompileCache, AnEntryHoldingAnotherKernelIsRecompiledWithANote) {
+  DP_SKIP_WITHOUT(Vendor::nvidia);
+  const auto& nv = compiled_set("sm_90a");
+  test::TempDir dir;
+  const fs::path cache = dir / "cache";
+  test::copy_tree(nv.cache.path(), cache);
+  std::vector<fs::path> entries;
+  for (const auto& e : fs::recursive_directory_iterator(cache))
+    if (e.is_regular_file()) entries.push_back(e.path());
+  std::sort(entries.begin(), entries.end());
+  ASSERT_GE(entries.size(), 2u);
+  const std::string victim = entries[0].filename().string(), donor = entries[1].filename().string();
+  std::string bytes = read_text_file(entries[1]);
+  const size_t at = bytes.find("key " + donor);
+  ASSERT_NE(at, std::string::npos);
+  bytes.replace(at, 4 + donor.size(), "key " + victim);
+  write_file_atomic(entries[0], bytes);
+  CompileCache check(cache);
+  ASSERT_TRUE(check.get(victim)) << "the forged entry must pass the cache's own checks";
+
+  CompileOptions o;
+  o.cache_dir = cache;
+  CompileReport r = compile_all(nv.instances, o);
+  EXPECT_EQ(r.cache.corrupt, 1u);
+  EXPECT_EQ(r.cache.misses, 1u);
+  EXPECT_EQ(r.cache.hits, nv.instances.size() - 1);
+  size_t noted = 0;
+  for (size_t i = 0; i < r.kernels.size(); ++i) {
+    EXPECT_EQ(r.kernels[i].code_object, nv.report.kernels[i].code_object) << r.kernels[i].key;
+    for (const std::string& n : r.kernels[i].notes) {
+      ++noted;
+      EXPECT_NE(n.find(entries[0].string()), std::string::npos) << n;
+      EXPECT_NE(n.find("does not hold this kernel"), std::string::npos) << n;
+      EXPECT_FALSE(r.kernels[i].cache_hit);
+    }
+  }
+  EXPECT_EQ(noted, 1u);
+  CompileReport again = compile_all(nv.instances, o);
+  EXPECT_EQ(again.cache.hits, nv.instances.size());
+  EXPECT_EQ(again.cache.corrupt, 0u);
+}
+
 TEST(CompileCache, EntryFormatIsVerifiedOnRead) {
   test::TempDir dir;
   CompileCache cache(dir.path());

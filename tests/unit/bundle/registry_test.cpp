@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <fstream>
@@ -18,6 +20,8 @@
 
 #include "../test_util.h"
 #include "bundle/archive.h"
+#include "common/output.h"
+#include "format/manifest.h"
 #include "common/fs.h"
 #include "common/hash.h"
 #include "common/json.h"
@@ -93,15 +97,24 @@ struct TestBundle {
   std::string manifest_json;
 };
 
-// A small but real bundle archive; the data file is larger than curl's buffers so uploads and
-// downloads stream in many pieces.
+// A real bundle: the format 1.0 fixture's, with a data file of random bytes added to its files (larger
+// than curl's buffers, so uploads and downloads stream in many pieces) and a tool version naming the
+// seed, so that each seed gives another valid bundle.
 TestBundle make_bundle(const fs::path& dir, unsigned seed, size_t data_bytes = 3 * 1024 * 1024 + 123) {
+  const fs::path src = dir / fmt::format("src-{}", seed);
+  dp::bundle::extract_archive(dp::test::data_dir() / "fixtures/bundle-v1/tiny-v1.dpk", src);
+  dp::format::Manifest m = dp::format::from_json(
+      dp::parse_json(dp::read_text_file(src / "manifest.json"), "manifest.json"), "manifest.json");
+  const std::string data = random_bytes(data_bytes, seed);
+  put(src / "data/blob.bin", data);
+  m.files.push_back({"data/blob.bin", data.size(), dp::sha256_hex(data)});
+  std::sort(m.files.begin(), m.files.end(), [](const auto& a, const auto& b) { return a.path < b.path; });
+  m.tool_version = fmt::format("0.1.0+test{}", seed);
   TestBundle b;
-  b.manifest_json = fmt::format(R"({{"format":"decodepack-bundle","format_version":{{"major":1,"minor":0}},"seed":{}}})", seed);
-  put(dir / "src/manifest.json", b.manifest_json);
-  put(dir / "src/kernels/sm_90a/k.bin", random_bytes(data_bytes, seed));
-  b.dpk = dir / "bundle.dpk";
-  dp::bundle::write_archive(dir / "src", b.dpk);
+  b.manifest_json = dp::format::canonical_bytes(m);
+  put(src / "manifest.json", b.manifest_json);
+  b.dpk = dir / fmt::format("bundle-{}.dpk", seed);
+  dp::bundle::write_archive(src, b.dpk);
   return b;
 }
 
@@ -208,6 +221,93 @@ TEST(RegistryAuthChallenge, ParsesBearerAndBasic) {
 
   EXPECT_FALSE(dp::bundle::parse_auth_challenge(""));
   EXPECT_FALSE(dp::bundle::parse_auth_challenge(R"(Bearer realm="unterminated)"));
+}
+
+// Issue 12: malformed registry JSON used to escape as the JSON library's "type must be string" (exit 1).
+TEST(RegistryReplies, MalformedManifestsAreRegistryErrorsNamingTheFieldAndUrl) {
+  const std::string url = "http://127.0.0.1:5000/v2/kimi/x/manifests/v1";
+  const std::string config = R"({"mediaType":"application/vnd.decodepack.bundle.config.v1+json","digest":"sha256:)" +
+                             kHex + R"(","size":10})";
+  auto manifest = [&](const std::string& media, const std::string& cfg, const std::string& layers) {
+    return R"({"schemaVersion":2,"mediaType":)" + media +
+           R"(,"artifactType":"application/vnd.decodepack.bundle.v1","config":)" + cfg + R"(,"layers":)" + layers + "}";
+  };
+  const std::string layer = R"([{"mediaType":"application/vnd.decodepack.bundle.layer.v1.tar","digest":"sha256:)" +
+                            kHex + R"(","size":20}])";
+  const std::string oci = R"("application/vnd.oci.image.manifest.v1+json")";
+
+  dp::bundle::BundleArtifact a = dp::bundle::parse_bundle_manifest(manifest(oci, config, layer), "", url);
+  EXPECT_EQ(a.config.size, 10u);
+  EXPECT_EQ(a.layer.size, 20u);
+  EXPECT_EQ(a.layer.digest, "sha256:" + kHex);
+
+  struct Case {
+    std::string body;
+    std::vector<std::string> fragments;
+  };
+  std::vector<Case> cases = {
+      {manifest("5", config, layer), {"field mediaType is an integer (5), expected a string"}},
+      {"<html>", {"not valid JSON"}},
+      {"[1,2]", {"the manifest is an array, expected a JSON object"}},
+      {manifest(oci, "7", layer), {"field config is an integer, expected an object"}},
+      {manifest(oci, config, "{}"), {"field layers is an object, expected an array"}},
+      {manifest(oci, config, R"([{"mediaType":"application/vnd.decodepack.bundle.layer.v1.tar","digest":5,"size":1}])"),
+       {"field layers[0].digest is an integer (5), expected a string"}},
+      {manifest(oci, config, R"([{"mediaType":"application/vnd.decodepack.bundle.layer.v1.tar","digest":"md5:x","size":1}])"),
+       {"layers[0].digest 'md5:x' is not sha256"}},
+      {manifest(oci, config, R"([{"mediaType":"application/vnd.decodepack.bundle.layer.v1.tar","digest":"sha256:)" +
+                                 kHex + R"(","size":-3}])"),
+       {"field layers[0].size is an integer (-3), expected a non-negative integer"}},
+      {manifest(oci, config, R"([{"mediaType":"application/vnd.decodepack.bundle.layer.v1.tar","digest":"sha256:)" +
+                                 kHex + R"(","size":"big"}])"),
+       {"layers[0].size is a string (big)"}},
+      {R"({"mediaType":)" + oci + R"(,"artifactType":[],"config":{},"layers":[]})", {"field artifactType is an array"}},
+      {R"({"schemaVersion":"2","mediaType":)" + oci + "}", {"field schemaVersion is a string (2), expected the integer 2"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.body);
+    try {
+      dp::bundle::parse_bundle_manifest(c.body, "", url);
+      ADD_FAILURE() << "accepted";
+    } catch (const dp::Error& e) {
+      EXPECT_EQ(e.code(), Errc::registry) << e.what();
+      EXPECT_NE(std::string(e.what()).find(url), std::string::npos) << e.what();
+      for (const std::string& f : c.fragments) EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
+    }
+  }
+  // Well formed, but not ours: an input error, as before.
+  expect_error([&] { dp::bundle::parse_bundle_manifest(R"({"mediaType":"application/json"})", "", url); }, Errc::input,
+               {"not an OCI image manifest"});
+  // The Content-Type header stands in for a missing mediaType.
+  expect_error([&] { dp::bundle::parse_bundle_manifest("{}", "application/vnd.oci.image.manifest.v1+json; x=y", url); },
+               Errc::input, {"artifactType ''"});
+}
+
+TEST(RegistryReplies, ErrorDocumentsAreDescribedWithoutThrowing) {
+  EXPECT_EQ(dp::bundle::describe_registry_errors(R"({"errors":[{"code":"DENIED","message":"no"}]})"), "DENIED: no");
+  EXPECT_EQ(dp::bundle::describe_registry_errors(R"({"errors":[{"code":123}]})"), "123");
+  EXPECT_EQ(dp::bundle::describe_registry_errors(R"({"errors":[{"code":null,"message":{"a":1}}]})"), R"(null: {"a":1})");
+  EXPECT_EQ(dp::bundle::describe_registry_errors(R"({"errors":"x"})"), R"("{"errors":"x"}")");
+  EXPECT_EQ(dp::bundle::describe_registry_errors("bad\x01gateway\n"), "\"bad?gateway\"");
+  EXPECT_EQ(dp::bundle::describe_registry_errors(""), "");
+  // A huge message is cut.
+  std::string huge = R"({"errors":[{"code":"X","message":")" + std::string(1 << 20, 'm') + "\"}]}";
+  EXPECT_LT(dp::bundle::describe_registry_errors(huge).size(), 300u);
+  EXPECT_LT(dp::bundle::describe_registry_errors(std::string(1 << 20, 'x')).size(), 300u);
+}
+
+TEST(RegistryReplies, TokenReplies) {
+  const std::string url = "https://auth.example.com/token";
+  EXPECT_EQ(dp::bundle::parse_token_reply(R"({"token":"abc","expires_in":60})", url), "abc");
+  EXPECT_EQ(dp::bundle::parse_token_reply(R"({"access_token":"xyz"})", url), "xyz");
+  EXPECT_EQ(dp::bundle::parse_token_reply(R"({"token":"","access_token":"xyz"})", url), "xyz");
+  expect_error([&] { dp::bundle::parse_token_reply(R"({"token":5})", url); }, Errc::registry,
+               {url, "field token is an integer (5), expected a string"});
+  expect_error([&] { dp::bundle::parse_token_reply("<html>", url); }, Errc::registry, {url, "not valid JSON"});
+  expect_error([&] { dp::bundle::parse_token_reply("[]", url); }, Errc::registry, {url, "expected a JSON object"});
+  expect_error([&] { dp::bundle::parse_token_reply("{}", url); }, Errc::registry, {url, "no \"token\""});
+  expect_error([&] { dp::bundle::parse_token_reply(R"({"token":"a\r\nX-Evil: 1"})", url); }, Errc::registry,
+               {"control character"});
 }
 
 TEST(RegistryCredentials, EnvironmentThenDockerConfig) {
@@ -326,7 +426,7 @@ TEST_F(Registry, PushThenPullIsByteIdentical) {
   EXPECT_EQ(m["config"]["digest"], "sha256:" + dp::sha256_hex(b.manifest_json));
   ASSERT_EQ(m["layers"].size(), 1u);
   EXPECT_EQ(m["layers"][0]["mediaType"], "application/vnd.decodepack.bundle.layer.v1.tar");
-  EXPECT_EQ(m["layers"][0]["annotations"]["org.opencontainers.image.title"], "bundle.dpk");
+  EXPECT_EQ(m["layers"][0]["annotations"]["org.opencontainers.image.title"], "bundle-1.dpk");
   EXPECT_EQ(m["annotations"]["org.decodepack.widths"], "1,2,4,8");
 
   // Pinning the digest pulls the same thing; a wrong digest is refused by the registry.
@@ -423,6 +523,116 @@ TEST_F(Registry, ForeignArtifactsAreRefused) {
   expect_error([&] { dp::bundle::pull(ref("kimi/foreign:theirs"), tmp_ / "x.dpk"); }, Errc::input,
                {"not a decodepack bundle", "application/vnd.example.other"});
   EXPECT_FALSE(fs::exists(tmp_ / "x.dpk"));
+}
+
+// Puts an OCI manifest for a bundle made of `config` and `layer` (blobs already in the repository)
+// under `tag`, as another tool could; returns its digest.
+std::string put_manifest(const RegistryServer& server, const std::string& repo, const std::string& tag,
+                         const std::string& config, const fs::path& layer) {
+  dp::Json m = {
+      {"schemaVersion", 2},
+      {"mediaType", "application/vnd.oci.image.manifest.v1+json"},
+      {"artifactType", "application/vnd.decodepack.bundle.v1"},
+      {"config", {{"mediaType", "application/vnd.decodepack.bundle.config.v1+json"},
+                  {"digest", "sha256:" + dp::sha256_hex(config)},
+                  {"size", config.size()}}},
+      {"layers", dp::Json::array({{{"mediaType", "application/vnd.decodepack.bundle.layer.v1.tar"},
+                                   {"digest", "sha256:" + dp::sha256_file(layer)},
+                                   {"size", fs::file_size(layer)}}})},
+  };
+  auto r = server.http("PUT", "/v2/" + repo + "/manifests/" + tag,
+                       {"Content-Type: application/vnd.oci.image.manifest.v1+json"}, m.dump());
+  EXPECT_EQ(r.status, 201) << r.body;
+  return "sha256:" + dp::sha256_hex(m.dump());
+}
+
+// Issue 12: a pull used to rename the downloaded layer over the output before checking that it was the
+// bundle the manifest describes; a non-tar layer (exit 3) or another valid bundle (exit 5) replaced a
+// good file.
+TEST_F(Registry, AFailedPullLeavesThePreviousFileIntact) {
+  TestBundle a = make_bundle(tmp_.path(), 10, 1000);
+  TestBundle b = make_bundle(tmp_.path(), 11, 1000);
+  dp::bundle::push(a.dpk, a.manifest_json, {}, ref("kimi/keep:a"));
+  dp::bundle::push(b.dpk, b.manifest_json, {}, ref("kimi/keep:b"));
+  fs::create_directories(tmp_ / "out");
+  const fs::path good = tmp_ / "out/good.dpk";
+  dp::bundle::PullResult first = dp::bundle::pull(ref("kimi/keep:a"), good);
+  EXPECT_EQ(first.bundle_digest, "sha256:" + dp::sha256_hex(a.manifest_json));
+  const std::string good_bytes = slurp(good);
+
+  // A 10 KB layer that is not an archive, under a manifest whose config is A's bundle manifest.
+  put(tmp_ / "junk.bin", random_bytes(10 * 1024, 3));
+  dp::bundle::push(tmp_ / "junk.bin", a.manifest_json, {}, ref("kimi/keep:junk"));
+  expect_error([&] { dp::bundle::pull(ref("kimi/keep:junk"), good); }, Errc::input,
+               {"kimi/keep:junk", "the layer is not a valid bundle archive",
+                "layer blob sha256:" + dp::sha256_file(tmp_ / "junk.bin")});
+  EXPECT_TRUE(slurp(good) == good_bytes);
+  EXPECT_FALSE(has_staging_leftovers(tmp_ / "out"));
+
+  // A valid bundle, but not the one the config blob describes.
+  put_manifest(*server_, "kimi/keep", "mixed", a.manifest_json, b.dpk);
+  expect_error([&] { dp::bundle::pull(ref("kimi/keep:mixed"), good); }, Errc::verify,
+               {"kimi/keep:mixed", "is not the manifest's config blob"});
+  EXPECT_TRUE(slurp(good) == good_bytes);
+
+  // A layer whose archive holds the config blob's manifest but a file that differs from it.
+  const fs::path altered = tmp_ / "altered";
+  dp::bundle::extract_archive(a.dpk, altered);
+  std::string blob = slurp(altered / "data/blob.bin");
+  blob[10] ^= 1;
+  put(altered / "data/blob.bin", blob);
+  dp::bundle::write_archive(altered, tmp_ / "altered.dpk");
+  dp::bundle::push(tmp_ / "altered.dpk", a.manifest_json, {}, ref("kimi/keep:altered"));
+  expect_error([&] { dp::bundle::pull(ref("kimi/keep:altered"), good); }, Errc::verify,
+               {"the pulled bundle does not verify", "data/blob.bin", "sha256"});
+  EXPECT_TRUE(slurp(good) == good_bytes);
+
+  // The bundle digest the caller expects.
+  dp::bundle::PullOptions pinned;
+  pinned.expect_digest = "sha256:" + kHex;
+  expect_error([&] { dp::bundle::pull(ref("kimi/keep:b"), good, pinned); }, Errc::verify, {"expected sha256:" + kHex});
+  EXPECT_TRUE(slurp(good) == good_bytes);
+  EXPECT_FALSE(has_staging_leftovers(tmp_ / "out"));
+
+  // And the good bundle B does replace it.
+  pinned.expect_digest = "sha256:" + dp::sha256_hex(b.manifest_json);
+  dp::bundle::pull(ref("kimi/keep:b"), good, pinned);
+  EXPECT_TRUE(slurp(good) == slurp(b.dpk));
+}
+
+TEST_F(Registry, PullReplacesOnlyABundleUnlessForced) {
+  TestBundle a = make_bundle(tmp_.path(), 12, 1000);
+  dp::bundle::push(a.dpk, a.manifest_json, {}, ref("kimi/force:a"));
+  put(tmp_ / "notes.txt", "the user's notes");
+  expect_error([&] { dp::bundle::pull(ref("kimi/force:a"), tmp_ / "notes.txt"); }, Errc::usage,
+               {(tmp_ / "notes.txt").string(), "not a bundle archive", "--force"});
+  EXPECT_EQ(slurp(tmp_ / "notes.txt"), "the user's notes");
+  dp::bundle::PullOptions force;
+  force.force = true;
+  dp::bundle::pull(ref("kimi/force:a"), tmp_ / "notes.txt", force);
+  EXPECT_TRUE(slurp(tmp_ / "notes.txt") == slurp(a.dpk));
+  fs::create_directories(tmp_ / "dir.dpk");
+  expect_error([&] { dp::bundle::pull(ref("kimi/force:a"), tmp_ / "dir.dpk", force); }, Errc::usage,
+               {"is a directory"});
+}
+
+TEST_F(Registry, PullRemovesTheStagingFilesOfKilledPulls) {
+  TestBundle a = make_bundle(tmp_.path(), 13, 1000);
+  dp::bundle::push(a.dpk, a.manifest_json, {}, ref("kimi/stale:a"));
+  fs::create_directories(tmp_ / "out");
+  // A staging file as a pull killed with SIGKILL leaves it: named by a process that no longer exists.
+  const fs::path live = dp::staging_path(tmp_ / "out/x.dpk", "tmp");
+  std::string name = live.filename().string();
+  pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ::waitpid(child, nullptr, 0);
+  const std::string me = fmt::format("-{}-", ::getpid());
+  name.replace(name.find(me), me.size(), fmt::format("-{}-", child));
+  put(tmp_ / "out" / name, "half a layer");
+  put(live, "a live pull's");
+  dp::bundle::pull(ref("kimi/stale:a"), tmp_ / "out/x.dpk");
+  EXPECT_FALSE(fs::exists(tmp_ / "out" / name));
+  EXPECT_TRUE(fs::exists(live));
 }
 
 TEST_F(Registry, PushNeedsATagAndValidInputs) {
