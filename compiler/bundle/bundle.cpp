@@ -17,9 +17,27 @@ Bundle Bundle::open(const std::filesystem::path& path) {
   }
 }
 
+uint64_t Bundle::size(const std::string& rel) const {
+  if (!reader_.has(rel)) fail(Errc::verify, "{}: missing file {}", path_.string(), rel);
+  return reader_.size(rel);
+}
+
+std::string Bundle::sha256(const std::string& rel) const {
+  if (!reader_.has(rel)) fail(Errc::verify, "{}: missing file {}", path_.string(), rel);
+  try {
+    return reader_.sha256(rel);
+  } catch (const format::FormatError& e) {
+    rethrow_format_error(e);
+  }
+}
+
 std::span<const uint8_t> Bundle::file(const std::string& rel) const {
   if (!reader_.has(rel)) fail(Errc::verify, "{}: missing file {}", path_.string(), rel);
-  return reader_.file(rel);
+  try {
+    return reader_.file(rel);
+  } catch (const format::FormatError& e) {
+    rethrow_format_error(e);
+  }
 }
 
 }  // namespace dp::bundle

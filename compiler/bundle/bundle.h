@@ -16,8 +16,9 @@ namespace dp::bundle {
 class Bundle {
  public:
   // Archive structure (truncation, unsafe paths, links) and the manifest (format version first, then
-  // schema) are checked here; file contents are not (see verify_bundle()). Throws dp::Error: io (cannot
-  // read), input (bad manifest, unsupported version), verify (damaged or truncated archive).
+  // schema) are checked here, reading only the headers and manifest.json; file contents are not (see
+  // verify_bundle()). Throws dp::Error: io (cannot read, not a directory or regular file), input (bad
+  // manifest, unsupported version, limits of format/bundle_reader.h), verify (damaged or truncated archive).
   static Bundle open(const std::filesystem::path& path);
 
   const format::Manifest& manifest() const { return reader_.manifest(); }
@@ -27,6 +28,9 @@ class Bundle {
   const std::filesystem::path& path() const { return path_; }
   std::vector<std::string> files() const { return reader_.files(); }  // all but manifest.json, sorted
   bool has(const std::string& rel) const { return reader_.has(rel); }
+  // The size and the sha256 (read in chunks) of a present file; a whole file is read only by file().
+  uint64_t size(const std::string& rel) const;
+  std::string sha256(const std::string& rel) const;
   std::span<const uint8_t> file(const std::string& rel) const;
 
  private:

@@ -32,7 +32,7 @@ VerifyReport verify_bundle(const Bundle& b, const VerifyOptions& o) {
     problem("manifest", format::kManifestFile,
             fmt::format("{}: bundle digest {}, expected {}", where, r.digest, o.expect_digest));
 
-  std::set<std::string> listed;
+  std::set<std::string> listed, bad;  // bad: files with a problem, not inspected again as code objects
   for (const format::FileEntry& f : m.files) {
     listed.insert(f.path);
     ++r.files_checked;
@@ -40,21 +40,23 @@ VerifyReport verify_bundle(const Bundle& b, const VerifyOptions& o) {
       problem("file", f.path, fmt::format("{}: missing file {} (expected {} bytes, sha256 {})", where, f.path, f.size, f.sha256));
       continue;
     }
-    auto bytes = b.file(f.path);
-    if (bytes.size() != f.size) {
-      problem("file", f.path, fmt::format("{}: file {} has {} bytes, expected {}", where, f.path, bytes.size(), f.size));
+    if (const uint64_t size = b.size(f.path); size != f.size) {
+      problem("file", f.path, fmt::format("{}: file {} has {} bytes, expected {}", where, f.path, size, f.size));
+      bad.insert(f.path);
       continue;
     }
-    std::string h = sha256_hex(bytes);
-    if (h != f.sha256)
+    std::string h = b.sha256(f.path);  // streamed: the file is not held in memory
+    if (h != f.sha256) {
       problem("file", f.path, fmt::format("{}: file {} has sha256 {}, expected {}", where, f.path, h, f.sha256));
+      bad.insert(f.path);
+    }
   }
   for (const std::string& f : b.files())
-    if (!listed.count(f)) problem("file", f, fmt::format("{}: file {} is not listed in the manifest", where, f));
+    if (!listed.count(f)) problem("file", f, fmt::format("{}: file {} is not listed in the manifest", where, excerpt(f)));
 
   for (const format::KernelEntry& k : m.kernels) {
     ++r.kernels_checked;
-    if (!b.has(k.file)) continue;  // reported above
+    if (!b.has(k.file) || bad.count(k.file)) continue;  // reported above
     try {
       auto kernels = backend::inspect_code_object(b.file(k.file), k.target, where + ":" + k.file);
       const backend::CodeObjectKernel* found = nullptr;
