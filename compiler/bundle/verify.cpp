@@ -12,6 +12,8 @@
 
 #include <map>
 
+#include <fmt/ranges.h>
+
 namespace dp::bundle {
 
 VerifyReport verify_bundle(const Bundle& b, const VerifyOptions& o) {
@@ -97,6 +99,24 @@ VerifyReport verify_bundle(const Bundle& b, const VerifyOptions& o) {
             for (const std::string& alt : a->second) t = t ? t : ck.find(alt);
           if (!t) {
             problem("weight", name, fmt::format("{}: tensor {} (rank {}) is not in the checkpoint", o.model, name, re.rank));
+            continue;
+          }
+          // The shard is cut from the checkpoint tensor along split_dim; every other dimension must be the
+          // bundle's, and the tensor must reach the shard's end. Checked before fingerprint() walks it.
+          bool fits = t->shape.size() == w.shape.size();
+          for (size_t d = 0; fits && d < w.shape.size(); ++d)
+            fits = static_cast<int>(d) == w.split_dim ? t->shape[d] >= w.end : t->shape[d] == w.shape[d];
+          if (!fits) {
+            std::vector<std::string> want;
+            for (size_t d = 0; d < w.shape.size(); ++d)
+              want.push_back(static_cast<int>(d) == w.split_dim ? fmt::format(">={}", w.end) : std::to_string(w.shape[d]));
+            problem("weight", name,
+                    fmt::format("{}: tensor {} (rank {}): shape {} ({} dimensions), the bundle expects [{}] ({} "
+                                "dimensions{})", o.model, name, re.rank, st::shape_string(t->shape), t->shape.size(),
+                                fmt::join(want, ", "), w.shape.size(),
+                                w.split_dim >= 0 ? fmt::format("; the rank's shard is [{}, {}) of dimension {}", w.begin,
+                                                               w.end, w.split_dim)
+                                                 : std::string()));
             continue;
           }
           auto dt = dtype_from_name(w.dtype);  // validate() accepted only known dtypes

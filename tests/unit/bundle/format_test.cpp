@@ -316,7 +316,7 @@ TEST(BundleFormat, ReaderNamesTheFieldOfATypeError) {
       {[](Json& j) { j["kernels"][0]["grid"][1] = 0; }, {"field kernels[0].grid[1] is 0, expected >= 1"}},
       {[](Json& j) { j["kernels"][0]["q"] = 65; }, {"field kernels[0].q is 65, expected 0..64"}},
       {[](Json& j) { j["ranks"][0]["weights"][0]["split_dim"] = -2; },
-       {"field ranks[0].weights[0].split_dim is -2, expected -1..8"}},
+       {"field ranks[0].weights[0].split_dim is -2, expected -1..7"}},
       {[](Json& j) { j["ranks"][0]["weights"][0]["sha256"] = "abc"; },
        {"field ranks[0].weights[0].sha256 is string, expected an array"}},
       {[](Json& j) { j["files"][0]["size"] = -1; }, {"field files[0].size is -1, expected 0.."}},
