@@ -504,6 +504,12 @@ void validate(const Manifest& m, const std::string& where) {
     for (const KernelParamEntry& p : k.params) {
       if (p.kind != "pointer" && p.kind != "u32" && p.kind != "f32")
         bad(fmt::format("kernels[{}] ({}): param {} kind \"{}\", expected pointer, u32 or f32", i, k.key, p.name, p.kind));
+      // The runtime writes a pointer as 8 bytes and a u32 or f32 as 4 at `offset` of a param_bytes block:
+      // a smaller size would let that write pass the block's end.
+      const uint32_t want = p.kind == "pointer" ? 8 : 4;
+      if (p.size != want || p.offset % want)
+        bad(fmt::format("kernels[{}] ({}): param {} ({}) at offset {} with size {}, expected size {} at a multiple of {}",
+                        i, k.key, p.name, p.kind, p.offset, p.size, want, want));
       end = std::max<uint64_t>(end, uint64_t{p.offset} + p.size);
     }
     if (!k.params.empty() && end != k.param_bytes)
