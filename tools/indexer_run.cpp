@@ -547,10 +547,9 @@ int run(const Options& o) {
   const bundle::Bundle b = bundle::Bundle::open(o.bundle);
   const format::Manifest& man = b.manifest();
   if (man.indexer.heads == 0) fail(Errc::input, "{}: the bundle's model has no sparse-attention indexer", o.bundle);
-  const Json& dj = man.deploy;
-  ix::PrefillConfig cfg{dj.at("indexer").at("max_keys_per_chunk").get<int64_t>(),
-                        dj.at("indexer").at("max_requests").get<int64_t>(), dj.at("dcp").at("size").get<int64_t>(),
-                        dj.at("dcp").at("interleave").get<int64_t>(), dj.at("kv_cache").at("block_size").get<int64_t>()};
+  const deploy::Deploy& dep = b.deploy();  // checked by Bundle::open
+  ix::PrefillConfig cfg{dep.indexer.max_keys_per_chunk, dep.indexer.max_requests, dep.dcp.size, dep.dcp.interleave,
+                        dep.kv_cache.block_size};
   if (o.layout != "split" && o.layout != "packed") fail(Errc::usage, "--layout {}: expected split or packed", o.layout);
   if (o.set_size < 1) fail(Errc::usage, "--set-size {}: expected at least 1", o.set_size);
   const Inputs in = make_inputs(o, man.indexer.heads, man.indexer.top_k);

@@ -1,5 +1,7 @@
 #include "bundle/bundle.h"
 
+#include <optional>
+
 #include "common/error.h"
 
 namespace dp::bundle {
@@ -10,11 +12,18 @@ void rethrow_format_error(const format::FormatError& e) {
 }
 
 Bundle Bundle::open(const std::filesystem::path& path) {
+  std::optional<format::BundleReader> reader;
   try {
-    return Bundle(path, format::BundleReader::open(path));
+    reader.emplace(format::BundleReader::open(path));
   } catch (const format::FormatError& e) {
     rethrow_format_error(e);
   }
+  // The format reader keeps `deploy` as opaque JSON; the tools read its fields, so it is checked here as
+  // the deploy reader checks a deploy file (it is the canonical form of one).
+  const std::string where =
+      reader->is_archive() ? reader->label() + ":" + format::kManifestFile : (path / format::kManifestFile).string();
+  deploy::Deploy d = deploy::parse_deploy(reader->manifest().deploy, where + ": deploy");
+  return Bundle(path, std::move(*reader), std::move(d));
 }
 
 uint64_t Bundle::size(const std::string& rel) const {

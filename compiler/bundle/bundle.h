@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "deploy/deploy.h"
 #include "format/bundle_reader.h"
 #include "format/manifest.h"
 
@@ -17,11 +18,14 @@ class Bundle {
  public:
   // Archive structure (truncation, unsafe paths, links) and the manifest (format version first, then
   // schema) are checked here, reading only the headers and manifest.json; file contents are not (see
-  // verify_bundle()). Throws dp::Error: io (cannot read, not a directory or regular file), input (bad
-  // manifest, unsupported version, limits of format/bundle_reader.h), verify (damaged or truncated archive).
+  // verify_bundle()). The manifest's deploy block is checked as a deploy file would be. Throws dp::Error:
+  // io (cannot read, not a directory or regular file), input (bad manifest, unsupported version, limits of
+  // format/bundle_reader.h), verify (damaged or truncated archive).
   static Bundle open(const std::filesystem::path& path);
 
   const format::Manifest& manifest() const { return reader_.manifest(); }
+  // The manifest's deploy block, read as a deploy file is: tools use this, never the raw JSON.
+  const deploy::Deploy& deploy() const { return deploy_; }
   const std::string& manifest_bytes() const { return reader_.manifest_bytes(); }
   const std::string& digest() const { return reader_.digest(); }  // "sha256:<hex>" of manifest.json
   bool is_archive() const { return reader_.is_archive(); }
@@ -34,9 +38,11 @@ class Bundle {
   std::span<const uint8_t> file(const std::string& rel) const;
 
  private:
-  Bundle(std::filesystem::path p, format::BundleReader r) : path_(std::move(p)), reader_(std::move(r)) {}
+  Bundle(std::filesystem::path p, format::BundleReader r, deploy::Deploy d)
+      : path_(std::move(p)), reader_(std::move(r)), deploy_(std::move(d)) {}
   std::filesystem::path path_;
   format::BundleReader reader_;
+  deploy::Deploy deploy_;
 };
 
 // Converts the format library's errors into dp::Error with the CLI's codes.

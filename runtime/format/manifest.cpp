@@ -248,6 +248,10 @@ Manifest from_json(const Json& j, const std::string& where) {
   m.tool_version = top.str("tool_version");
   m.toolchains = top.get("toolchains");
   if (!m.toolchains.is_object()) schema_error(where, "field toolchains is not an object");
+  for (auto it = m.toolchains.begin(); it != m.toolchains.end(); ++it)  // vendor -> compiler version
+    if (!it->is_string())
+      schema_error(where, fmt::format("field toolchains.{} is {} ({}), expected a string", excerpt(it.key()),
+                                      it->type_name(), json_excerpt(*it)));
   m.templates_digest = top.str("templates_digest");
 
   Obj mo = top.obj("model");

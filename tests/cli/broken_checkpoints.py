@@ -186,3 +186,24 @@ def sparse_bundles(dst):
     _write_dpk(os.path.join(dst, "big.dpk"), members, hole=("zz/padding.bin", 6 * 10**9))
     _write_dpk(os.path.join(dst, "huge-manifest.dpk"), [m for m in members if m[0] != "manifest.json"],
                hole=("manifest.json", 1 << 30))
+
+
+def manifest_edits(dst):
+    """Directory bundles of tiny-v1 with one manifest field edited: dst/toolchain (a toolchain version that
+    is an array), dst/widths (deploy.widths a string), dst/no-spec (deploy without num_speculative_tokens)."""
+    members = _bundle_members()
+    edits = {
+        "toolchain": lambda m: m["toolchains"].update(nvidia=[1]),
+        "widths": lambda m: m["deploy"].update(widths="1"),
+        "no-spec": lambda m: m["deploy"].pop("num_speculative_tokens"),
+    }
+    for name, edit in edits.items():
+        for member, data in members:
+            if member == "manifest.json":
+                m = json.loads(data)
+                edit(m)
+                data = (json.dumps(m, sort_keys=True, separators=(",", ":")) + "\n").encode()
+            path = os.path.join(dst, name, member)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
