@@ -207,3 +207,17 @@ def manifest_edits(dst):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "wb") as f:
                 f.write(data)
+
+
+def long_tensor_name(dst):
+    """The fixture with one extra 4-byte tensor whose name is 100000 bytes long (in its shard and the index)."""
+    index = _copy(dst)
+    shard_name = sorted(set(index["weight_map"].values()))[0]
+    shard = os.path.join(dst, shard_name)
+    header, body = _read(shard)
+    name = "x" * 100000
+    header[name] = {"dtype": "U8", "shape": [4], "data_offsets": [len(body), len(body) + 4]}
+    _write(shard, header, body + b"\0" * 4)
+    index["weight_map"][name] = shard_name
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
