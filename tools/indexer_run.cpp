@@ -139,14 +139,20 @@ struct Inputs {
   int64_t rows() const { return static_cast<int64_t>(w.size()) / heads; }
 };
 
+// Reads a raw little-endian array of exactly `count` values from a regular file.
 template <class T>
-std::vector<T> read_raw(const fs::path& p, size_t count) {
-  std::ifstream f(p, std::ios::binary);
-  if (!f) fail(Errc::io, "{}: cannot open", p.string());
-  std::vector<T> v(count);
-  f.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(count * sizeof(T)));
-  if (f.gcount() != static_cast<std::streamsize>(count * sizeof(T)) || f.peek() != EOF)
-    fail(Errc::input, "{}: expected exactly {} bytes ({} values)", p.string(), count * sizeof(T), count);
+std::vector<T> read_raw(const fs::path& p, uint64_t count) {
+  uint64_t want = 0;
+  if (__builtin_mul_overflow(count, sizeof(T), &want))
+    fail(Errc::input, "{}: {} values of {} bytes overflow 64 bits", p.string(), count, sizeof(T));
+  std::string bytes;
+  bool too_large = false;
+  if (std::string why = format::read_regular_file(p, want, bytes, &too_large); !why.empty())
+    fail(too_large ? Errc::input : Errc::io, "{}: {} ({} values of {} bytes)", p.string(), why, count, sizeof(T));
+  if (bytes.size() != want)
+    fail(Errc::input, "{}: {} bytes, expected exactly {} ({} values)", p.string(), bytes.size(), want, count);
+  std::vector<T> v(static_cast<size_t>(count));
+  std::memcpy(v.data(), bytes.data(), bytes.size());
   return v;
 }
 
@@ -161,19 +167,32 @@ Inputs make_inputs(const Options& o, int64_t heads, int64_t k) {
   in.k = k;
   if (!o.inputs.empty()) {
     const fs::path dir = o.inputs;
-    const Json meta = load_json_file(dir / "meta.json");
-    if (meta.at("heads").get<int64_t>() != heads || meta.at("top_k").get<int64_t>() != k)
-      fail(Errc::input, "{}: heads {} and top_k {}, the bundle's indexer has {} and {}", (dir / "meta.json").string(),
-           meta.at("heads").dump(), meta.at("top_k").dump(), heads, k);
-    in.weight_scale = meta.value("weight_scale", 1.0);
-    in.seq_lens = meta.at("seq_lens").get<std::vector<int64_t>>();
-    in.query_lens = meta.at("query_lens").get<std::vector<int64_t>>();
+    const fs::path meta_path = dir / "meta.json";
+    const Json meta_json = load_json_file(meta_path);
+    const JsonReader meta(meta_json, meta_path.string());
+    if (meta.integer("heads") != heads || meta.integer("top_k") != k)
+      fail(Errc::input, "{}: heads {} and top_k {}, the bundle's indexer has {} and {}", meta_path.string(),
+           meta.integer("heads"), meta.integer("top_k"), heads, k);
+    in.weight_scale = meta.number_or("weight_scale", 1.0);
+    in.seq_lens = meta.int_list("seq_lens");
+    in.query_lens = meta.int_list("query_lens");
+    if (in.query_lens.size() != in.seq_lens.size())
+      fail(Errc::input, "{}: query_lens has {} values, seq_lens {}", meta_path.string(), in.query_lens.size(),
+           in.seq_lens.size());
     int64_t T = 0, rows = 0;
-    for (size_t r = 0; r < in.seq_lens.size(); ++r) T += in.seq_lens[r], rows += in.query_lens.at(r);
-    for (float v : read_raw<float>(dir / "keys.f32", static_cast<size_t>(T * ix::kHeadDim))) in.keys.push_back(bf16_bits(v));
-    for (float v : read_raw<float>(dir / "q.f32", static_cast<size_t>(rows * heads * ix::kHeadDim)))
+    for (size_t r = 0; r < in.seq_lens.size(); ++r) {
+      // Key positions are int32: each length and their sums stay below 2^31, so no product below overflows.
+      if (in.seq_lens[r] < 0 || in.query_lens[r] < 0 || in.query_lens[r] > in.seq_lens[r] ||
+          in.seq_lens[r] > INT32_MAX - T)
+        fail(Errc::input, "{}: request {}: seq_lens {} and query_lens {}, expected 0 <= query_lens <= seq_lens and "
+             "a total below 2^31", meta_path.string(), r, in.seq_lens[r], in.query_lens[r]);
+      T += in.seq_lens[r], rows += in.query_lens[r];
+    }
+    for (float v : read_raw<float>(dir / "keys.f32", static_cast<uint64_t>(T) * ix::kHeadDim))
+      in.keys.push_back(bf16_bits(v));
+    for (float v : read_raw<float>(dir / "q.f32", static_cast<uint64_t>(rows) * static_cast<uint64_t>(heads) * ix::kHeadDim))
       in.q.push_back(bf16_bits(v));
-    in.w = read_raw<float>(dir / "w.f32", static_cast<size_t>(rows * heads));
+    in.w = read_raw<float>(dir / "w.f32", static_cast<uint64_t>(rows) * static_cast<uint64_t>(heads));
     return in;
   }
   in.seq_lens = o.seq_lens;
@@ -523,10 +542,9 @@ int run(const Options& o) {
   const bundle::Bundle b = bundle::Bundle::open(o.bundle);
   const format::Manifest& man = b.manifest();
   if (man.indexer.heads == 0) fail(Errc::input, "{}: the bundle's model has no sparse-attention indexer", o.bundle);
-  const Json& dj = man.deploy;
-  ix::PrefillConfig cfg{dj.at("indexer").at("max_keys_per_chunk").get<int64_t>(),
-                        dj.at("indexer").at("max_requests").get<int64_t>(), dj.at("dcp").at("size").get<int64_t>(),
-                        dj.at("dcp").at("interleave").get<int64_t>(), dj.at("kv_cache").at("block_size").get<int64_t>()};
+  const deploy::Deploy& dep = b.deploy();  // checked by Bundle::open
+  ix::PrefillConfig cfg{dep.indexer.max_keys_per_chunk, dep.indexer.max_requests, dep.dcp.size, dep.dcp.interleave,
+                        dep.kv_cache.block_size};
   if (o.layout != "split" && o.layout != "packed") fail(Errc::usage, "--layout {}: expected split or packed", o.layout);
   if (o.set_size < 1) fail(Errc::usage, "--set-size {}: expected at least 1", o.set_size);
   const Inputs in = make_inputs(o, man.indexer.heads, man.indexer.top_k);

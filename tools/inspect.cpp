@@ -37,11 +37,10 @@ std::string text(const bundle::Bundle& b) {
   std::string cls;
   for (const auto& [c, n] : classes) cls += fmt::format("{}{} x{}", cls.empty() ? "" : ", ", c, n);
   line(fmt::format("layers    {}", cls));
-  const Json& d = m.deploy;
+  const deploy::Deploy& d = b.deploy();  // checked by Bundle::open, unlike the manifest's raw deploy JSON
   line(fmt::format("deploy    targets {}; tensor_parallel {}; ranks {}; widths {}; q {}; kv {} block {}",
-                   d["targets"].dump(), d["tensor_parallel"].dump(), d["ranks"].dump(), d["widths"].dump(),
-                   1 + d["num_speculative_tokens"].get<int64_t>(), d["kv_cache"]["dtype"].get<std::string>(),
-                   d["kv_cache"]["block_size"].dump()));
+                   Json(d.targets).dump(), d.tensor_parallel, Json(d.ranks).dump(), Json(d.widths).dump(), d.q(),
+                   deploy::to_string(d.kv_cache.dtype), d.kv_cache.block_size));
   line("");
   line(fmt::format("{:<6} {:>8} {:>12}  {}", "rank", "weights", "bytes", "fingerprints"));
   for (const format::RankEntry& r : m.ranks) {

@@ -563,10 +563,10 @@ void Harness::open_and_validate() {
          "ranks, which one `run` process does not start, so their outputs cannot be checked on one rank (build a "
          "tensor_parallel 1 bundle to check the kernels)", o_.bundle, tp_);
 
-  const Json& d = man.deploy;
-  layouts_.kda_state = d.at("kda_state").at("layout").get<std::string>();
-  layouts_.conv = d.at("conv_state").at("layout").get<std::string>();
-  kv_dtype_ = d.at("kv_cache").at("dtype").get<std::string>();
+  const deploy::Deploy& d = manifest_bundle_->deploy();  // checked by Bundle::open
+  layouts_.kda_state = deploy::to_string(d.kda_state.layout);
+  layouts_.conv = deploy::to_string(d.conv_state.layout);
+  kv_dtype_ = deploy::to_string(d.kv_cache.dtype);
   if (o_.check && kv_dtype_ != "bf16")
     fail(Errc::usage, "--check: {} keeps the MLA cache in {}; the CPU reference models bf16 caches only", o_.bundle,
          kv_dtype_);
@@ -1032,7 +1032,7 @@ void Harness::run() {
   open_and_validate();
   const model::Model& m = model_->m;
   Rng meta_rng(o_.seed ^ 0x5EEDull);
-  const int64_t block_size = manifest_bundle_->manifest().deploy.at("kv_cache").at("block_size").get<int64_t>();
+  const int64_t block_size = manifest_bundle_->deploy().kv_cache.block_size;
   meta_ = make_meta(o_.width, res_.requests, q_, o_.steps + (o_.graph ? 1 : 0), o_.context, block_size, meta_rng);
 
   open_device();

@@ -16,7 +16,9 @@
 
 #include "common/error.h"
 #include "common/fs.h"
+#include "common/json.h"
 #include "common/output.h"
+#include "format/bundle_reader.h"
 
 namespace fs = std::filesystem;
 
@@ -80,6 +82,10 @@ class Fd {
   Fd& operator=(const Fd&) = delete;
   int get() const { return fd_; }
   int release() { return std::exchange(fd_, -1); }
+  void reset(int fd) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = fd;
+  }
 
  private:
   int fd_;
@@ -206,13 +212,11 @@ struct Header {
 // end-of-archive marker present with nothing but zeros after it.
 class Reader {
  public:
-  explicit Reader(const fs::path& file)
-      : name_(file.string()), fd_(::open(file.c_str(), O_RDONLY | O_CLOEXEC)) {
-    if (fd_.get() < 0) fail(Errc::io, "{}: cannot open: {}", name_, std::strerror(errno));
-    struct stat st {};
-    if (::fstat(fd_.get(), &st) != 0) fail(Errc::io, "{}: cannot stat: {}", name_, std::strerror(errno));
-    if (!S_ISREG(st.st_mode)) fail(Errc::io, "{}: not a regular file", name_);
-    file_size_ = static_cast<uint64_t>(st.st_size);
+  explicit Reader(const fs::path& file) : name_(file.string()) {
+    // Checked on the descriptor, opened without blocking: a FIFO is refused, not waited on.
+    std::string why;
+    fd_.reset(format::open_regular_file(file, &file_size_, &why));
+    if (fd_.get() < 0) fail(Errc::io, "{}: {}", name_, why);
     // libarchive cannot even recognise a cut-off first block; say what it is.
     if (file_size_ < kBlock)
       fail(Errc::verify, "{}: truncated archive: the first header needs {} bytes, {} present", name_, kBlock,
@@ -270,7 +274,10 @@ class Reader {
                            "files", name_, h.path);
     }
     if (std::string why = path_problem(h.path, h.kind == Kind::dir); !why.empty())
-      fail(Errc::verify, "{}: entry {}: refused: {}", name_, h.path, why);
+      fail(Errc::verify, "{}: entry {}: refused: {}", name_, excerpt(h.path), why);
+    if (count_ >= format::kMaxBundleFiles)
+      fail(Errc::input, "{}: entry {}: more than {} entries, expected at most {} (a bundle holds a few hundred files)",
+           name_, excerpt(h.path), format::kMaxBundleFiles, format::kMaxBundleFiles);
     if (h.kind == Kind::dir && h.path.back() == '/') h.path.pop_back();
     check_unique(h);
 
@@ -346,6 +353,10 @@ class Reader {
       fail(Errc::verify, "{}: truncated archive: end-of-archive marker {} needs {} bytes at byte {}, {} present",
            name_, count_ == 0 ? std::string("of an empty archive") : fmt::format("after entry {}", last_),
            2 * kBlock, pos, pos > file_size_ ? 0 : file_size_ - pos);
+    if (file_size_ - pos > 2 * kBlock + format::kMaxArchiveTrailingBytes)
+      fail(Errc::verify, "{}: corrupt archive: {} bytes from the end-of-archive marker at byte {} to the end of the "
+                         "file, expected at most {} (the marker and up to {} bytes of zero padding)", name_,
+           file_size_ - pos, pos, 2 * kBlock + format::kMaxArchiveTrailingBytes, format::kMaxArchiveTrailingBytes);
     std::vector<char> buf(std::min<uint64_t>(kChunk, file_size_ - pos));
     for (uint64_t at = pos; at < file_size_;) {
       size_t want = static_cast<size_t>(std::min<uint64_t>(buf.size(), file_size_ - at));
@@ -427,13 +438,15 @@ std::vector<ArchiveEntry> list_archive(const fs::path& file) {
   return out;
 }
 
-std::string read_archive_member(const fs::path& file, std::string_view name) {
+std::string read_archive_member(const fs::path& file, std::string_view name, uint64_t max_bytes) {
   Reader r(file);
   std::string data;
   bool found = false;
   Header h;
   while (r.next(h)) {
     if (h.kind != Kind::file || h.path != name) continue;
+    if (h.size > max_bytes)
+      fail(Errc::input, "{}: member {} is {} bytes, expected at most {}", r.name(), h.path, h.size, max_bytes);
     data.reserve(h.size);
     r.read_data(h, [&](const char* p, size_t n) { data.append(p, n); });
     found = true;

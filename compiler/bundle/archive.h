@@ -6,8 +6,10 @@
 // order or output path. Empty directories are not recorded (a bundle is its files). The archive ends
 // with the two zero blocks of the end-of-archive marker and no further padding.
 //
-// Reading: the readers accept only what a bundle may contain (regular files and directories with
-// relative, normalised paths, each named once) and check the structure completely, so a truncated,
+// Reading: the readers open only a regular file (a FIFO is refused, not waited on), stream member data,
+// read at most format::kMaxBundleFiles entries and format::kMaxArchiveTrailingBytes of zeros after the
+// end-of-archive marker, and accept only what a bundle may contain (regular files and directories with
+// relative, normalised paths, each named once). They check the structure completely, so a truncated,
 // padded-with-garbage or hostile archive is refused with a message that names the file and the entry
 // instead of yielding a partial bundle. Every failure is a dp::Error: Errc::io when the file cannot be
 // read or written, Errc::verify when its contents are not a valid bundle archive, Errc::input when the
@@ -24,6 +26,8 @@
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "format/untrusted.h"
 
 namespace dp::bundle {
 
@@ -54,8 +58,10 @@ std::vector<ArchiveEntry> list_archive(const std::filesystem::path& file);
 // interrupted extraction leaves no partial bundle. Files are created with mode 0644 (less the umask).
 void extract_archive(const std::filesystem::path& file, const std::filesystem::path& dir);
 
-// Returns the contents of member `name` (e.g. "manifest.json") without extracting anything. The whole
-// archive is still checked, so a truncated bundle is refused here too.
-std::string read_archive_member(const std::filesystem::path& file, std::string_view name);
+// Returns the contents of member `name` (e.g. "manifest.json") without extracting anything; a member of
+// more than `max_bytes` is refused (Errc::input) before it is read. The whole archive is still checked,
+// so a truncated bundle is refused here too.
+std::string read_archive_member(const std::filesystem::path& file, std::string_view name,
+                                uint64_t max_bytes = format::kMaxManifestBytes);
 
 }  // namespace dp::bundle

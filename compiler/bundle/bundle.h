@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "deploy/deploy.h"
 #include "format/bundle_reader.h"
 #include "format/manifest.h"
 
@@ -17,23 +18,32 @@ namespace dp::bundle {
 class Bundle {
  public:
   // Archive structure (truncation, unsafe paths, links) and the manifest (format version first, then
-  // schema) are checked here; file contents are not (see verify_bundle()). Throws dp::Error: io (cannot
-  // read), input (bad manifest, unsupported version), verify (damaged or truncated archive).
+  // schema) are checked here, reading only the headers and manifest.json; file contents are not (see
+  // verify_bundle()). The manifest's deploy block is checked as a deploy file would be. Throws dp::Error:
+  // io (cannot read, not a directory or regular file), input (bad manifest, unsupported version, limits of
+  // format/bundle_reader.h), verify (damaged or truncated archive).
   static Bundle open(const std::filesystem::path& path);
 
   const format::Manifest& manifest() const { return reader_.manifest(); }
+  // The manifest's deploy block, read as a deploy file is: tools use this, never the raw JSON.
+  const deploy::Deploy& deploy() const { return deploy_; }
   const std::string& manifest_bytes() const { return reader_.manifest_bytes(); }
   const std::string& digest() const { return reader_.digest(); }  // "sha256:<hex>" of manifest.json
   bool is_archive() const { return reader_.is_archive(); }
   const std::filesystem::path& path() const { return path_; }
   std::vector<std::string> files() const { return reader_.files(); }  // all but manifest.json, sorted
   bool has(const std::string& rel) const { return reader_.has(rel); }
+  // The size and the sha256 (read in chunks) of a present file; a whole file is read only by file().
+  uint64_t size(const std::string& rel) const;
+  std::string sha256(const std::string& rel) const;
   std::span<const uint8_t> file(const std::string& rel) const;
 
  private:
-  Bundle(std::filesystem::path p, format::BundleReader r) : path_(std::move(p)), reader_(std::move(r)) {}
+  Bundle(std::filesystem::path p, format::BundleReader r, deploy::Deploy d)
+      : path_(std::move(p)), reader_(std::move(r)), deploy_(std::move(d)) {}
   std::filesystem::path path_;
   format::BundleReader reader_;
+  deploy::Deploy deploy_;
 };
 
 // Whether `path` is a bundle that decodepack wrote, for deciding what a build may replace (plan_output(),

@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "common/hash.h"
+#include "format/untrusted.h"
 
 namespace dp::bundle {
 namespace {
@@ -20,8 +21,10 @@ constexpr size_t kChunk = 4 << 20;
 class Reader {
  public:
   explicit Reader(const std::filesystem::path& p) : path_(p) {
-    fd_ = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ < 0) fail(Errc::io, "{}: cannot open: {}", p.string(), std::strerror(errno));
+    std::string why;
+    uint64_t size = 0;
+    fd_ = format::open_regular_file(p, &size, &why);  // never blocks on a FIFO swapped in meanwhile
+    if (fd_ < 0) fail(Errc::io, "{}: {}", p.string(), why);
   }
   ~Reader() { ::close(fd_); }
   void read(uint64_t offset, size_t size, uint8_t* out) {
@@ -76,6 +79,11 @@ void hash_converted(Sha256& h, const uint8_t* p, size_t n, DType from, DType to,
 std::string fingerprint(const st::Checkpoint& ckpt, const ShardRef& s) {
   const st::TensorInfo& t = *s.tensor;
   const uint64_t elem = dtype_size(t.dtype);
+  // Callers check the shard against the tensor's shape; this keeps a mistake there from reading outside it.
+  if (s.split_dim >= static_cast<int>(t.shape.size()) ||
+      (s.split_dim >= 0 && (s.begin < 0 || s.begin > s.end || s.end > t.shape[static_cast<size_t>(s.split_dim)])))
+    fail(Errc::verify, "tensor {}: shape {} has no range [{}, {}) along dimension {}", t.name,
+         st::shape_string(t.shape), s.begin, s.end, s.split_dim);
   // The shard is `outer` contiguous runs of `run` bytes, `stride` bytes apart.
   uint64_t outer = 1, inner = elem, dim_len = 1;
   if (s.split_dim >= 0) {

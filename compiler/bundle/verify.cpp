@@ -12,6 +12,8 @@
 
 #include <map>
 
+#include <fmt/ranges.h>
+
 namespace dp::bundle {
 
 VerifyReport verify_bundle(const Bundle& b, const VerifyOptions& o) {
@@ -32,7 +34,7 @@ VerifyReport verify_bundle(const Bundle& b, const VerifyOptions& o) {
     problem("manifest", format::kManifestFile,
             fmt::format("{}: bundle digest {}, expected {}", where, r.digest, o.expect_digest));
 
-  std::set<std::string> listed;
+  std::set<std::string> listed, bad;  // bad: files with a problem, not inspected again as code objects
   for (const format::FileEntry& f : m.files) {
     listed.insert(f.path);
     ++r.files_checked;
@@ -40,21 +42,23 @@ VerifyReport verify_bundle(const Bundle& b, const VerifyOptions& o) {
       problem("file", f.path, fmt::format("{}: missing file {} (expected {} bytes, sha256 {})", where, f.path, f.size, f.sha256));
       continue;
     }
-    auto bytes = b.file(f.path);
-    if (bytes.size() != f.size) {
-      problem("file", f.path, fmt::format("{}: file {} has {} bytes, expected {}", where, f.path, bytes.size(), f.size));
+    if (const uint64_t size = b.size(f.path); size != f.size) {
+      problem("file", f.path, fmt::format("{}: file {} has {} bytes, expected {}", where, f.path, size, f.size));
+      bad.insert(f.path);
       continue;
     }
-    std::string h = sha256_hex(bytes);
-    if (h != f.sha256)
+    std::string h = b.sha256(f.path);  // streamed: the file is not held in memory
+    if (h != f.sha256) {
       problem("file", f.path, fmt::format("{}: file {} has sha256 {}, expected {}", where, f.path, h, f.sha256));
+      bad.insert(f.path);
+    }
   }
   for (const std::string& f : b.files())
-    if (!listed.count(f)) problem("file", f, fmt::format("{}: file {} is not listed in the manifest", where, f));
+    if (!listed.count(f)) problem("file", f, fmt::format("{}: file {} is not listed in the manifest", where, excerpt(f)));
 
   for (const format::KernelEntry& k : m.kernels) {
     ++r.kernels_checked;
-    if (!b.has(k.file)) continue;  // reported above
+    if (!b.has(k.file) || bad.count(k.file)) continue;  // reported above
     try {
       auto kernels = backend::inspect_code_object(b.file(k.file), k.target, where + ":" + k.file);
       const backend::CodeObjectKernel* found = nullptr;
@@ -95,6 +99,24 @@ VerifyReport verify_bundle(const Bundle& b, const VerifyOptions& o) {
             for (const std::string& alt : a->second) t = t ? t : ck.find(alt);
           if (!t) {
             problem("weight", name, fmt::format("{}: tensor {} (rank {}) is not in the checkpoint", o.model, name, re.rank));
+            continue;
+          }
+          // The shard is cut from the checkpoint tensor along split_dim; every other dimension must be the
+          // bundle's, and the tensor must reach the shard's end. Checked before fingerprint() walks it.
+          bool fits = t->shape.size() == w.shape.size();
+          for (size_t d = 0; fits && d < w.shape.size(); ++d)
+            fits = static_cast<int>(d) == w.split_dim ? t->shape[d] >= w.end : t->shape[d] == w.shape[d];
+          if (!fits) {
+            std::vector<std::string> want;
+            for (size_t d = 0; d < w.shape.size(); ++d)
+              want.push_back(static_cast<int>(d) == w.split_dim ? fmt::format(">={}", w.end) : std::to_string(w.shape[d]));
+            problem("weight", name,
+                    fmt::format("{}: tensor {} (rank {}): shape {} ({} dimensions), the bundle expects [{}] ({} "
+                                "dimensions{})", o.model, name, re.rank, st::shape_string(t->shape), t->shape.size(),
+                                fmt::join(want, ", "), w.shape.size(),
+                                w.split_dim >= 0 ? fmt::format("; the rank's shard is [{}, {}) of dimension {}", w.begin,
+                                                               w.end, w.split_dim)
+                                                 : std::string()));
             continue;
           }
           auto dt = dtype_from_name(w.dtype);  // validate() accepted only known dtypes

@@ -10,31 +10,25 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
-#include <sstream>
+#include <random>
 #include <set>
+#include <sstream>
 #include <utility>
 
 #include "common/error.h"
 #include "common/output.h"
+#include "format/untrusted.h"
 
 namespace fs = std::filesystem;
 
 namespace dp {
 
 MappedFile::MappedFile(const fs::path& path) : path_(path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(Errc::io, "{}: cannot open: {}", path.string(), std::strerror(errno));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    int e = errno;
-    ::close(fd);
-    fail(Errc::io, "{}: cannot stat: {}", path.string(), std::strerror(e));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    fail(Errc::io, "{}: not a regular file", path.string());
-  }
-  size_ = static_cast<size_t>(st.st_size);
+  std::string why;
+  uint64_t size = 0;
+  const int fd = format::open_regular_file(path, &size, &why);
+  if (fd < 0) fail(Errc::io, "{}: {}", path.string(), why);
+  size_ = static_cast<size_t>(size);
   if (size_ > 0) {
     void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
     if (p == MAP_FAILED) {
@@ -64,13 +58,19 @@ MappedFile& MappedFile::operator=(MappedFile&& o) noexcept {
   return *this;
 }
 
-std::string read_text_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(Errc::io, "{}: cannot open for reading", path.string());
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) fail(Errc::io, "{}: read error", path.string());
-  return ss.str();
+std::string read_text_file(const fs::path& path, uint64_t max_bytes) {
+  std::string out;
+  bool too_large = false;
+  if (std::string why = format::read_regular_file(path, max_bytes, out, &too_large); !why.empty())
+    fail(too_large ? Errc::input : Errc::io, "{}: {}", path.string(), why);
+  return out;
+}
+
+bool path_exists(const fs::path& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) return true;
+  if (errno == ENOENT || errno == ENOTDIR) return false;
+  fail(Errc::io, "{}: cannot examine: {}", path.string(), std::strerror(errno));
 }
 
 void write_file_atomic(const fs::path& path, std::string_view bytes) {

@@ -12,7 +12,8 @@
 
 namespace dp {
 
-// A read-only private mapping of a whole file. Pages are faulted in on demand, so mapping a large
+// A read-only private mapping of a whole regular file (anything else is refused with dp::Error(io)
+// naming its type, without blocking on a FIFO). Pages are faulted in on demand, so mapping a large
 // checkpoint shard costs address space, not memory.
 class MappedFile {
  public:
@@ -35,8 +36,14 @@ class MappedFile {
   size_t size_ = 0;
 };
 
-// Reads a small file (configs, manifests) completely; throws dp::Error(io) naming the path.
-std::string read_text_file(const std::filesystem::path& path);
+// Reads a small file (configs, manifests) completely. Only a regular file is opened (a FIFO or device is
+// refused, never waited on); throws dp::Error(io) naming the path and what it is, or dp::Error(input)
+// when it holds more than `max_bytes`.
+std::string read_text_file(const std::filesystem::path& path, uint64_t max_bytes = UINT64_MAX);
+
+// Whether `path` exists (following links). A path that cannot be examined, e.g. inside a directory
+// without search permission, throws dp::Error(io) naming it and the system error: it is not "absent".
+bool path_exists(const std::filesystem::path& path);
 
 // Writes `bytes` to `path` atomically: a temporary file in the same directory (named by
 // staging_path(), common/output.h), fsync, rename. Errors name `path` and the system's reason.

@@ -7,18 +7,16 @@
 
 namespace dp {
 
-Json parse_json(std::string_view text, std::string_view what) {
+Json parse_json(std::string_view text, std::string_view what, uint64_t max_bytes) {
   try {
-    return Json::parse(text.begin(), text.end());
-  } catch (const Json::parse_error& e) {
-    fail(Errc::input, "{}: invalid JSON at byte {}: {}", what, e.byte, e.what());
-  } catch (const Json::exception& e) {  // e.g. a number beyond double's range (out_of_range 406)
-    fail(Errc::input, "{}: invalid JSON: {}", what, e.what());
+    return format::parse_json_text(text, format::JsonLimits{max_bytes});
+  } catch (const format::JsonTextError& e) {
+    fail(Errc::input, "{}: {}", what, e.what());
   }
 }
 
-Json load_json_file(const std::filesystem::path& path) {
-  return parse_json(read_text_file(path), path.string());
+Json load_json_file(const std::filesystem::path& path, uint64_t max_bytes) {
+  return parse_json(read_text_file(path, max_bytes), path.string(), max_bytes);
 }
 
 std::string canonical_json(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::strict); }
@@ -69,7 +67,7 @@ int64_t JsonReader::integer(std::string_view key) const {
     const double d = v.get<double>();
     if (d >= -0x1p63 && d < 0x1p63 && d == std::trunc(d)) return static_cast<int64_t>(d);
   }
-  fail(Errc::input, "{}: field {} is {} ({}), expected an integer", where_, field(key), json_type_name(v), v.dump());
+  fail(Errc::input, "{}: field {} is {} ({}), expected an integer", where_, field(key), json_type_name(v), json_excerpt(v));
 }
 
 int64_t JsonReader::integer_or(std::string_view key, int64_t def) const { return has(key) ? integer(key) : def; }
@@ -77,7 +75,7 @@ int64_t JsonReader::integer_or(std::string_view key, int64_t def) const { return
 double JsonReader::number(std::string_view key) const {
   const Json& v = get(key);
   if (!v.is_number())
-    fail(Errc::input, "{}: field {} is {} ({}), expected a number", where_, field(key), json_type_name(v), v.dump());
+    fail(Errc::input, "{}: field {} is {} ({}), expected a number", where_, field(key), json_type_name(v), json_excerpt(v));
   return v.get<double>();
 }
 
@@ -88,14 +86,14 @@ bool JsonReader::boolean_or(std::string_view key, bool def) const {
   const Json& v = get(key);
   if (!v.is_boolean())
     fail(Errc::input, "{}: field {} is {} ({}), expected true or false", where_, field(key), json_type_name(v),
-         v.dump());
+         json_excerpt(v));
   return v.get<bool>();
 }
 
 std::string JsonReader::string(std::string_view key) const {
   const Json& v = get(key);
   if (!v.is_string())
-    fail(Errc::input, "{}: field {} is {} ({}), expected a string", where_, field(key), json_type_name(v), v.dump());
+    fail(Errc::input, "{}: field {} is {} ({}), expected a string", where_, field(key), json_type_name(v), json_excerpt(v));
   return v.get<std::string>();
 }
 
@@ -111,7 +109,7 @@ std::vector<int64_t> JsonReader::int_list(std::string_view key) const {
   for (size_t i = 0; i < v.size(); ++i) {
     if (!v[i].is_number_integer())
       fail(Errc::input, "{}: field {}[{}] is {} ({}), expected an integer", where_, field(key), i,
-           json_type_name(v[i]), v[i].dump());
+           json_type_name(v[i]), json_excerpt(v[i]));
     out.push_back(v[i].get<int64_t>());
   }
   return out;

@@ -3,18 +3,28 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <string_view>
+
+#include "format/untrusted.h"
 
 namespace dp {
 
 using Json = nlohmann::json;
 using OrderedJson = nlohmann::ordered_json;
 
-// Parses `text`; a syntax error becomes dp::Error(input) "<what>: invalid JSON at byte N: ...".
-Json parse_json(std::string_view text, std::string_view what);
-Json load_json_file(const std::filesystem::path& path);
+// How messages quote a value taken from input: escaped and cut (format/untrusted.h).
+using format::excerpt;
+using format::json_excerpt;
+
+// Parses `text` within the limits of format/untrusted.h (size, nesting depth of 64, no repeated key);
+// anything refused becomes dp::Error(input) "<what>: <detail>", e.g. "<what>: invalid JSON at byte N: ...".
+Json parse_json(std::string_view text, std::string_view what, uint64_t max_bytes = format::kMaxConfigBytes);
+// Reads a regular file of at most `max_bytes` (dp::Error(io) if it cannot be read or is not a regular
+// file, dp::Error(input) if it is larger) and parses it as parse_json() does.
+Json load_json_file(const std::filesystem::path& path, uint64_t max_bytes = format::kMaxConfigBytes);
 
 // Canonical serialisation: keys sorted (nlohmann::json keeps them sorted), no spaces, UTF-8.
 // Used for every digest taken over JSON.

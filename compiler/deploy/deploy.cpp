@@ -161,7 +161,7 @@ class Obj {
   Obj(const Json& j, const std::string& where, std::string path) : j_(j), where_(where), path_(std::move(path)) {
     if (!j_.is_object())
       fail(Errc::input, "{}: {} is {} ({}), expected an object", where_, path_.empty() ? "the top level" : path_,
-           json_type_name(j_), j_.dump());
+           json_type_name(j_), json_excerpt(j_));
     check_keys();
   }
 
@@ -190,7 +190,7 @@ class Obj {
       double x = v.get<double>();
       if (std::isfinite(x) && std::floor(x) == x && std::fabs(x) < 9.0e15) return static_cast<int64_t>(x);
     }
-    fail(Errc::input, "{}: {} is {} ({}), expected an integer", where_, name, json_type_name(v), v.dump());
+    fail(Errc::input, "{}: {} is {} ({}), expected an integer", where_, name, json_type_name(v), json_excerpt(v));
   }
 
   int64_t checked_integer(const Json& v, const std::string& name, int64_t lo, int64_t hi) const {
@@ -203,20 +203,20 @@ class Obj {
     if (!has(key)) return def;
     const Json& v = at(key);
     if (!v.is_boolean())
-      fail(Errc::input, "{}: {} is {} ({}), expected true or false", where_, field(key), json_type_name(v), v.dump());
+      fail(Errc::input, "{}: {} is {} ({}), expected true or false", where_, field(key), json_type_name(v), json_excerpt(v));
     return v.get<bool>();
   }
 
   std::string string(const Json& v, const std::string& name) const {
     if (!v.is_string())
-      fail(Errc::input, "{}: {} is {} ({}), expected a string", where_, name, json_type_name(v), v.dump());
+      fail(Errc::input, "{}: {} is {} ({}), expected a string", where_, name, json_type_name(v), json_excerpt(v));
     return v.get<std::string>();
   }
 
   const Json& array(std::string_view key) const {
     const Json& v = at(key);
     if (!v.is_array())
-      fail(Errc::input, "{}: {} is {} ({}), expected a list", where_, field(key), json_type_name(v), v.dump());
+      fail(Errc::input, "{}: {} is {} ({}), expected a list", where_, field(key), json_type_name(v), json_excerpt(v));
     if (v.empty()) fail(Errc::input, "{}: {} is an empty list, expected at least one entry", where_, field(key));
     return v;
   }
@@ -232,8 +232,8 @@ class Obj {
     for (const auto& e : table) valid += (valid.empty() ? "" : ", ") + std::string(e.name);
     for (const Hint& h : hints)
       if (h.given == s)
-        fail(Errc::input, "{}: {} \"{}\" is not supported (valid: {}; {})", where_, field(key), s, valid, h.advice);
-    fail(Errc::input, "{}: {} \"{}\" is not supported (valid: {})", where_, field(key), s, valid);
+        fail(Errc::input, "{}: {} \"{}\" is not supported (valid: {}; {})", where_, field(key), excerpt(s), valid, h.advice);
+    fail(Errc::input, "{}: {} \"{}\" is not supported (valid: {})", where_, field(key), excerpt(s), valid);
   }
 
   // A nested object; absent means "all defaults" and reads as an empty object.
@@ -259,13 +259,14 @@ class Obj {
         for (std::string_view s : sorted) valid += (valid.empty() ? "" : ", ") + std::string(s);
         std::string_view best;
         size_t best_d = 3;  // suggest only close matches
-        for (std::string_view s : sorted)
-          if (size_t d = edit_distance(k, s); d < best_d) best = s, best_d = d;
+        if (k.size() <= 64)  // a typo, not a hostile key: the distance costs O(key length)
+          for (std::string_view s : sorted)
+            if (size_t d = edit_distance(k, s); d < best_d) best = s, best_d = d;
         std::string where_in = path_.empty() ? "the top level" : path_;
         if (!best.empty())
-          fail(Errc::input, "{}: unknown field {}: did you mean {}? (valid fields of {}: {})", where_, field(k),
+          fail(Errc::input, "{}: unknown field {}: did you mean {}? (valid fields of {}: {})", where_, excerpt(field(k)),
                field(best), where_in, valid);
-        fail(Errc::input, "{}: unknown field {} (valid fields of {}: {})", where_, field(k), where_in, valid);
+        fail(Errc::input, "{}: unknown field {} (valid fields of {}: {})", where_, excerpt(field(k)), where_in, valid);
       }
       if (it->is_null())
         fail(Errc::input, "{}: {} is null; leave it out to get the default", where_, field(k));
@@ -293,9 +294,9 @@ std::vector<std::string> read_targets(const Obj& top) {
     std::string name = fmt::format("targets[{}]", i);
     std::string t = top.string(a[i], name);
     if (!find_target(t))
-      fail(Errc::input, "{}: {} \"{}\" is not a known target (valid: {})", top.where(), name, t, valid_targets());
+      fail(Errc::input, "{}: {} \"{}\" is not a known target (valid: {})", top.where(), name, excerpt(t), valid_targets());
     if (std::find(out.begin(), out.end(), t) != out.end())
-      fail(Errc::input, "{}: {} \"{}\" is listed twice (each target once)", top.where(), name, t);
+      fail(Errc::input, "{}: {} \"{}\" is listed twice (each target once)", top.where(), name, excerpt(t));
     out.push_back(t);
   }
   // Order carries no meaning; sorting makes ["gfx942","sm_90a"] and its reverse the same bundle.
@@ -494,11 +495,11 @@ Deploy parse_deploy(const Json& j, const std::string& where) {
       std::string name = o.field("width_cap_bytes");
       if (!m.is_object())
         fail(Errc::input, "{}: {} is {} ({}), expected an object mapping widths to byte caps", where, name,
-             json_type_name(m), m.dump());
+             json_type_name(m), json_excerpt(m));
       for (auto it = m.begin(); it != m.end(); ++it) {
         std::optional<int64_t> w = width_key(it.key());
         if (!w)
-          fail(Errc::input, "{}: {} key \"{}\" is not a width (valid: {})", where, name, it.key(), compact(d.widths));
+          fail(Errc::input, "{}: {} key \"{}\" is not a width (valid: {})", where, name, excerpt(it.key()), compact(d.widths));
         if (!std::binary_search(d.widths.begin(), d.widths.end(), *w))
           fail(Errc::input, "{}: {}.{} names width {}, which is not built (valid: {})", where, name, it.key(), *w,
                compact(d.widths));

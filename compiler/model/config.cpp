@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "common/fs.h"
 #include "common/hash.h"
+#include "format/manifest.h"
 #include "model/ir.h"
 
 namespace fs = std::filesystem;
@@ -58,7 +59,9 @@ int64_t Model::count(Mixer m) const {
 
 uint64_t Model::total_weight_bytes() const {
   uint64_t total = 0;
-  for (const WeightSpec& w : weights) total += w.bytes();
+  for (const WeightSpec& w : weights)
+    if (__builtin_add_overflow(total, w.bytes(), &total))
+      fail(Errc::input, "{}: the weights' total byte size overflows 64 bits", config_source);
   return total;
 }
 
@@ -101,9 +104,22 @@ class WeightBuilder {
   Model& m_;
 };
 
-// Far above the real models (K3: 93 layers, 93 x 896 expert MLPs).
-constexpr int64_t kMaxLayers = 1024;
-constexpr int64_t kMaxExpertTensors = 1 << 18;
+// Upper bounds of every dimension a config gives: far above the real models (K3: hidden 7168, 93 layers,
+// 93 x 896 expert MLPs, 96 MLA heads, q_lora_rank 1536, vocabulary 163840), and low enough that no
+// product of them (a weight's elements and bytes, a model's total bytes, a decode step's bytes at any
+// width, context and TP) comes near 2^63. Layers, hidden and vocabulary sizes are the bundle reader's
+// bounds, so that every model read here builds a bundle the runtime accepts.
+constexpr int64_t kMaxLayers = format::kMaxLayers;
+constexpr int64_t kMaxHidden = format::kMaxHiddenSize;  // hidden_size, routed_expert_hidden_size
+constexpr int64_t kMaxVocab = format::kMaxVocabSize;
+constexpr int64_t kMaxExpertTensors = 1 << 18;  // num_experts x num_hidden_layers
+constexpr int64_t kMaxIntermediate = 1 << 18;   // intermediate_size, moe_intermediate_size
+constexpr int64_t kMaxExperts = 1 << 14;        // num_experts, num_expert_group, topk_group
+constexpr int64_t kMaxSharedExperts = 64;
+constexpr int64_t kMaxHeads = 1024;             // num_attention_heads, KDA num_heads
+constexpr int64_t kMaxHeadDim = 4096;           // qk_nope/qk_rope/v_head_dim, KDA head_dim
+constexpr int64_t kMaxLoraRank = 1 << 16;       // q_lora_rank, kv_lora_rank
+constexpr int64_t kMaxConvKernel = 64;          // short_conv_kernel_size (the runtime's limit)
 // Far above DeepSeek-V3.2's 64 index heads and 2048 selected keys.
 constexpr int64_t kMaxIndexHeads = 1024;
 constexpr int64_t kMaxIndexTopk = (int64_t{1} << 31) - 1;
@@ -231,20 +247,24 @@ std::vector<int64_t> read_layer_list(const JsonReader& r, std::string_view key, 
   return v;
 }
 
-void positive(const JsonReader& r, std::string_view key, int64_t v) {
-  if (v <= 0) fail(Errc::input, "{}: field {} is {}, expected a positive integer", r.where(), r.field(key), v);
-}
-
-int64_t pos_int(const JsonReader& r, std::string_view key) {
-  int64_t v = r.integer(key);
-  positive(r, key, v);
+// An integer field within [lo, hi]: "<file>: field <name> is <v>, expected at most <hi>" (or "a positive
+// integer", "at least <lo>") names the field, the value and the limit.
+int64_t in_range(const JsonReader& r, std::string_view key, int64_t v, int64_t lo, int64_t hi) {
+  if (v < lo && lo == 1)
+    fail(Errc::input, "{}: field {} is {}, expected a positive integer", r.where(), r.field(key), v);
+  if (v < lo) fail(Errc::input, "{}: field {} is {}, expected at least {}", r.where(), r.field(key), v, lo);
+  if (v > hi) fail(Errc::input, "{}: field {} is {}, expected at most {}", r.where(), r.field(key), v, hi);
   return v;
 }
 
-int64_t pos_int_or(const JsonReader& r, std::string_view key, int64_t def) {
-  int64_t v = r.integer_or(key, def);
-  positive(r, key, v);
-  return v;
+int64_t pos_int(const JsonReader& r, std::string_view key, int64_t hi) { return in_range(r, key, r.integer(key), 1, hi); }
+
+int64_t pos_int_or(const JsonReader& r, std::string_view key, int64_t def, int64_t hi) {
+  return in_range(r, key, r.integer_or(key, def), 1, hi);
+}
+
+int64_t int_or(const JsonReader& r, std::string_view key, int64_t def, int64_t lo, int64_t hi) {
+  return in_range(r, key, r.integer_or(key, def), lo, hi);
 }
 
 // True when a quantization_config describes MXFP4 experts (compressed-tensors "mxfp4-pack-quantized",
@@ -276,18 +296,12 @@ void read_indexer(Model& m, const JsonReader& t) {
       fail(Errc::input, "{}: missing field {}: an indexer needs all of index_n_heads, index_head_dim and index_topk",
            t.where(), t.field(k));
   IndexerConfig& x = m.indexer;
-  x.num_heads = pos_int(t, "index_n_heads");
-  if (x.num_heads > kMaxIndexHeads)
-    fail(Errc::input, "{}: field {} is {}, expected at most {}", t.where(), t.field("index_n_heads"), x.num_heads,
-         kMaxIndexHeads);
-  x.head_dim = pos_int(t, "index_head_dim");
+  x.num_heads = pos_int(t, "index_n_heads", kMaxIndexHeads);
+  x.head_dim = pos_int(t, "index_head_dim", kMaxHeadDim);
   if (x.head_dim != 128)
     fail(Errc::input, "{}: field {} is {}, expected 128 (one MXFP4 index key holds 128 values in 68 bytes: 64 of E2M1 "
          "pairs and 4 UE8M0 scales)", t.where(), t.field("index_head_dim"), x.head_dim);
-  x.top_k = pos_int(t, "index_topk");
-  if (x.top_k > kMaxIndexTopk)
-    fail(Errc::input, "{}: field {} is {}, expected at most {} (key positions are int32)", t.where(),
-         t.field("index_topk"), x.top_k, kMaxIndexTopk);
+  x.top_k = pos_int(t, "index_topk", kMaxIndexTopk);  // key positions are int32
   // The indexer's query projection wq_b reads the MLA q-LoRA latent (model-family.md 4.1).
   if (m.mla.q_lora_rank <= 0)
     fail(Errc::input, "{}: field {} is set but {} is {}: the indexer's query projection (wq_b) reads the q-LoRA "
@@ -297,12 +311,9 @@ void read_indexer(Model& m, const JsonReader& t) {
 
 // Reads the decoder hyper-parameters shared by kimi_linear and the K3 text config.
 void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
-  m.hidden = pos_int(t, "hidden_size");
-  m.num_layers = pos_int(t, "num_hidden_layers");
-  if (m.num_layers > kMaxLayers)
-    fail(Errc::input, "{}: field {} is {}, expected at most {}", t.where(), t.field("num_hidden_layers"), m.num_layers,
-         kMaxLayers);
-  m.vocab = pos_int(t, "vocab_size");
+  m.hidden = pos_int(t, "hidden_size", kMaxHidden);
+  m.num_layers = pos_int(t, "num_hidden_layers", kMaxLayers);
+  m.vocab = pos_int(t, "vocab_size", kMaxVocab);
   m.rms_norm_eps = t.number_or("rms_norm_eps", 1e-5);
   if (!(m.rms_norm_eps > 0 && m.rms_norm_eps < 1))
     fail(Errc::input, "{}: field {} is {}, expected a value in (0, 1)", t.where(), t.field("rms_norm_eps"),
@@ -317,7 +328,7 @@ void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
     m.situ_beta = t.number_or("activation_situ_beta", 4.0);
     m.situ_linear_beta = t.number_or("activation_situ_linear_beta", 25.0);
   } else {
-    fail(Errc::input, "{}: field {} is \"{}\", expected \"silu\" or \"situ\"", t.where(), t.field("hidden_act"), act);
+    fail(Errc::input, "{}: field {} is \"{}\", expected \"silu\" or \"situ\"", t.where(), t.field("hidden_act"), excerpt(act));
   }
 
   // KDA. Hub configs carry linear_attn_config; HF transformers 5 also writes flat keys
@@ -326,17 +337,17 @@ void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
   std::vector<int64_t> kda_layers, full_layers;
   if (has_lac) {
     JsonReader lac = t.object("linear_attn_config");
-    m.kda.num_heads = pos_int(lac, "num_heads");
-    m.kda.head_dim = pos_int(lac, "head_dim");
-    m.kda.conv_kernel = pos_int_or(lac, "short_conv_kernel_size", 4);
+    m.kda.num_heads = pos_int(lac, "num_heads", kMaxHeads);
+    m.kda.head_dim = pos_int(lac, "head_dim", kMaxHeadDim);
+    m.kda.conv_kernel = pos_int_or(lac, "short_conv_kernel_size", 4, kMaxConvKernel);
     m.kda.full_rank_gate = lac.boolean_or("use_full_rank_gate", false);
     if (lac.has("gate_lower_bound")) m.kda.gate_lower_bound = lac.number("gate_lower_bound");
     kda_layers = read_layer_list(lac, "kda_layers", m.num_layers);
     full_layers = read_layer_list(lac, "full_attn_layers", m.num_layers);
   } else if (t.has("layer_types")) {
-    m.kda.num_heads = pos_int(t, "linear_num_heads");
-    m.kda.head_dim = pos_int(t, "linear_head_dim");
-    m.kda.conv_kernel = pos_int_or(t, "linear_conv_kernel_dim", 4);
+    m.kda.num_heads = pos_int(t, "linear_num_heads", kMaxHeads);
+    m.kda.head_dim = pos_int(t, "linear_head_dim", kMaxHeadDim);
+    m.kda.conv_kernel = pos_int_or(t, "linear_conv_kernel_dim", 4, kMaxConvKernel);
   } else {
     fail(Errc::input, "{}: missing field {} (and no layer_types): cannot tell KDA from MLA layers", t.where(),
          t.field("linear_attn_config"));
@@ -362,13 +373,13 @@ void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
       fail(Errc::input, "{}: field {} has {} entries, expected num_hidden_layers = {}", t.where(),
            t.field("layer_types"), lt.is_array() ? lt.size() : 0, m.num_layers);
     for (size_t i = 0; i < lt.size(); ++i) {
-      std::string s = lt[i].is_string() ? lt[i].get<std::string>() : lt[i].dump();
+      std::string s = lt[i].is_string() ? lt[i].get<std::string>() : json_excerpt(lt[i]);
       Mixer mx;
       if (s == "linear_attention" || s == "kda") mx = Mixer::kda;
       else if (s == "full_attention" || s == "mla") mx = Mixer::mla;
       else
         fail(Errc::input, "{}: field {}[{}] is \"{}\", expected \"linear_attention\" or \"full_attention\"",
-             t.where(), t.field("layer_types"), i, s);
+             t.where(), t.field("layer_types"), i, excerpt(s));
       if (assigned[i] && mixers[i] != mx)
         fail(Errc::input, "{}: field {}[{}] is \"{}\" but linear_attn_config makes layer {} (1-based) {}", t.where(),
              t.field("layer_types"), i, s, i + 1, to_string(mixers[i]));
@@ -381,16 +392,14 @@ void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
            t.where(), i + 1);
 
   // MLA.
-  m.mla.num_heads = pos_int(t, "num_attention_heads");
-  m.mla.q_lora_rank = t.integer_or("q_lora_rank", 0);
-  m.mla.kv_lora_rank = pos_int(t, "kv_lora_rank");
-  m.mla.qk_nope_head_dim = pos_int(t, "qk_nope_head_dim");
-  m.mla.qk_rope_head_dim = t.integer_or("qk_rope_head_dim", 0);
-  m.mla.v_head_dim = pos_int(t, "v_head_dim");
+  m.mla.num_heads = pos_int(t, "num_attention_heads", kMaxHeads);
+  m.mla.q_lora_rank = int_or(t, "q_lora_rank", 0, 0, kMaxLoraRank);
+  m.mla.kv_lora_rank = pos_int(t, "kv_lora_rank", kMaxLoraRank);
+  m.mla.qk_nope_head_dim = pos_int(t, "qk_nope_head_dim", kMaxHeadDim);
+  m.mla.qk_rope_head_dim = int_or(t, "qk_rope_head_dim", 0, 0, kMaxHeadDim);
+  m.mla.v_head_dim = pos_int(t, "v_head_dim", kMaxHeadDim);
   m.mla.use_nope = t.boolean_or("mla_use_nope", true);
   m.mla.output_gate = t.boolean_or("mla_use_output_gate", false);
-  if (m.mla.q_lora_rank < 0 || m.mla.qk_rope_head_dim < 0)
-    fail(Errc::input, "{}: negative q_lora_rank or qk_rope_head_dim", t.where());
   if (!m.mla.use_nope)
     fail(Errc::input, "{}: field {} is false: rotary MLA is not supported (Kimi MLA layers are NoPE)", t.where(),
          t.field("mla_use_nope"));
@@ -398,32 +407,33 @@ void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
   read_indexer(m, t);
 
   // FFN.
-  m.dense_intermediate = pos_int(t, "intermediate_size");
+  m.dense_intermediate = pos_int(t, "intermediate_size", kMaxIntermediate);
   m.first_k_dense = t.integer_or("first_k_dense_replace", 1);
-  int64_t moe_freq = pos_int_or(t, "moe_layer_freq", 1);
+  int64_t moe_freq = pos_int_or(t, "moe_layer_freq", 1, kMaxLayers);
   if (m.first_k_dense < 0 || m.first_k_dense > m.num_layers)
     fail(Errc::input, "{}: field {} is {}, expected 0..{}", t.where(), t.field("first_k_dense_replace"),
          m.first_k_dense, m.num_layers);
-  m.moe.num_experts = pos_int(t, "num_experts");
-  // The IR lists every expert tensor; bound the list so a hostile config cannot exhaust memory.
+  m.moe.num_experts = pos_int(t, "num_experts", kMaxExperts);
+  // The IR lists every expert tensor; bound the list so a hostile config cannot exhaust memory. Both
+  // factors are bounded above, so the product cannot overflow.
   if (m.moe.num_experts * m.num_layers > kMaxExpertTensors)
     fail(Errc::input, "{}: num_experts {} x num_hidden_layers {} = {} expert MLPs, expected at most {}", t.where(),
          m.moe.num_experts, m.num_layers, m.moe.num_experts * m.num_layers, kMaxExpertTensors);
-  m.moe.top_k = pos_int(t, "num_experts_per_token");
+  m.moe.top_k = pos_int(t, "num_experts_per_token", kMaxExperts);
   if (m.moe.top_k > m.moe.num_experts)
     fail(Errc::input, "{}: field {} is {}, more than num_experts {}", t.where(), t.field("num_experts_per_token"),
          m.moe.top_k, m.moe.num_experts);
-  m.moe.intermediate = pos_int(t, "moe_intermediate_size");
-  m.moe.num_shared = t.integer_or("num_shared_experts", 0);
+  m.moe.intermediate = pos_int(t, "moe_intermediate_size", kMaxIntermediate);
+  m.moe.num_shared = int_or(t, "num_shared_experts", 0, 0, kMaxSharedExperts);
   m.moe.routed_scaling = t.number_or("routed_scaling_factor", 1.0);
   m.moe.renormalize = t.boolean_or("moe_renormalize", true);
-  m.moe.num_expert_group = pos_int_or(t, "num_expert_group", 1);
-  m.moe.topk_group = pos_int_or(t, "topk_group", 1);
+  m.moe.num_expert_group = pos_int_or(t, "num_expert_group", 1, kMaxExperts);
+  m.moe.topk_group = pos_int_or(t, "topk_group", 1, kMaxExperts);
   m.moe.scoring = t.string_or("moe_router_activation_func", "sigmoid");
   if (m.moe.scoring != "sigmoid")
     fail(Errc::input, "{}: field {} is \"{}\", expected \"sigmoid\"", t.where(),
-         t.field("moe_router_activation_func"), m.moe.scoring);
-  m.moe.latent_dim = t.integer_or("routed_expert_hidden_size", 0);
+         t.field("moe_router_activation_func"), excerpt(m.moe.scoring));
+  m.moe.latent_dim = int_or(t, "routed_expert_hidden_size", 0, 0, kMaxHidden);
   m.moe.latent_norm = t.boolean_or("latent_moe_use_norm", false);
   if (quant && is_mxfp4(*quant)) m.moe.expert_format = ExpertFormat::mxfp4;
   if (m.moe.expert_format == ExpertFormat::mxfp4) {
@@ -432,7 +442,7 @@ void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
       fail(Errc::input, "{}: MXFP4 experts need expert widths divisible by {}: got {} and moe_intermediate_size {}",
            t.where(), m.moe.mxfp4_group, d, m.moe.intermediate);
   }
-  m.attn_res_block = t.integer_or("attn_res_block_size", 0);
+  m.attn_res_block = int_or(t, "attn_res_block_size", 0, 0, kMaxLayers);
 
   // Dense or MoE per layer: mlp_layer_types (HF transformers 5) when present, else the vLLM rule.
   std::vector<Ffn> ffns(mixers.size());
@@ -446,13 +456,13 @@ void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
       fail(Errc::input, "{}: field {} has {} entries, expected num_hidden_layers = {}", t.where(),
            t.field("mlp_layer_types"), mt.is_array() ? mt.size() : 0, m.num_layers);
     for (size_t i = 0; i < mt.size(); ++i) {
-      std::string s = mt[i].is_string() ? mt[i].get<std::string>() : mt[i].dump();
+      std::string s = mt[i].is_string() ? mt[i].get<std::string>() : json_excerpt(mt[i]);
       bool sparse;
       if (s == "sparse" || s == "moe") sparse = true;
       else if (s == "dense") sparse = false;
       else
         fail(Errc::input, "{}: field {}[{}] is \"{}\", expected \"dense\" or \"sparse\"", t.where(),
-             t.field("mlp_layer_types"), i, s);
+             t.field("mlp_layer_types"), i, excerpt(s));
       ffns[i] = sparse ? (m.moe.latent_dim > 0 ? Ffn::latent_moe : Ffn::moe) : Ffn::dense;
     }
   }
@@ -524,12 +534,12 @@ Model model_from_config(const Json& config, const std::string& where) {
     JsonReader text = top.object("text_config");
     std::string inner = text.string_or("model_type", "kimi_linear");
     if (inner != "kimi_linear")
-      fail(Errc::input, "{}: field text_config.model_type is \"{}\", expected \"kimi_linear\"", where, inner);
+      fail(Errc::input, "{}: field text_config.model_type is \"{}\", expected \"kimi_linear\"", where, excerpt(inner));
     if (!quant && text.has("quantization_config")) quant = &text.raw("quantization_config");
     read_text_config(m, text, quant);
   } else {
     fail(Errc::input, "{}: field model_type is \"{}\", expected \"kimi_linear\" or \"kimi_k3\"", where,
-         m.model_type);
+         excerpt(m.model_type));
   }
   if (m.moe.latent_dim > 0 && m.type != ModelType::kimi_k3)
     fail(Errc::input, "{}: routed_expert_hidden_size (latent MoE) is only defined for kimi_k3", where);
@@ -551,12 +561,17 @@ std::vector<std::string> preset_names() {
 Model load_model(const std::string& spec) {
   std::error_code ec;
   fs::path p(spec);
-  if (fs::is_directory(p, ec)) {
+  const fs::file_status st = fs::status(p, ec);
+  if (fs::is_directory(st)) {
+    // An unreadable directory is an I/O error, not a checkpoint without a config.
     fs::path cfg = p / "config.json";
-    if (!fs::exists(cfg, ec)) fail(Errc::input, "{}: directory has no config.json", p.string());
+    if (!path_exists(cfg)) fail(Errc::input, "{}: directory has no config.json", p.string());
     return model_from_config(load_json_file(cfg), cfg.string());
   }
-  if (fs::is_regular_file(p, ec)) return model_from_config(load_json_file(p), p.string());
+  if (fs::is_regular_file(st)) return model_from_config(load_json_file(p), p.string());
+  if (fs::exists(st))
+    fail(Errc::io, "--model {}: is {}, expected a checkpoint directory, a config file or a preset name", spec,
+         format::file_type_name(st.type()));
   if (auto data = embedded_file("presets/" + spec + ".json"))
     return model_from_config(parse_json(*data, "preset " + spec), "preset " + spec);
   std::string names;

@@ -10,11 +10,13 @@ namespace dp::model {
 std::string shape_string(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
 std::string InventoryIssue::message() const {
+  // Names and shapes come from the checkpoint's headers: quoted through excerpt().
   std::string at = file.empty() ? std::string() : fmt::format(" (in {})", file);
   switch (kind) {
     case Kind::missing: return fmt::format("missing tensor {}: expected {}", name, expected);
-    case Kind::unexpected: return fmt::format("unexpected tensor {}{}: found {}, not part of the model", name, at, found);
-    case Kind::shape: return fmt::format("tensor {}{}: shape {}, expected {}", name, at, found, expected);
+    case Kind::unexpected:
+      return fmt::format("unexpected tensor {}{}: found {}, not part of the model", excerpt(name), at, excerpt(found));
+    case Kind::shape: return fmt::format("tensor {}{}: shape {}, expected {}", name, at, excerpt(found), expected);
     case Kind::dtype: return fmt::format("tensor {}{}: dtype {}, expected {}", name, at, found, expected);
   }
   return name;

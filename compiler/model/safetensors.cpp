@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include "common/error.h"
+#include "common/fs.h"
 #include "common/json.h"
 
 namespace fs = std::filesystem;
@@ -16,30 +17,8 @@ constexpr const char* kIndexName = "model.safetensors.index.json";
 constexpr const char* kSingleName = "model.safetensors";
 
 // Untrusted text (tensor names, JSON excerpts) goes into messages escaped and bounded, so that a
-// hostile header cannot forge extra lines, emit malformed UTF-8 or flood the terminal. Well-formed
-// UTF-8 sequences are kept; control bytes and stray high bytes become \xNN.
-std::string printable(std::string_view s, size_t max = 160) {
-  std::string out;
-  size_t i = 0;
-  while (i < s.size()) {
-    if (out.size() >= max) {
-      out += fmt::format("... ({} bytes)", s.size());
-      break;
-    }
-    auto c = static_cast<unsigned char>(s[i]);
-    size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xe ? 3 : (c >> 3) == 0x1e ? 4 : 0;
-    bool ok = len > 0 && i + len <= s.size();
-    for (size_t k = 1; ok && k < len; ++k) ok = (static_cast<unsigned char>(s[i + k]) & 0xc0) == 0x80;
-    if (!ok || c < 0x20 || c == 0x7f) {
-      out += fmt::format("\\x{:02x}", c);
-      ++i;
-    } else {
-      out.append(s.substr(i, len));
-      i += len;
-    }
-  }
-  return out;
-}
+// hostile header cannot forge extra lines, emit malformed UTF-8 or flood the terminal.
+std::string printable(std::string_view s, size_t max = format::kExcerptMax) { return format::excerpt(s, max); }
 
 // A JSON value as it appears in a message: its type and (a bounded excerpt of) its text.
 std::string describe(const Json& v) {
@@ -56,71 +35,38 @@ std::string dtype_list() {
   return out;
 }
 
-// Parses JSON and rejects duplicate keys at any depth. nlohmann (like most DOM parsers) silently keeps
-// one of two equal keys, which would let a header list one tensor name twice and hide a byte range;
-// its parser callback sees every key before the DOM merges them, so duplicates are detected there.
-// `what` names the document in messages ("header", "index").
-// `top_noun`, when given, names what a top-level key is ("tensor") for a clearer duplicate message.
-Json parse_unique_keys(std::string_view text, const std::string& where, std::string_view what, size_t byte_base = 0,
-                       std::string_view top_noun = {}) {
-  struct Level {
-    bool object;
-    std::set<std::string> keys;
-    std::string key;  // the key being parsed in this object
-  };
-  std::vector<Level> stack;
-  std::string duplicate;  // first duplicate key, as a dotted path
-  bool duplicate_top = false;
-  auto cb = [&](int /*depth*/, Json::parse_event_t ev, Json& parsed) {
-    switch (ev) {
-      case Json::parse_event_t::object_start:
-        stack.push_back({true, {}, {}});
-        break;
-      case Json::parse_event_t::array_start:
-        stack.push_back({false, {}, {}});
-        break;
-      case Json::parse_event_t::object_end:
-      case Json::parse_event_t::array_end:
-        if (!stack.empty()) stack.pop_back();
-        break;
-      case Json::parse_event_t::key: {
-        if (stack.empty() || !stack.back().object) break;  // cannot happen for well-formed input
-        Level& top = stack.back();
-        top.key = parsed.get<std::string>();
-        if (!top.keys.insert(top.key).second && duplicate.empty()) {
-          std::string path;
-          for (size_t i = 0; i + 1 < stack.size(); ++i)
-            path += stack[i].object ? stack[i].key + "." : std::string("[].");
-          duplicate = path + top.key;
-          duplicate_top = stack.size() == 1;
-        }
-        break;
-      }
-      case Json::parse_event_t::value:
-        break;
-    }
-    return true;
-  };
-  Json j;
+// Parses JSON within the limits of format/untrusted.h (at most `max_bytes`, nesting depth 64) and
+// rejects duplicate keys at any depth: nlohmann (like most DOM parsers) silently keeps one of two equal
+// keys, which would let a header list one tensor name twice and hide a byte range. `what` names the
+// document in messages ("header", "index"), `byte_base` is where it starts in the file, and `top_noun`,
+// when given, names what a top-level key is ("tensor") for a clearer duplicate message.
+Json parse_unique_keys(std::string_view text, const std::string& where, std::string_view what, uint64_t max_bytes,
+                       size_t byte_base = 0, std::string_view top_noun = {}) {
+  using Kind = format::JsonTextError::Kind;
   try {
-    j = Json::parse(text.begin(), text.end(), cb);
-  } catch (const Json::exception& e) {
-    // parse_error carries the byte position; the text after the prefix is nlohmann's explanation,
-    // which may quote raw input bytes, hence printable().
-    std::string msg = e.what();
-    if (auto p = msg.find("] "); p != std::string::npos) msg = msg.substr(p + 2);
-    if (const auto* pe = dynamic_cast<const Json::parse_error*>(&e))
-      fail(Errc::input, "{}: {} is not valid JSON (error at byte {} of the file): {}", where, what,
-           byte_base + (pe->byte > 0 ? pe->byte - 1 : 0), printable(msg, 240));
-    fail(Errc::input, "{}: {} is not valid JSON: {}", where, what, printable(msg, 240));
+    return format::parse_json_text(text, format::JsonLimits{max_bytes});
+  } catch (const format::JsonTextError& e) {
+    switch (e.kind) {
+      case Kind::too_large: fail(Errc::input, "{}: {} is {}", where, what, e.what());
+      case Kind::too_deep:
+        fail(Errc::input, "{}: {} nests arrays and objects deeper than {} levels (at byte {} of the file)", where,
+             what, format::kMaxJsonDepth, byte_base + e.offset);
+      case Kind::syntax: {
+        // The text after "invalid JSON at byte N: " is nlohmann's explanation, already excerpted.
+        std::string msg = e.what();
+        if (auto p = msg.find(": "); p != std::string::npos) msg = msg.substr(p + 2);
+        fail(Errc::input, "{}: {} is not valid JSON (error at byte {} of the file): {}", where, what,
+             byte_base + e.offset, msg);
+      }
+      case Kind::duplicate_key:
+        if (e.key_depth == 1 && !top_noun.empty() && e.key != "__metadata__")
+          fail(Errc::input, "{}: {} {} appears more than once in the {} (JSON objects must not repeat a key)", where,
+               top_noun, printable(e.key), what);
+        fail(Errc::input, "{}: {} key {} appears more than once (JSON objects must not repeat a key)", where, what,
+             printable(e.key));
+    }
+    throw;
   }
-  if (!duplicate.empty() && duplicate_top && !top_noun.empty() && duplicate != "__metadata__")
-    fail(Errc::input, "{}: {} {} appears more than once in the {} (JSON objects must not repeat a key)", where,
-         top_noun, printable(duplicate), what);
-  if (!duplicate.empty())
-    fail(Errc::input, "{}: {} key {} appears more than once (JSON objects must not repeat a key)", where, what,
-         printable(duplicate));
-  return j;
 }
 
 bool mul_overflows(uint64_t a, uint64_t b, uint64_t* out) { return __builtin_mul_overflow(a, b, out); }
@@ -238,7 +184,7 @@ Header parse_header(std::span<const uint8_t> file, const std::string& where) {
   std::string_view text(reinterpret_cast<const char*>(file.data() + 8), n);
   // nlohmann rejects malformed UTF-8 inside strings and any non-ASCII byte outside them, so a parsed
   // header is valid UTF-8.
-  Json j = parse_unique_keys(text, where, "header", 8, "tensor");
+  Json j = parse_unique_keys(text, where, "header", kMaxHeaderSize, 8, "tensor");
   if (!j.is_object()) fail(Errc::input, "{}: header is {}, expected a JSON object", where, describe(j));
 
   for (auto it = j.begin(); it != j.end(); ++it) {
@@ -300,9 +246,10 @@ Header parse_header(std::span<const uint8_t> file, const std::string& where) {
 
 bool Checkpoint::present(const fs::path& dir) {
   std::error_code ec;
-  if (fs::exists(dir / kIndexName, ec) || fs::exists(dir / kSingleName, ec)) return true;
+  if (path_exists(dir / kIndexName) || path_exists(dir / kSingleName)) return true;
   for (const auto& e : fs::directory_iterator(dir, ec))
     if (e.path().extension() == ".safetensors" && e.path().filename().string()[0] != '.') return true;
+  if (ec) fail(Errc::io, "{}: cannot list directory: {}", dir.string(), ec.message());
   return false;
 }
 
@@ -330,10 +277,10 @@ Checkpoint Checkpoint::open(const fs::path& dir) {
   cp.dir_ = dir;
 
   const fs::path index = dir / kIndexName;
-  if (fs::exists(index, ec)) {
+  if (path_exists(index)) {
     cp.index_path_ = index;
     const std::string where = index.string();
-    Json j = parse_unique_keys(read_text_file(index), where, "index");
+    Json j = parse_unique_keys(read_text_file(index, format::kMaxIndexBytes), where, "index", format::kMaxIndexBytes);
     if (!j.is_object()) fail(Errc::input, "{}: top level is {}, expected a JSON object", where, describe(j));
     auto wm = j.find("weight_map");
     if (wm == j.end())
@@ -372,7 +319,7 @@ Checkpoint Checkpoint::open(const fs::path& dir) {
     return cp;
   }
 
-  if (fs::exists(dir / kSingleName, ec)) {
+  if (path_exists(dir / kSingleName)) {
     cp.add_shard(dir / kSingleName);
     return cp;
   }

@@ -134,7 +134,10 @@ std::vector<codegen::KernelInstance> indexer_kernel_instances(const Model& m) {
 
 Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deploy_where, const PlanOptions& opt) {
   deploy::check_against_model(d, m, deploy_where);
-  if (opt.context < 1) fail(Errc::usage, "--context {}: expected at least 1 token", opt.context);
+  // The step-bytes estimate multiplies context by widths, layers and cache rows: 2^24 tokens keeps that far
+  // from overflow and far above any model's context window.
+  if (opt.context < 1 || opt.context > kMaxContext)
+    fail(Errc::usage, "--context {}: expected 1..{} tokens", opt.context, kMaxContext);
   Plan plan;
   plan.options = opt;
   const int64_t tp = d.tensor_parallel, q = d.q();

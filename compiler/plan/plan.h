@@ -99,8 +99,10 @@ struct RankPlan {
   std::vector<Workspace> workspace;
 };
 
+inline constexpr int64_t kMaxContext = int64_t{1} << 24;  // tokens: far above any context window
+
 struct PlanOptions {
-  int64_t context = 4096;        // tokens per request assumed for the KV bytes of step_bytes
+  int64_t context = 4096;        // tokens per request assumed for the KV bytes of step_bytes (1..kMaxContext)
 };
 
 struct Plan {

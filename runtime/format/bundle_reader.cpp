@@ -3,12 +3,14 @@
 #include <archive.h>
 #include <archive_entry.h>
 #include <openssl/evp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
-#include <memory>
+#include <functional>
+#include <map>
+#include <mutex>
 #include <set>
 
 #include <fmt/format.h>
@@ -16,26 +18,39 @@
 namespace fs = std::filesystem;
 
 namespace dp::format {
+
+// What open() found: the open archive (its descriptor) or the directory, and where each file is.
+struct BundleReader::Source {
+  struct Member {
+    uint64_t offset = 0;  // archive: byte position of the data
+    uint64_t size = 0;
+  };
+  std::string label;
+  bool archive = false;
+  int fd = -1;  // archive
+  fs::path root;  // directory
+  std::map<std::string, Member> files;  // every file but manifest.json
+  std::mutex mu;  // guards `loaded`
+  std::map<std::string, std::vector<uint8_t>> loaded;  // file() results; map nodes never move
+
+  Source() = default;
+  Source(const Source&) = delete;
+  Source& operator=(const Source&) = delete;
+  ~Source() {
+    if (fd >= 0) ::close(fd);
+  }
+
+  // Streams file `rel` (`m` its entry) to `sink` in chunks; exactly m.size bytes or a FormatError.
+  void read(const std::string& rel, const Member& m, const std::function<void(const uint8_t*, size_t)>& sink) const;
+};
+
 namespace {
 
-constexpr uint64_t kBlock = 512;  // tar's unit: headers and data padding
+constexpr uint64_t kBlock = 512;        // tar's unit: headers and data padding
+constexpr size_t kChunk = size_t{1} << 20;  // read size: no file is read whole unless asked for
 
 [[noreturn]] void integrity(const std::string& msg) { throw FormatError(FormatError::Kind::integrity, msg); }
 [[noreturn]] void schema(const std::string& msg) { throw FormatError(FormatError::Kind::schema, msg); }
-
-std::vector<uint8_t> read_whole(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  if (!in) throw BundleIoError(fmt::format("{}: cannot open: {}", p.string(), std::strerror(errno)));
-  std::vector<uint8_t> out;
-  in.seekg(0, std::ios::end);
-  const std::streamoff n = in.tellg();
-  if (n < 0) throw BundleIoError(fmt::format("{}: cannot determine its size", p.string()));
-  in.seekg(0, std::ios::beg);
-  out.resize(static_cast<size_t>(n));
-  if (n > 0 && !in.read(reinterpret_cast<char*>(out.data()), n))
-    throw BundleIoError(fmt::format("{}: read failed after {} of {} bytes", p.string(), in.gcount(), n));
-  return out;
-}
 
 // Why `p` may not be a member path (bundle-format.md §1), or "" if it may.
 std::string path_problem(const std::string& p) {
@@ -54,26 +69,40 @@ std::string path_problem(const std::string& p) {
   }
 }
 
+// Reads exactly n bytes at `offset` of `fd`; false if the file ends first.
+bool pread_all(int fd, uint8_t* out, size_t n, uint64_t offset, const std::string& label) {
+  while (n > 0) {
+    const ssize_t r = ::pread(fd, out, n, static_cast<off_t>(offset));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) throw BundleIoError(fmt::format("{}: read failed at byte {}: {}", label, offset, std::strerror(errno)));
+    if (r == 0) return false;
+    out += r, n -= static_cast<size_t>(r), offset += static_cast<uint64_t>(r);
+  }
+  return true;
+}
+
 struct ArchiveDeleter {
-  void operator()(struct archive* a) const { archive_read_free(a); }
+  void operator()(struct archive* a) const { archive_read_free(a); }  // leaves the descriptor open
 };
 
-// Walks a ustar archive held in memory and fills `files` with its regular members. Member data is
-// contiguous 512 bytes after its header (no extended headers are allowed), so the walk tracks where
-// each header must be and can say exactly what is missing when the file is cut short.
-void read_archive(const std::string& label, const std::vector<uint8_t>& bytes,
-                  std::map<std::string, std::vector<uint8_t>>& files) {
-  const uint64_t size = bytes.size();
+// Walks the ustar archive open on `src.fd` (of `size` bytes) header by header and records its regular
+// members in src.files; returns manifest.json's entry (size 0 and offset 0 when absent). Member data is
+// contiguous 512 bytes after its header (no extended headers are allowed), so the walk tracks where each
+// header must be and can say exactly what is missing when the file is cut short; data is skipped, never
+// read.
+BundleReader::Source::Member walk_archive(BundleReader::Source& src, uint64_t size, bool* has_manifest) {
+  const std::string& label = src.label;
   if (size < kBlock)
     integrity(fmt::format("{}: truncated archive: the first header needs {} bytes, {} present", label, kBlock, size));
   std::unique_ptr<struct archive, ArchiveDeleter> a(archive_read_new());
   if (!a) throw std::bad_alloc();
   archive_read_support_format_tar(a.get());  // uncompressed tar only: anything else is not a .dpk
-  if (archive_read_open_memory(a.get(), bytes.data(), bytes.size()) != ARCHIVE_OK)
+  if (archive_read_open_fd(a.get(), src.fd, kChunk) != ARCHIVE_OK)
     schema(fmt::format("{}: not a tar archive: {}", label, archive_error_string(a.get())));
 
+  BundleReader::Source::Member manifest;
   std::map<std::string, bool> seen;  // path -> is a directory (explicit or implied by a member below it)
-  uint64_t next_header = 0;
+  uint64_t next_header = 0, entries = 0;
   std::string last;
   auto after = [&] { return last.empty() ? std::string("at the start") : "after entry " + last; };
   while (true) {
@@ -85,11 +114,18 @@ void read_archive(const std::string& label, const std::vector<uint8_t>& bytes,
       if (at + 2 * kBlock > size)
         integrity(fmt::format("{}: truncated archive: the end-of-archive marker {} needs {} bytes at byte {}, {} "
                               "present", label, after(), 2 * kBlock, at, at > size ? 0 : size - at));
-      auto nz = std::find_if(bytes.begin() + static_cast<std::ptrdiff_t>(at), bytes.end(), [](uint8_t b) { return b; });
-      if (nz != bytes.end())
+      if (size - at > 2 * kBlock + kMaxArchiveTrailingBytes)
+        integrity(fmt::format("{}: corrupt archive: {} bytes from the end-of-archive marker at byte {} to the end of "
+                              "the file, expected at most {} (the marker and up to {} bytes of zero padding)", label,
+                              size - at, at, 2 * kBlock + kMaxArchiveTrailingBytes, kMaxArchiveTrailingBytes));
+      std::vector<uint8_t> tail(static_cast<size_t>(size - at));
+      if (!pread_all(src.fd, tail.data(), tail.size(), at, label))
+        integrity(fmt::format("{}: truncated archive: the file shrank while being read", label));
+      auto nz = std::find_if(tail.begin(), tail.end(), [](uint8_t b) { return b != 0; });
+      if (nz != tail.end())
         integrity(fmt::format("{}: corrupt archive: non-zero byte at {} in or after the end-of-archive marker "
-                              "(expected only zeros from byte {})", label, nz - bytes.begin(), at));
-      return;
+                              "(expected only zeros from byte {})", label, at + (nz - tail.begin()), at));
+      return manifest;
     }
     if (r != ARCHIVE_OK) {
       if (at + kBlock > size)
@@ -103,24 +139,27 @@ void read_archive(const std::string& label, const std::vector<uint8_t>& bytes,
     std::string path = raw ? raw : "";
     if (archive_format(a.get()) != ARCHIVE_FORMAT_TAR_USTAR)
       integrity(fmt::format("{}: entry {}: written as {}, expected plain ustar without extended headers", label,
-                            path, archive_format_name(a.get())));
+                            excerpt(path), archive_format_name(a.get())));
     if (archive_entry_hardlink(e))
-      integrity(fmt::format("{}: entry {}: is a hard link; a bundle holds only regular files", label, path));
+      integrity(fmt::format("{}: entry {}: is a hard link; a bundle holds only regular files", label, excerpt(path)));
     const auto type = archive_entry_filetype(e);
     if (type != AE_IFREG && type != AE_IFDIR)
-      integrity(fmt::format("{}: entry {}: is a {}; a bundle holds only regular files", label, path,
+      integrity(fmt::format("{}: entry {}: is a {}; a bundle holds only regular files", label, excerpt(path),
                             type == AE_IFLNK ? "symbolic link" : "device, fifo or socket"));
     const bool dir = type == AE_IFDIR;
     if (dir && !path.empty() && path.back() == '/') path.pop_back();
     if (std::string why = path_problem(path); !why.empty())
-      integrity(fmt::format("{}: entry '{}': refused: {}", label, path, why));
+      integrity(fmt::format("{}: entry '{}': refused: {}", label, excerpt(path), why));
+    if (++entries > kMaxBundleFiles)
+      schema(fmt::format("{}: entry {}: more than {} entries, expected at most {} (a bundle holds a few hundred files)",
+                         label, excerpt(path), kMaxBundleFiles, kMaxBundleFiles));
     for (size_t s = path.find('/'); s != std::string::npos; s = path.find('/', s + 1)) {
       auto [it, fresh] = seen.emplace(path.substr(0, s), true);
       if (!fresh && !it->second)
-        integrity(fmt::format("{}: entry {}: its parent {} is a file", label, path, it->first));
+        integrity(fmt::format("{}: entry {}: its parent {} is a file", label, excerpt(path), excerpt(it->first)));
     }
     if (auto it = seen.find(path); it != seen.end() && !(dir && it->second))
-      integrity(fmt::format("{}: entry {}: duplicate entry (the name appears twice)", label, path));
+      integrity(fmt::format("{}: entry {}: duplicate entry (the name appears twice)", label, excerpt(path)));
     seen[path] = dir;
 
     const uint64_t len = dir ? 0 : static_cast<uint64_t>(archive_entry_size(e));
@@ -128,107 +167,229 @@ void read_archive(const std::string& label, const std::vector<uint8_t>& bytes,
     const uint64_t padded = (len + kBlock - 1) / kBlock * kBlock;
     if (static_cast<uint64_t>(archive_read_header_position(a.get())) != at)
       integrity(fmt::format("{}: entry {}: header at byte {}, expected {} (extended headers are not allowed)", label,
-                            path, archive_read_header_position(a.get()), at));
+                            excerpt(path), archive_read_header_position(a.get()), at));
     if (data_at + padded > size)
       integrity(fmt::format("{}: truncated archive: entry {} needs {} bytes ({} of data, padded to {}) at byte {}, "
-                            "{} present", label, path, padded, len, kBlock, data_at, size - data_at));
-    if (!dir)
-      files.emplace(path, std::vector<uint8_t>(bytes.begin() + static_cast<std::ptrdiff_t>(data_at),
-                                               bytes.begin() + static_cast<std::ptrdiff_t>(data_at + len)));
-    archive_read_data_skip(a.get());
+                            "{} present", label, excerpt(path), padded, len, kBlock, data_at, size - data_at));
+    if (!dir) {
+      if (path == kManifestFile) {
+        manifest = {data_at, len};
+        *has_manifest = true;
+      } else {
+        src.files.emplace(path, BundleReader::Source::Member{data_at, len});
+      }
+    }
+    archive_read_data_skip(a.get());  // a seek on a regular file: the data is not read
     next_header = data_at + padded;
     last = path;
   }
 }
 
-void read_directory(const fs::path& root, std::map<std::string, std::vector<uint8_t>>& files) {
+// Lists a directory bundle's files (regular files only) into src.files, manifest.json included.
+void list_directory(BundleReader::Source& src) {
+  const fs::path& root = src.root;
   std::error_code ec;
   fs::recursive_directory_iterator it(root, fs::directory_options::none, ec), end;
   if (ec) throw BundleIoError(fmt::format("{}: cannot list: {}", root.string(), ec.message()));
+  uint64_t count = 0;
   for (; it != end; it.increment(ec)) {
     if (ec) break;
+    const std::string rel = it->path().lexically_relative(root).generic_string();
+    if (++count > kMaxBundleFiles)
+      schema(fmt::format("{}: {}: more than {} files and directories, expected at most {} (a bundle holds a few "
+                         "hundred files)", root.string(), excerpt(rel), kMaxBundleFiles, kMaxBundleFiles));
     const fs::file_status st = it->symlink_status(ec);
     if (ec) throw BundleIoError(fmt::format("{}: cannot stat: {}", it->path().string(), ec.message()));
     if (fs::is_directory(st)) continue;
-    const std::string rel = it->path().lexically_relative(root).generic_string();
     if (fs::is_symlink(st))
-      integrity(fmt::format("{}: {} is a symbolic link; a bundle holds only regular files", root.string(), rel));
+      integrity(fmt::format("{}: {} is a symbolic link; a bundle holds only regular files", root.string(), excerpt(rel)));
     if (!fs::is_regular_file(st))
-      integrity(fmt::format("{}: {} is not a regular file; a bundle holds only regular files", root.string(), rel));
-    files.emplace(rel, read_whole(it->path()));
+      integrity(fmt::format("{}: {} is {}; a bundle holds only regular files", root.string(), excerpt(rel),
+                            file_type_name(st.type())));
+    const uint64_t size = it->file_size(ec);
+    if (ec) throw BundleIoError(fmt::format("{}: cannot stat: {}", it->path().string(), ec.message()));
+    src.files.emplace(rel, BundleReader::Source::Member{0, size});
   }
   if (ec) throw BundleIoError(fmt::format("{}: cannot list: {}", root.string(), ec.message()));
 }
 
+class Sha256Stream {
+ public:
+  Sha256Stream() : ctx_(EVP_MD_CTX_new()) {
+    if (!ctx_ || EVP_DigestInit_ex(ctx_, EVP_sha256(), nullptr) != 1) throw std::runtime_error("OpenSSL sha256 init failed");
+  }
+  ~Sha256Stream() { EVP_MD_CTX_free(ctx_); }
+  Sha256Stream(const Sha256Stream&) = delete;
+  Sha256Stream& operator=(const Sha256Stream&) = delete;
+  void update(const uint8_t* p, size_t n) {
+    if (EVP_DigestUpdate(ctx_, p, n) != 1) throw std::runtime_error("OpenSSL sha256 update failed");
+  }
+  std::string hex() {
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int n = 0;
+    if (EVP_DigestFinal_ex(ctx_, md, &n) != 1 || n != 32) throw std::runtime_error("OpenSSL sha256 final failed");
+    static const char* digits = "0123456789abcdef";
+    std::string out(64, '0');
+    for (unsigned i = 0; i < 32; ++i) {
+      out[2 * i] = digits[md[i] >> 4];
+      out[2 * i + 1] = digits[md[i] & 15];
+    }
+    return out;
+  }
+
+ private:
+  EVP_MD_CTX* ctx_;
+};
+
 }  // namespace
 
-std::string sha256_hex(std::span<const uint8_t> data) {
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned int n = 0;
-  if (EVP_Digest(data.data(), data.size(), md, &n, EVP_sha256(), nullptr) != 1 || n != 32)
-    throw std::runtime_error("OpenSSL EVP_Digest(sha256) failed");
-  static const char* hex = "0123456789abcdef";
-  std::string out(64, '0');
-  for (unsigned i = 0; i < 32; ++i) {
-    out[2 * i] = hex[md[i] >> 4];
-    out[2 * i + 1] = hex[md[i] & 15];
+void BundleReader::Source::read(const std::string& rel, const Member& m,
+                                const std::function<void(const uint8_t*, size_t)>& sink) const {
+  std::vector<uint8_t> buf(static_cast<size_t>(std::min<uint64_t>(kChunk, std::max<uint64_t>(m.size, 1))));
+  if (archive) {
+    for (uint64_t done = 0; done < m.size;) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), m.size - done));
+      if (!pread_all(fd, buf.data(), n, m.offset + done, label))
+        integrity(fmt::format("{}: file {}: the archive ends after {} of its {} bytes (it changed since it was opened)",
+                              label, rel, done, m.size));
+      sink(buf.data(), n);
+      done += n;
+    }
+    return;
   }
-  return out;
+  const fs::path p = root / rel;
+  std::string why;
+  uint64_t size = 0;
+  const int f = open_regular_file(p, &size, &why);
+  if (f < 0) throw BundleIoError(fmt::format("{}: {}", p.string(), why));
+  uint64_t done = 0;
+  try {
+    while (done <= m.size) {
+      const ssize_t n = ::read(f, buf.data(), buf.size());
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) throw BundleIoError(fmt::format("{}: read failed: {}", p.string(), std::strerror(errno)));
+      if (n == 0) break;
+      const size_t use = static_cast<size_t>(std::min<uint64_t>(static_cast<uint64_t>(n), m.size - std::min(done, m.size)));
+      if (use) sink(buf.data(), use);
+      done += static_cast<uint64_t>(n);
+    }
+  } catch (...) {
+    ::close(f);
+    throw;
+  }
+  ::close(f);
+  if (done != m.size)
+    integrity(fmt::format("{}: file {}: {} bytes when read, {} when the bundle was opened (it changed meanwhile)",
+                          label, rel, done > m.size ? fmt::format("more than {}", m.size) : std::to_string(done),
+                          m.size));
+}
+
+std::string sha256_hex(std::span<const uint8_t> data) {
+  Sha256Stream h;
+  h.update(data.data(), data.size());
+  return h.hex();
 }
 
 BundleReader BundleReader::open(const fs::path& path) {
   BundleReader b;
   b.label_ = path.string();
+  auto src = std::make_shared<Source>();
+  src->label = b.label_;
   std::error_code ec;
   const fs::file_status st = fs::status(path, ec);
   if (ec || !fs::exists(st))
     throw BundleIoError(fmt::format("{}: no such bundle (expected a directory or a .dpk file)", b.label_));
+  std::string where;
   if (fs::is_directory(st)) {
-    read_directory(path, b.files_);
-  } else if (fs::is_regular_file(st)) {
-    b.archive_ = true;
-    read_archive(b.label_, read_whole(path), b.files_);
+    src->root = path;
+    list_directory(*src);
+    auto it = src->files.find(kManifestFile);
+    if (it == src->files.end()) schema(fmt::format("{}: not a bundle: no {} file", b.label_, kManifestFile));
+    src->files.erase(it);
+    where = (path / kManifestFile).string();
+    bool too_large = false;
+    if (std::string why = read_regular_file(path / kManifestFile, kMaxManifestBytes, b.manifest_bytes_, &too_large);
+        !why.empty()) {
+      if (too_large) schema(fmt::format("{}: {}", where, why));
+      throw BundleIoError(fmt::format("{}: {}", where, why));
+    }
   } else {
-    throw BundleIoError(fmt::format("{}: neither a directory nor a regular file", b.label_));
+    // Opened before anything else is asked of it, and checked on the descriptor: a FIFO neither blocks
+    // nor is read, and what is read is the file that was checked.
+    std::string why;
+    uint64_t size = 0;
+    src->fd = open_regular_file(path, &size, &why);
+    if (src->fd < 0)
+      throw BundleIoError(fmt::format("{}: {} (a bundle is a directory or a .dpk file)", b.label_, why));
+    b.archive_ = true;
+    src->archive = true;
+    bool has_manifest = false;
+    const Source::Member m = walk_archive(*src, size, &has_manifest);
+    if (!has_manifest) schema(fmt::format("{}: not a bundle: no {} member", b.label_, kManifestFile));
+    where = b.label_ + ":" + kManifestFile;
+    if (m.size > kMaxManifestBytes)
+      schema(fmt::format("{}: {} bytes, expected at most {}", where, m.size, kMaxManifestBytes));
+    b.manifest_bytes_.resize(static_cast<size_t>(m.size));
+    if (!pread_all(src->fd, reinterpret_cast<uint8_t*>(b.manifest_bytes_.data()), b.manifest_bytes_.size(), m.offset,
+                   b.label_))
+      integrity(fmt::format("{}: the archive ends inside the member (it changed while being read)", where));
   }
-
-  auto it = b.files_.find(kManifestFile);
-  if (it == b.files_.end())
-    schema(fmt::format("{}: not a bundle: no {} {}", b.label_, kManifestFile, b.archive_ ? "member" : "file"));
-  b.manifest_bytes_.assign(it->second.begin(), it->second.end());
-  b.files_.erase(it);
+  b.src_ = std::move(src);
   b.digest_ = "sha256:" + sha256_hex({reinterpret_cast<const uint8_t*>(b.manifest_bytes_.data()),
                                       b.manifest_bytes_.size()});
 
-  const std::string where = b.archive_ ? b.label_ + ":" + kManifestFile : (path / kManifestFile).string();
   Json j;
   try {
-    j = Json::parse(b.manifest_bytes_);
-  } catch (const Json::parse_error& e) {
-    schema(fmt::format("{}: not JSON: {}", where, e.what()));
+    j = parse_json_text(b.manifest_bytes_, JsonLimits{kMaxManifestBytes});
+  } catch (const JsonTextError& e) {
+    schema(fmt::format("{}: {}", where, e.what()));
   }
   b.manifest_ = from_json(j, where);  // format name and version first, then every field
   return b;
 }
 
-void BundleReader::verify() const {
+bool BundleReader::has(const std::string& rel) const { return src_ && src_->files.count(rel) > 0; }
+
+uint64_t BundleReader::size(const std::string& rel) const {
+  auto it = src_->files.find(rel);
+  if (it == src_->files.end()) integrity(fmt::format("{}: file {}: missing", label_, rel));
+  return it->second.size;
+}
+
+std::string BundleReader::sha256(const std::string& rel) const {
+  auto it = src_->files.find(rel);
+  if (it == src_->files.end()) integrity(fmt::format("{}: file {}: missing", label_, rel));
+  Sha256Stream h;
+  src_->read(rel, it->second, [&](const uint8_t* p, size_t n) { h.update(p, n); });
+  return h.hex();
+}
+
+void BundleReader::verify() const { check_files(false); }
+
+void BundleReader::load() const { check_files(true); }
+
+void BundleReader::check_files(bool keep) const {
   std::set<std::string> listed;
   for (const FileEntry& f : manifest_.files) {
     listed.insert(f.path);
-    auto it = files_.find(f.path);
-    if (it == files_.end())
+    auto it = src_->files.find(f.path);
+    if (it == src_->files.end())
       integrity(fmt::format("{}: file {}: listed in the manifest but missing", label_, f.path));
-    if (it->second.size() != f.size)
-      integrity(fmt::format("{}: file {}: {} bytes, expected {}", label_, f.path, it->second.size(), f.size));
-    const std::string got = sha256_hex(it->second);
+    if (it->second.size != f.size)
+      integrity(fmt::format("{}: file {}: {} bytes, expected {}", label_, f.path, it->second.size, f.size));
+    if (keep) {
+      file(f.path);  // checks the size and sha256 as it loads
+      continue;
+    }
+    const std::string got = sha256(f.path);
     if (got != f.sha256)
       integrity(fmt::format("{}: file {}: sha256 {}, expected {} (the file was altered)", label_, f.path, got,
                             f.sha256));
   }
-  for (const auto& [path, data] : files_)
+  for (const auto& [path, member] : src_->files)
     if (!listed.count(path))
       integrity(fmt::format("{}: file {}: present but not listed in the manifest (a bundle holds only its listed "
-                            "files)", label_, path));
+                            "files)", label_, excerpt(path)));
   for (const KernelEntry& k : manifest_.kernels)
     for (const FileEntry& f : manifest_.files)
       if (f.path == k.file && f.sha256 != k.sha256)
@@ -238,14 +399,35 @@ void BundleReader::verify() const {
 
 std::vector<std::string> BundleReader::files() const {
   std::vector<std::string> out;
-  for (const auto& [p, _] : files_) out.push_back(p);
+  for (const auto& [p, _] : src_->files) out.push_back(p);
   return out;
 }
 
 std::span<const uint8_t> BundleReader::file(const std::string& rel) const {
-  auto it = files_.find(rel);
-  if (it == files_.end()) integrity(fmt::format("{}: file {}: missing", label_, rel));
-  return it->second;
+  auto it = src_->files.find(rel);
+  if (it == src_->files.end()) integrity(fmt::format("{}: file {}: missing", label_, rel));
+  std::lock_guard<std::mutex> lock(src_->mu);
+  if (auto l = src_->loaded.find(rel); l != src_->loaded.end()) return l->second;
+  const Source::Member& m = it->second;
+  if (m.size > kMaxLoadedFileBytes)
+    integrity(fmt::format("{}: file {}: {} bytes, expected at most {} (a code object is a few MB)", label_, rel, m.size,
+                          kMaxLoadedFileBytes));
+  // A listed file must still be what the manifest says: the bundle may have been edited since verify().
+  auto listed = std::lower_bound(manifest_.files.begin(), manifest_.files.end(), rel,
+                                 [](const FileEntry& f, const std::string& p) { return f.path < p; });
+  const bool is_listed = listed != manifest_.files.end() && listed->path == rel;
+  if (is_listed && listed->size != m.size)
+    integrity(fmt::format("{}: file {}: {} bytes, expected {}", label_, rel, m.size, listed->size));
+  std::vector<uint8_t> data;
+  data.reserve(static_cast<size_t>(m.size));
+  src_->read(rel, m, [&](const uint8_t* p, size_t n) { data.insert(data.end(), p, p + n); });
+  if (is_listed) {
+    const std::string got = sha256_hex(data);
+    if (got != listed->sha256)
+      integrity(fmt::format("{}: file {}: sha256 {}, expected {} (the file was altered)", label_, rel, got,
+                            listed->sha256));
+  }
+  return src_->loaded.emplace(rel, std::move(data)).first->second;
 }
 
 }  // namespace dp::format

@@ -1,4 +1,5 @@
 #include "format/manifest.h"
+#include "format/untrusted.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,8 +13,11 @@
 namespace dp::format {
 namespace {
 
+// Every manifest message ends here. Values from the manifest are quoted through excerpt() where they are
+// formatted; the whole message is cut again so that no field a message names unquoted (a weight or file
+// name) can make it unbounded.
 [[noreturn]] void schema_error(const std::string& where, const std::string& msg) {
-  throw FormatError(FormatError::Kind::schema, where + ": " + msg);
+  throw FormatError(FormatError::Kind::schema, where + ": " + excerpt(msg, 8 * kExcerptMax));
 }
 
 // Strict field reader over one JSON object, with the field path for messages.
@@ -38,12 +42,12 @@ class Obj {
   T num(std::string_view k, T lo = std::numeric_limits<T>::lowest(), T hi = std::numeric_limits<T>::max()) const {
     const Json& v = get(k);
     if (!v.is_number() || (std::is_integral_v<T> && !v.is_number_integer()))
-      schema_error(where_, fmt::format("field {} is {} ({}), expected {}", field(k), v.type_name(), v.dump(),
+      schema_error(where_, fmt::format("field {} is {} ({}), expected {}", field(k), v.type_name(), json_excerpt(v),
                                        std::is_integral_v<T> ? "an integer" : "a number"));
     if constexpr (std::is_integral_v<T>) {
       if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(hi)
                                  : (v.get<int64_t>() < static_cast<int64_t>(lo) || v.get<int64_t>() > static_cast<int64_t>(hi)))
-        schema_error(where_, fmt::format("field {} is {}, expected {}..{}", field(k), v.dump(), lo, hi));
+        schema_error(where_, fmt::format("field {} is {}, expected {}..{}", field(k), json_excerpt(v), lo, hi));
     }
     return v.get<T>();
   }
@@ -59,14 +63,16 @@ class Obj {
   }
   Obj obj(std::string_view k) const { return Obj(get(k), where_, field(k)); }
   Obj at(std::string_view k, size_t i) const { return Obj(array(k)[i], where_, fmt::format("{}[{}]", field(k), i)); }
-  std::vector<int64_t> ints(std::string_view k) const {
+  std::vector<int64_t> ints(std::string_view k, int64_t lo = INT64_MIN, int64_t hi = INT64_MAX) const {
     std::vector<int64_t> out;
     const Json& a = array(k);
     for (size_t i = 0; i < a.size(); ++i) {
       if (!a[i].is_number_integer() || (a[i].is_number_unsigned() && a[i].get<uint64_t>() > INT64_MAX))
         schema_error(where_, fmt::format("field {}[{}] is {} ({}), expected an integer", field(k), i,
-                                         a[i].type_name(), a[i].dump()));
-      out.push_back(a[i].get<int64_t>());
+                                         a[i].type_name(), json_excerpt(a[i])));
+      const int64_t v = a[i].get<int64_t>();
+      if (v < lo || v > hi) schema_error(where_, fmt::format("field {}[{}] is {}, expected {}..{}", field(k), i, v, lo, hi));
+      out.push_back(v);
     }
     return out;
   }
@@ -95,7 +101,7 @@ class Obj {
   void only(std::initializer_list<std::string_view> keys) const {
     for (auto it = j_.begin(); it != j_.end(); ++it)
       if (std::find(keys.begin(), keys.end(), it.key()) == keys.end())
-        schema_error(where_, fmt::format("unknown field {}", field(it.key())));
+        schema_error(where_, fmt::format("unknown field {}", excerpt(field(it.key()))));
   }
 
  private:
@@ -103,8 +109,10 @@ class Obj {
   std::string where_, path_;
 };
 
-const std::set<std::string> kDtypes = {"BOOL", "U8",  "I8",  "U16", "I16", "F16",     "BF16",    "U32",
-                                       "I32",  "F32", "U64", "I64", "F64", "F8_E4M3", "F8_E5M2", "F8_E8M0"};
+// The safetensors dtypes and their element sizes in bytes.
+const std::map<std::string, uint64_t> kDtypes = {
+    {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"U16", 2}, {"I16", 2}, {"F16", 2},     {"BF16", 2},    {"U32", 4},
+    {"I32", 4},  {"F32", 4}, {"U64", 8}, {"I64", 8}, {"F64", 8}, {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"F8_E8M0", 1}};
 const std::set<std::string> kKinds = {"final_norm", "prefetch", "layer", "indexer"};
 
 bool is_hex64(const std::string& s) {
@@ -240,6 +248,10 @@ Manifest from_json(const Json& j, const std::string& where) {
   m.tool_version = top.str("tool_version");
   m.toolchains = top.get("toolchains");
   if (!m.toolchains.is_object()) schema_error(where, "field toolchains is not an object");
+  for (auto it = m.toolchains.begin(); it != m.toolchains.end(); ++it)  // vendor -> compiler version
+    if (!it->is_string())
+      schema_error(where, fmt::format("field toolchains.{} is {} ({}), expected a string", excerpt(it.key()),
+                                      it->type_name(), json_excerpt(*it)));
   m.templates_digest = top.str("templates_digest");
 
   Obj mo = top.obj("model");
@@ -248,9 +260,9 @@ Manifest from_json(const Json& j, const std::string& where) {
   m.model.model_type = mo.str("model_type");
   m.model.architecture = mo.str("architecture");
   m.model.config_digest = mo.str("config_digest");
-  m.model.hidden_size = mo.num<int64_t>("hidden_size", 1);
-  m.model.num_layers = mo.num<int64_t>("num_layers", 1);
-  m.model.vocab_size = mo.num<int64_t>("vocab_size", 1);
+  m.model.hidden_size = mo.num<int64_t>("hidden_size", 1, kMaxHiddenSize);
+  m.model.num_layers = mo.num<int64_t>("num_layers", 1, kMaxLayers);
+  m.model.vocab_size = mo.num<int64_t>("vocab_size", 1, kMaxVocabSize);
   m.model.rms_norm_eps = mo.num<double>("rms_norm_eps");
   m.model.details = mo.get("details");
   m.deploy = top.get("deploy");
@@ -260,7 +272,7 @@ Manifest from_json(const Json& j, const std::string& where) {
   for (size_t i = 0; i < top.array("layers").size(); ++i) {
     Obj l = top.at("layers", i);
     l.only({"index", "mixer", "ffn", "class"});
-    m.layers.push_back({l.num<int>("index", 0), l.str("mixer"), l.str("ffn"), l.str("class")});
+    m.layers.push_back({l.num<int>("index", 0, kMaxLayers - 1), l.str("mixer"), l.str("ffn"), l.str("class")});
   }
   for (size_t i = 0; i < top.array("kernels").size(); ++i) {
     Obj k = top.at("kernels", i);
@@ -276,26 +288,26 @@ Manifest from_json(const Json& j, const std::string& where) {
     e.q = k.num<int64_t>("q", 0, 64);
     e.file = k.str("file");
     e.sha256 = k.str("sha256");
-    e.param_bytes = k.num<uint32_t>("param_bytes");
+    e.param_bytes = k.num<uint32_t>("param_bytes", 0, kMaxParamBytes);
     for (size_t p = 0; p < k.array("params").size(); ++p) {
       Obj po = k.at("params", p);
       po.only({"name", "kind", "offset", "size", "shape", "nullable"});
-      e.params.push_back({po.str("name"), po.str("kind"), po.num<uint32_t>("offset"), po.num<uint32_t>("size"),
-                          po.str("shape"), po.boolean("nullable")});
+      e.params.push_back({po.str("name"), po.str("kind"), po.num<uint32_t>("offset", 0, kMaxParamBytes),
+                          po.num<uint32_t>("size", 0, kMaxParamBytes), po.str("shape"), po.boolean("nullable")});
     }
     k.dim3("grid", e.grid);
     k.dim3("block", e.block);
-    e.shared_bytes = k.num<uint32_t>("shared_bytes");
-    e.registers = k.num<uint32_t>("registers");
-    e.stack_bytes = k.num<uint32_t>("stack_bytes");
-    e.spill_bytes = k.num<uint32_t>("spill_bytes");
+    e.shared_bytes = k.num<uint32_t>("shared_bytes", 0, kMaxKernelResource);
+    e.registers = k.num<uint32_t>("registers", 0, kMaxKernelResource);
+    e.stack_bytes = k.num<uint32_t>("stack_bytes", 0, kMaxKernelResource);
+    e.spill_bytes = k.num<uint32_t>("spill_bytes", 0, kMaxKernelResource);
     m.kernels.push_back(std::move(e));
   }
   if (m.format_version.minor >= 1) {
     Obj ix = top.obj("indexer");
     ix.only({"heads", "head_dim", "top_k", "prefill_workspace_bytes"});
     m.indexer = {ix.num<int64_t>("heads", 0, 1 << 20), ix.num<int64_t>("head_dim", 0, 1 << 20),
-                 ix.num<int64_t>("top_k", 0, int64_t{1} << 40), ix.num<uint64_t>("prefill_workspace_bytes")};
+                 ix.num<int64_t>("top_k", 0, int64_t{1} << 40), ix.num<uint64_t>("prefill_workspace_bytes", 0, kMaxDeviceBytes)};
     for (size_t i = 0; i < top.array("programs").size(); ++i) {
       Obj p = top.at("programs", i);
       p.only({"class", "width", "steps", "reason"});
@@ -311,8 +323,8 @@ Manifest from_json(const Json& j, const std::string& where) {
         for (size_t a = 0; a < so.array("args").size(); ++a) {
           Obj ao = so.at("args", a);
           ao.only({"param", "from", "name", "offset", "value"});
-          st.args.push_back({ao.str("param"), ao.str("from"), ao.str("name"), ao.num<uint64_t>("offset"),
-                             ao.num<double>("value")});
+          st.args.push_back({ao.str("param"), ao.str("from"), ao.str("name"),
+                             ao.num<uint64_t>("offset", 0, kMaxDeviceBytes), ao.num<double>("value")});
         }
         pe.steps.push_back(std::move(st));
       }
@@ -330,12 +342,15 @@ Manifest from_json(const Json& j, const std::string& where) {
       WeightEntry we;
       we.name = wo.str("name");
       we.dtype = wo.str("dtype");
-      we.shape = wo.ints("shape");
-      we.split_dim = wo.num<int>("split_dim", -1, 8);
-      we.begin = wo.num<int64_t>("begin", 0);
-      we.end = wo.num<int64_t>("end", 0);
-      we.experts = wo.num<int64_t>("experts", 0);
-      we.layer = wo.num<int>("layer", -1);
+      we.shape = wo.ints("shape", 0, kMaxDimension);
+      if (static_cast<int64_t>(we.shape.size()) > kMaxDims)
+        schema_error(where, fmt::format("field {} has {} dimensions, expected at most {}", wo.field("shape"),
+                                        we.shape.size(), kMaxDims));
+      we.split_dim = wo.num<int>("split_dim", -1, kMaxDims - 1);
+      we.begin = wo.num<int64_t>("begin", 0, kMaxDimension);
+      we.end = wo.num<int64_t>("end", 0, kMaxDimension);
+      we.experts = wo.num<int64_t>("experts", 0, kMaxExperts);
+      we.layer = wo.num<int>("layer", -1, kMaxLayers - 1);
       we.sha256 = wo.strs("sha256");
       re.weights.push_back(std::move(we));
     }
@@ -346,26 +361,26 @@ Manifest from_json(const Json& j, const std::string& where) {
     p.only({"point", "layer", "widths", "critical", "grid", "ranges"});
     PrefetchEntry pe;
     pe.point = p.str("point");
-    pe.layer = p.num<int>("layer", 0);
-    pe.widths = p.ints("widths");
+    pe.layer = p.num<int>("layer", 0, kMaxLayers - 1);
+    pe.widths = p.ints("widths", 1, 1 << 16);
     pe.critical = p.boolean("critical");
     pe.grid = p.num<int>("grid", 1, 65535);
     for (size_t r = 0; r < p.array("ranges").size(); ++r) {
       Obj ro = p.at("ranges", r);
       ro.only({"weight", "bytes"});
-      pe.ranges.push_back({ro.str("weight"), ro.num<uint64_t>("bytes")});
+      pe.ranges.push_back({ro.str("weight"), ro.num<uint64_t>("bytes", 0, kMaxDeviceBytes)});
     }
     m.prefetch.push_back(std::move(pe));
   }
   for (size_t i = 0; i < top.array("workspace").size(); ++i) {
     Obj w = top.at("workspace", i);
     w.only({"width", "bytes"});
-    m.workspace.push_back({w.num<int64_t>("width", 1), w.num<uint64_t>("bytes")});
+    m.workspace.push_back({w.num<int64_t>("width", 1, 1 << 16), w.num<uint64_t>("bytes", 0, kMaxDeviceBytes)});
   }
   for (size_t i = 0; i < top.array("files").size(); ++i) {
     Obj f = top.at("files", i);
     f.only({"path", "size", "sha256"});
-    m.files.push_back({f.str("path"), f.num<uint64_t>("size"), f.str("sha256")});
+    m.files.push_back({f.str("path"), f.num<uint64_t>("size", 0, kMaxFileBytes), f.str("sha256")});
   }
   validate(m, where);
   return m;
@@ -450,8 +465,13 @@ void validate(const Manifest& m, const std::string& where) {
     bad(fmt::format("templates_digest \"{}\" is not 64 hex digits", m.templates_digest));
 
   std::set<std::string> files;
+  uint64_t total = 0;  // each size is at most kMaxFileBytes < 2^33: no overflow in 2^16 files
   for (size_t i = 0; i < m.files.size(); ++i) {
     const FileEntry& f = m.files[i];
+    total += f.size;
+    if (total > kMaxBundleBytes)
+      bad(fmt::format("files[{}] ({}): the files up to here hold {} bytes, expected at most {} in all", i, f.path, total,
+                      kMaxBundleBytes));
     if (!safe_path(f.path)) bad(fmt::format("files[{}].path \"{}\" is not a safe relative path", i, f.path));
     if (f.path == kManifestFile) bad(fmt::format("files[{}] lists {} itself", i, kManifestFile));
     if (!is_hex64(f.sha256)) bad(fmt::format("files[{}] ({}): sha256 \"{}\" is not 64 hex digits", i, f.path, f.sha256));
@@ -488,6 +508,12 @@ void validate(const Manifest& m, const std::string& where) {
     for (const KernelParamEntry& p : k.params) {
       if (p.kind != "pointer" && p.kind != "u32" && p.kind != "f32")
         bad(fmt::format("kernels[{}] ({}): param {} kind \"{}\", expected pointer, u32 or f32", i, k.key, p.name, p.kind));
+      // The runtime writes a pointer as 8 bytes and a u32 or f32 as 4 at `offset` of a param_bytes block:
+      // a smaller size would let that write pass the block's end.
+      const uint32_t want = p.kind == "pointer" ? 8 : 4;
+      if (p.size != want || p.offset % want)
+        bad(fmt::format("kernels[{}] ({}): param {} ({}) at offset {} with size {}, expected size {} at a multiple of {}",
+                        i, k.key, p.name, p.kind, p.offset, p.size, want, want));
       end = std::max<uint64_t>(end, uint64_t{p.offset} + p.size);
     }
     if (!k.params.empty() && end != k.param_bytes)
@@ -499,8 +525,15 @@ void validate(const Manifest& m, const std::string& where) {
     std::set<std::string> names;
     for (const WeightEntry& w : r.weights) {
       if (!names.insert(w.name).second) bad(fmt::format("ranks[{}]: weight {} listed twice", i, w.name));
-      if (!kDtypes.count(w.dtype))
-        bad(fmt::format("ranks[{}] weight {}: dtype \"{}\" is not a safetensors dtype", i, w.name, w.dtype));
+      auto dt = kDtypes.find(w.dtype);
+      if (dt == kDtypes.end())
+        bad(fmt::format("ranks[{}] weight {}: dtype \"{}\" is not a safetensors dtype", i, w.name, excerpt(w.dtype)));
+      // Each dimension is bounded by the reader; their product is checked here, before anyone sizes by it.
+      uint64_t bytes = dt->second;
+      for (int64_t d : w.shape)
+        if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes) || bytes > kMaxShardBytes)
+          bad(fmt::format("ranks[{}] weight {}: shape [{}] x {} bytes is more than {} bytes", i, w.name,
+                          fmt::join(w.shape, ", "), dt->second, kMaxShardBytes));
       const bool grouped = w.name.find("{e}") != std::string::npos;
       if (grouped != (w.experts > 0))
         bad(fmt::format("ranks[{}] weight {}: experts {} but the name {} \"{{e}}\"", i, w.name, w.experts,

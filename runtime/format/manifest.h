@@ -27,6 +27,23 @@ inline constexpr int kFormatMajor = 1;
 inline constexpr int kFormatMinor = 3;
 inline constexpr const char* kManifestFile = "manifest.json";
 
+// Bounds the reader puts on the manifest's numbers: far above any real bundle (kimi-k3: hidden 7168, 93
+// layers, 896 experts, shards of a few hundred MB), low enough that no size, offset or product the
+// runtime forms from them overflows and no allocation sized by them is absurd. A field outside its
+// bound is a schema error naming the field, its value and the bound.
+inline constexpr int64_t kMaxHiddenSize = int64_t{1} << 16;
+inline constexpr int64_t kMaxLayers = 1024;
+inline constexpr int64_t kMaxVocabSize = int64_t{1} << 22;
+inline constexpr int64_t kMaxDims = 8;                          // dimensions of a weight (DP_MAX_DIMS)
+inline constexpr int64_t kMaxDimension = int64_t{1} << 40;      // one dimension, a shard range's ends
+inline constexpr uint64_t kMaxShardBytes = uint64_t{1} << 48;   // one weight shard (one expert's)
+inline constexpr int64_t kMaxExperts = int64_t{1} << 16;        // tensors of one expert group
+inline constexpr uint64_t kMaxDeviceBytes = uint64_t{1} << 40;  // a workspace, a prefetch range, an offset
+inline constexpr uint32_t kMaxParamBytes = 32764;               // a kernel's parameters (CUDA's limit)
+inline constexpr uint32_t kMaxKernelResource = 1u << 24;        // shared, stack and spill bytes; registers
+inline constexpr uint64_t kMaxFileBytes = 077777777777ULL;      // a file of the bundle (ustar's limit)
+inline constexpr uint64_t kMaxBundleBytes = uint64_t{4} << 30;  // all files of the bundle together
+
 // Thrown by the reader and validator; `what()` names the file, field, actual and expected value.
 struct FormatError : std::runtime_error {
   enum class Kind { version, schema, integrity };

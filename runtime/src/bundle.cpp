@@ -31,7 +31,7 @@ class Fields {
     const format::Json* j = at(root, path, st);
     if (!j) return 0;
     if (!j->is_number_integer() || j->get<int64_t>() < lo || j->get<int64_t>() > hi) {
-      if (st.ok()) st = error(DP_ERR_FORMAT, "{}: field {} is {}, expected an integer in {}..{}", where_, path, j->dump(), lo, hi);
+      if (st.ok()) st = error(DP_ERR_FORMAT, "{}: field {} is {}, expected an integer in {}..{}", where_, path, format::json_excerpt(*j), lo, hi);
       return 0;
     }
     return j->get<int64_t>();
@@ -40,7 +40,7 @@ class Fields {
     const format::Json* j = at(root, path, st);
     if (!j) return {};
     if (!j->is_string()) {
-      if (st.ok()) st = error(DP_ERR_FORMAT, "{}: field {} is {}, expected a string", where_, path, j->dump());
+      if (st.ok()) st = error(DP_ERR_FORMAT, "{}: field {} is {}, expected a string", where_, path, format::json_excerpt(*j));
       return {};
     }
     return j->get<std::string>();
@@ -50,12 +50,12 @@ class Fields {
     std::vector<int64_t> out;
     if (!j) return out;
     if (!j->is_array()) {
-      if (st.ok()) st = error(DP_ERR_FORMAT, "{}: field {} is {}, expected an array of integers", where_, path, j->dump());
+      if (st.ok()) st = error(DP_ERR_FORMAT, "{}: field {} is {}, expected an array of integers", where_, path, format::json_excerpt(*j));
       return out;
     }
     for (const auto& v : *j) {
       if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > (1 << 20)) {
-        if (st.ok()) st = error(DP_ERR_FORMAT, "{}: field {} holds {}, expected integers 0..{}", where_, path, v.dump(), 1 << 20);
+        if (st.ok()) st = error(DP_ERR_FORMAT, "{}: field {} holds {}, expected integers 0..{}", where_, path, format::json_excerpt(v), 1 << 20);
         return {};
       }
       out.push_back(v.get<int64_t>());
@@ -105,22 +105,22 @@ Status derive(dp_bundle& b) {
 
   d.kv_dtype = kv == "fp8" ? DP_DTYPE_F8_E4M3 : dtype_from_name(kv);
   if (d.kv_dtype == DP_DTYPE_INVALID)
-    return error(DP_ERR_FORMAT, "{}: deploy.kv_cache.dtype \"{}\" is not one this runtime knows (bf16, fp8)", where, kv);
+    return error(DP_ERR_FORMAT, "{}: deploy.kv_cache.dtype \"{}\" is not one this runtime knows (bf16, fp8)", where, format::excerpt(kv));
   if (dtype_from_name(kda_dtype) != DP_DTYPE_F32)
-    return error(DP_ERR_FORMAT, "{}: deploy.kda_state.dtype \"{}\", expected \"float32\"", where, kda_dtype);
+    return error(DP_ERR_FORMAT, "{}: deploy.kda_state.dtype \"{}\", expected \"float32\"", where, format::excerpt(kda_dtype));
   d.conv_dtype = dtype_from_name(conv);
   if (d.conv_dtype != DP_DTYPE_BF16 && d.conv_dtype != DP_DTYPE_F32)
-    return error(DP_ERR_FORMAT, "{}: deploy.conv_state.dtype \"{}\", expected \"bf16\" or \"float32\"", where, conv);
+    return error(DP_ERR_FORMAT, "{}: deploy.conv_state.dtype \"{}\", expected \"bf16\" or \"float32\"", where, format::excerpt(conv));
   if (d.kda_state_layout != "kv" && d.kda_state_layout != "vk")
-    return error(DP_ERR_FORMAT, "{}: deploy.kda_state.layout \"{}\", expected \"kv\" or \"vk\"", where, d.kda_state_layout);
+    return error(DP_ERR_FORMAT, "{}: deploy.kda_state.layout \"{}\", expected \"kv\" or \"vk\"", where, format::excerpt(d.kda_state_layout));
   if (d.conv_layout != "sd" && d.conv_layout != "ds")
-    return error(DP_ERR_FORMAT, "{}: deploy.conv_state.layout \"{}\", expected \"sd\" or \"ds\"", where, d.conv_layout);
+    return error(DP_ERR_FORMAT, "{}: deploy.conv_state.layout \"{}\", expected \"sd\" or \"ds\"", where, format::excerpt(d.conv_layout));
   if (d.widths.empty()) return error(DP_ERR_FORMAT, "{}: deploy.widths is empty, expected at least one width", where);
   if (!std::is_sorted(d.widths.begin(), d.widths.end()) || std::count(d.widths.begin(), d.widths.end(), 0))
     return error(DP_ERR_FORMAT, "{}: deploy.widths is not sorted and positive", where);
   for (const format::LayerEntry& l : m.layers) {
     if (l.mixer != "kda" && l.mixer != "mla")
-      return error(DP_ERR_FORMAT, "{}: layers[{}].mixer \"{}\", expected \"kda\" or \"mla\"", where, l.index, l.mixer);
+      return error(DP_ERR_FORMAT, "{}: layers[{}].mixer \"{}\", expected \"kda\" or \"mla\"", where, l.index, format::excerpt(l.mixer));
     if (l.mixer == "kda" && (d.kda_heads % d.tensor_parallel || d.kda_heads == 0 || d.kda_head_dim == 0 || d.conv_kernel < 2))
       return error(DP_ERR_FORMAT, "{}: model.details.kda (num_heads {}, head_dim {}, conv_kernel {}) does not describe a "
                    "KDA layer split over tensor_parallel {}", where, d.kda_heads, d.kda_head_dim, d.conv_kernel,
@@ -191,7 +191,7 @@ dp::rt::Result<dp_bundle*> dp_bundle::open(const std::string& path) {
   try {
     b = std::make_unique<dp_bundle>();
     b->reader = dp::format::BundleReader::open(path);
-    b->reader.verify();
+    b->reader.load();  // verified and held in memory: the path may go away once the bundle is open
   } catch (const dp::format::BundleIoError& e) {
     return Status(DP_ERR_IO, e.what());
   } catch (const dp::format::FormatError& e) {

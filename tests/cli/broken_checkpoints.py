@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import struct
+import tarfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(os.path.dirname(HERE), "fixtures", "hf-kimi-linear", "checkpoint")
@@ -68,3 +69,155 @@ def wrong_dtype(dst):
     """Labels a bf16 tensor F16 (same size, so the file itself stays valid)."""
     name = "model.layers.1.self_attn.q_proj.weight"
     _edit_tensor(dst, name, lambda h, i: h[name].update(dtype="F16"))
+
+
+# Hostile inputs (issue 12). Nest(n) is n "[" then n "]": the JSON library copies and prints values
+# recursively, so a document nested that deep overflowed the stack.
+
+BUNDLE_V1 = os.path.join(os.path.dirname(HERE), "fixtures", "bundle-v1", "tiny-v1.dpk")
+
+
+def _nest(n):
+    return "[" * n + "]" * n
+
+
+def config_deep_nesting(dst):
+    """The fixture with `"zz": Nest(100000)` added to config.json."""
+    _copy(dst)
+    path = os.path.join(dst, "config.json")
+    with open(path) as f:
+        text = f.read()
+    text = text[:text.rindex("}")] + ', "zz": ' + _nest(100000) + "}\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _make_fifo(path):
+    if os.path.lexists(path):
+        os.remove(path)
+    os.mkfifo(path)
+
+
+def fifo_config(dst):
+    """The fixture with config.json replaced by a FIFO that nobody writes."""
+    _copy(dst)
+    _make_fifo(os.path.join(dst, "config.json"))
+
+
+def fifo_shard(dst):
+    """The fixture with its second shard replaced by a FIFO."""
+    _copy(dst)
+    _make_fifo(os.path.join(dst, "model-00002-of-00003.safetensors"))
+
+
+def fifo_files(dst):
+    """A directory holding FIFOs named like a deploy file and a bundle."""
+    os.makedirs(dst)
+    for name in ("deploy.json", "tiny.dpk"):
+        os.mkfifo(os.path.join(dst, name))
+
+
+def unreadable_checkpoint(dst):
+    """The fixture in a directory of mode 000."""
+    _copy(dst)
+    os.chmod(dst, 0)
+
+
+def flatten_o_proj(dst):
+    """Edits the checkpoint that setup wrote at dst: layer 0's o_proj [256, 256] becomes [65536] (same bytes)."""
+    name = "model.layers.0.self_attn.o_proj.weight"
+    with open(os.path.join(dst, "model.safetensors.index.json")) as f:
+        shard = os.path.join(dst, json.load(f)["weight_map"][name])
+    header, body = _read(shard)
+    n = 1
+    for d in header[name]["shape"]:
+        n *= d
+    header[name]["shape"] = [n]
+    _write(shard, header, body)
+
+
+def _bundle_members():
+    with tarfile.open(BUNDLE_V1) as t:
+        return [(m.name, t.extractfile(m).read()) for m in t.getmembers() if m.isfile()]
+
+
+def _write_dpk(path, members, hole=None):
+    """A plain ustar archive of (name, bytes) members; `hole` = (name, size) adds a last member whose
+    data is a hole in a sparse file (zeros that take no disk space)."""
+    def header(name, size):
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime = size, 0o644, 0
+        return info.tobuf(format=tarfile.USTAR_FORMAT)
+    with open(path, "wb") as f:
+        for name, data in members:
+            f.write(header(name, len(data)) + data + b"\0" * (-len(data) % 512))
+        if hole:
+            name, size = hole
+            f.write(header(name, size))
+            f.seek(size + (-size % 512), os.SEEK_CUR)
+        f.write(b"\0" * 1024)
+
+
+def manifest_deep_nesting(dst):
+    """tiny-v1 with Nest(100000) as a toolchains value of its manifest: dst/dir (a directory bundle) and
+    dst/deep.dpk."""
+    members = _bundle_members()
+    out = []
+    for name, data in members:
+        if name == "manifest.json":
+            m = json.loads(data)
+            m["toolchains"]["zz"] = "@@"
+            text = json.dumps(m, sort_keys=True, separators=(",", ":")).replace('"@@"', _nest(100000))
+            data = (text + "\n").encode()
+        out.append((name, data))
+    for name, data in out:
+        path = os.path.join(dst, "dir", name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    _write_dpk(os.path.join(dst, "deep.dpk"), out)
+
+
+def sparse_bundles(dst):
+    """dst/big.dpk: tiny-v1 plus an unlisted 6 GB member of zeros; dst/huge-manifest.dpk: tiny-v1's code
+    objects and a 1 GiB manifest.json. Both are sparse files: they take almost no disk space."""
+    os.makedirs(dst)
+    members = _bundle_members()
+    _write_dpk(os.path.join(dst, "big.dpk"), members, hole=("zz/padding.bin", 6 * 10**9))
+    _write_dpk(os.path.join(dst, "huge-manifest.dpk"), [m for m in members if m[0] != "manifest.json"],
+               hole=("manifest.json", 1 << 30))
+
+
+def manifest_edits(dst):
+    """Directory bundles of tiny-v1 with one manifest field edited: dst/toolchain (a toolchain version that
+    is an array), dst/widths (deploy.widths a string), dst/no-spec (deploy without num_speculative_tokens)."""
+    members = _bundle_members()
+    edits = {
+        "toolchain": lambda m: m["toolchains"].update(nvidia=[1]),
+        "widths": lambda m: m["deploy"].update(widths="1"),
+        "no-spec": lambda m: m["deploy"].pop("num_speculative_tokens"),
+    }
+    for name, edit in edits.items():
+        for member, data in members:
+            if member == "manifest.json":
+                m = json.loads(data)
+                edit(m)
+                data = (json.dumps(m, sort_keys=True, separators=(",", ":")) + "\n").encode()
+            path = os.path.join(dst, name, member)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+
+
+def long_tensor_name(dst):
+    """The fixture with one extra 4-byte tensor whose name is 100000 bytes long (in its shard and the index)."""
+    index = _copy(dst)
+    shard_name = sorted(set(index["weight_map"].values()))[0]
+    shard = os.path.join(dst, shard_name)
+    header, body = _read(shard)
+    name = "x" * 100000
+    header[name] = {"dtype": "U8", "shape": [4], "data_offsets": [len(body), len(body) + 4]}
+    _write(shard, header, body + b"\0" * 4)
+    index["weight_map"][name] = shard_name
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)

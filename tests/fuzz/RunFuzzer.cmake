@@ -2,7 +2,7 @@
 # seconds and fails when libFuzzer reports anything (crash, sanitizer report, leak, timeout, OOM).
 #
 # Inputs: FUZZER (binary), NAME, WORK (scratch dir in the build tree), SEEDS (list of read-only corpus
-# dirs), DICT (dictionary or empty), TIME (seconds), RSS_MB.
+# dirs), DICT (dictionary or empty), TIME (seconds), RSS_MB, TIMEOUT (seconds per input; default 60).
 #
 # libFuzzer writes the inputs it discovers into its first corpus directory, so that one is WORK/corpus
 # (in the build tree, kept between runs to make later runs start deeper); the committed seed dirs come
@@ -21,7 +21,10 @@ set(artifacts "${WORK}/artifacts/")
 file(REMOVE_RECURSE "${artifacts}")
 file(MAKE_DIRECTORY "${corpus}" "${artifacts}")
 
-set(args -max_total_time=${TIME} -rss_limit_mb=${RSS_MB} -timeout=10 -print_final_stats=1
+if(NOT DEFINED TIMEOUT OR "${TIMEOUT}" STREQUAL "")
+  set(TIMEOUT 60)
+endif()
+set(args -max_total_time=${TIME} -rss_limit_mb=${RSS_MB} -timeout=${TIMEOUT} -print_final_stats=1
          -artifact_prefix=${artifacts})
 if(DICT)
   list(APPEND args -dict=${DICT})

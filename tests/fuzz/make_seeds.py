@@ -11,6 +11,7 @@ them.
 import json
 import os
 import struct
+import tarfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -67,6 +68,24 @@ def main():
                                         gate_lower_bound=-5.0))
     k3 = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text}
     write("json_config", "kimi_k3.json", json.dumps(k3, separators=(",", ":")).encode())
+
+    # A valid manifest small enough for -max_len=4096 (the long runs): tiny-v1's with one layer, two
+    # weights and no kernels or files; and the same as the only member of a .dpk.
+    with open(os.path.join(HERE, "corpus", "manifest", "tiny-v1.json")) as f:
+        m = json.load(f)
+    m.update(kernels=[], files=[], prefetch=[], layers=m["layers"][:1])
+    m["ranks"] = [{"rank": 0, "weights": m["ranks"][0]["weights"][:2]}]
+    m["model"]["num_layers"] = 1
+    minimal = (json.dumps(m, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    write("manifest", "minimal.json", minimal)
+    write("archive", "minimal.dpk", ustar_member("manifest.json", minimal) + bytes(1024))
+
+
+def ustar_member(name, data):
+    """One plain ustar member as bundle-format.md 1.1 prescribes (header, data padded to 512 bytes)."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o644, 0
+    return info.tobuf(format=tarfile.USTAR_FORMAT) + data + bytes(-len(data) % 512)
 
 
 if __name__ == "__main__":

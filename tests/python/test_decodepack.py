@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import tarfile
 import tempfile
 import unittest
 
@@ -133,6 +135,32 @@ class BindingTest(unittest.TestCase):
         with self.assertRaises(dp.DecodepackError) as e:
             dp.Bundle(bad)
         self.assertEqual(e.exception.code, dp.ERR_INTEGRITY, e.exception.message)
+
+    def test_hostile_manifest_is_refused(self):
+        # A manifest nested 10^6 deep (issue 12) once overflowed the stack inside libdecodepack and killed
+        # the host process; now it is refused with a status. Run in a child so that a crash is reported.
+        d = os.path.join(self.tmp, "deep")
+        shutil.rmtree(d, ignore_errors=True)
+        with tarfile.open(self.path) as t:
+            t.extractall(d)  # the bundle built in setUpClass
+        with open(os.path.join(d, "manifest.json")) as f:
+            m = json.load(f)
+        m["toolchains"]["zz"] = "@@"
+        text = json.dumps(m, sort_keys=True, separators=(",", ":")).replace('"@@"', "[" * 1000000 + "]" * 1000000)
+        with open(os.path.join(d, "manifest.json"), "w") as f:
+            f.write(text + "\n")
+        archive = os.path.join(self.tmp, "deep.dpk")
+        with tarfile.open(archive, "w", format=tarfile.USTAR_FORMAT) as t:
+            for name in sorted(os.listdir(d)):
+                t.add(os.path.join(d, name), arcname=name)
+        child = ("import decodepack as dp, sys\n"
+                 "try:\n    dp.Bundle(sys.argv[1])\nexcept dp.DecodepackError as e:\n"
+                 "    print(e.code_name, e.message)\n    sys.exit(0)\nsys.exit(3)\n")
+        for path in (d, archive):
+            r = subprocess.run([sys.executable, "-c", child, path], capture_output=True, text=True)
+            self.assertEqual(r.returncode, 0, "%s: exit %d\n%s%s" % (path, r.returncode, r.stdout, r.stderr))
+            self.assertIn("DP_ERR_FORMAT", r.stdout)
+            self.assertIn("nested deeper than 64 levels", r.stdout)
 
     def test_validity(self):
         self.bundle.query_validity()

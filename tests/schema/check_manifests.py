@@ -163,7 +163,7 @@ NEGATIVE = [
     ("prefetch bytes not a multiple of 16", _set(["prefetch", 0, "ranges", 0, "bytes"], 100), "multipleOf",
      "prefetch/0/ranges/0/bytes", 3),
     ("unknown top-level member", _set(["comment"], "hi"), "additionalProperties", "", 3),
-    ("unknown member in deploy", _set(["deploy", "comment"], "hi"), "additionalProperties", "deploy", 0),
+    ("unknown member in deploy", _set(["deploy", "comment"], "hi"), "additionalProperties", "deploy", 3),
     ("unknown dtype name", _set(["ranks", 0, "weights", 0, "dtype"], "BF17"), "enum", "ranks/0/weights/0/dtype", 3),
     ("expert group name without {e}", _expert_group_without_placeholder, "pattern", "ranks/0/weights/", 3),
     ("kernel file outside kernels/<target>/", _set(["kernels", 0, "file"], "x.hsaco"), "pattern", "kernels/0/file", 3),

@@ -269,7 +269,10 @@ DP_API void dp_bundle_open_options_init(dp_bundle_open_options* o);
  * ustar, no links, safe unique paths, nothing cut off), the manifest's format name and version, its
  * schema, then the size and sha256 of every file it lists and that no other file is present. All files
  * are read into memory (a bundle is a few MB of code objects), so the path may go away afterwards.
- * `options` may be NULL. On success *out is a new bundle; on failure *out is NULL.
+ * A hostile bundle cannot crash or exhaust the host: only a directory or a regular file is opened (a
+ * FIFO or device is refused without blocking), manifest.json is read only up to 512 MiB and nested at
+ * most 64 deep, a member that is not listed is never read, and all files together may hold at most
+ * 4 GiB (runtime/format/bundle_reader.h). `options` may be NULL. On success *out is a new bundle; on failure *out is NULL.
  * Codes: DP_ERR_IO, DP_ERR_FORMAT_VERSION, DP_ERR_FORMAT, DP_ERR_INTEGRITY. */
 DP_API dp_status* dp_bundle_open(const char* path, const dp_bundle_open_options* options, dp_bundle** out);
 /* Drops the caller's reference. Sessions hold their own, so a bundle may be closed while its sessions

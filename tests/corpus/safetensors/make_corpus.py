@@ -92,6 +92,12 @@ CASES = [
      file_bytes('{"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},'
                 '"w":{"dtype":"U8","shape":[4],"data_offsets":[4,8]}}', 8),
      ["duplicate_name.safetensors: tensor w appears more than once in the header"]),
+    # The JSON library copies and prints values recursively: a header nested 100000 deep must be refused
+    # while parsing, before anything quotes it.
+    ("deep_nesting.safetensors", file_bytes('{"w":' + "[" * 100000 + "]" * 100000 + "}", 0),
+     ["deep_nesting.safetensors: header nests arrays and objects deeper than 64 levels (at byte 76 of the file)"]),
+    ("long_dtype.safetensors", file_bytes({"w": entry("Q" * 100000, [4], 0, 4)}, 4),
+     ['tensor w: dtype "QQQ', "... (100000 bytes)\" is not supported"]),
 ]
 
 

@@ -257,6 +257,48 @@ TEST_F(BrokenManifest, ParamsDoNotEndAtParamBytes) {
   expect_invalid(m_, {"kernels[3] (rmsnorm_w1_h256.sm_90a): params end at byte 44, param_bytes is 48"});
 }
 
+TEST_F(BrokenManifest, ParamSmallerThanItsKindWouldOverflowTheBlock) {
+  // The runtime writes 8 bytes for a pointer: a 4-byte pointer param at the end of the block would have it
+  // write past param_bytes.
+  format::KernelEntry& k = m_.kernels[3];
+  format::KernelParamEntry* ptr = nullptr;
+  for (auto& p : k.params)
+    if (p.kind == "pointer") ptr = &p;
+  ASSERT_NE(ptr, nullptr);
+  ptr->size = 4;
+  expect_invalid(m_, {"kernels[3] (rmsnorm_w1_h256.sm_90a): param " + ptr->name + " (pointer) at offset",
+                      "with size 4, expected size 8 at a multiple of 8"});
+}
+
+TEST_F(BrokenManifest, NumbersOutOfTheReadersBounds) {
+  // Read bounds (manifest.h kMax*): each is refused by from_json naming the field, the value and the range.
+  auto refused = [&](const std::function<void(Json&)>& edit, const std::string& fragment) {
+    Json j = format::to_json(m_);
+    edit(j);
+    test::expect_error([&] {
+      try {
+        format::from_json(j, "m.json");
+      } catch (const format::FormatError& e) {
+        rethrow_format_error(e);
+      }
+    }, Errc::input, {fragment});
+  };
+  refused([](Json& j) { j["ranks"][0]["weights"][0]["shape"][0] = int64_t{1} << 41; },
+          "field ranks[0].weights[0].shape[0] is 2199023255552, expected 0..1099511627776");
+  refused([](Json& j) { j["ranks"][0]["weights"][0]["experts"] = int64_t{1} << 62; },
+          "field ranks[0].weights[0].experts is 4611686018427387904, expected 0..65536");
+  refused([](Json& j) { j["workspace"][0]["bytes"] = uint64_t{1} << 50; },
+          "field workspace[0].bytes is 1125899906842624, expected 0..1099511627776");
+  refused([](Json& j) { j["kernels"][0]["param_bytes"] = 1 << 20; },
+          "field kernels[0].param_bytes is 1048576, expected 0..32764");
+  refused([](Json& j) { j["model"]["hidden_size"] = int64_t{1} << 40; },
+          "field model.hidden_size is 1099511627776, expected 1..65536");
+  refused([](Json& j) { j["files"][0]["size"] = uint64_t{1} << 40; },
+          "field files[0].size is 1099511627776, expected 0..8589934591");
+  refused([](Json& j) { j["ranks"][0]["weights"][0]["shape"] = Json::array({1 << 20, 1 << 20, 1 << 20}); },
+          "shape [1048576, 1048576, 1048576] x 2 bytes is more than 281474976710656 bytes");
+}
+
 TEST_F(BrokenManifest, PrefetchRangeNamesNoWeightOrIsMisaligned) {
   ASSERT_FALSE(m_.prefetch.empty());
   m_.prefetch[0].ranges[0].weight = "model.layers.9.nothing.weight";
@@ -316,7 +358,7 @@ TEST(BundleFormat, ReaderNamesTheFieldOfATypeError) {
       {[](Json& j) { j["kernels"][0]["grid"][1] = 0; }, {"field kernels[0].grid[1] is 0, expected >= 1"}},
       {[](Json& j) { j["kernels"][0]["q"] = 65; }, {"field kernels[0].q is 65, expected 0..64"}},
       {[](Json& j) { j["ranks"][0]["weights"][0]["split_dim"] = -2; },
-       {"field ranks[0].weights[0].split_dim is -2, expected -1..8"}},
+       {"field ranks[0].weights[0].split_dim is -2, expected -1..7"}},
       {[](Json& j) { j["ranks"][0]["weights"][0]["sha256"] = "abc"; },
        {"field ranks[0].weights[0].sha256 is string, expected an array"}},
       {[](Json& j) { j["files"][0]["size"] = -1; }, {"field files[0].size is -1, expected 0.."}},

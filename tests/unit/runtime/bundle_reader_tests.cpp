@@ -2,6 +2,8 @@
 // per failure mode of bundle-format.md §1.2 and §5, each with its expected message.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <cstring>
 #include <functional>
 
@@ -228,7 +230,7 @@ TEST_F(BundleReaderTest, NewerFormatVersionIsRefusedFirst) {
 TEST_F(BundleReaderTest, ManifestThatIsNotJson) {
   const fs::path d = copy_dir();
   write_text(d / "manifest.json", "{not json");
-  expect_format_error([&] { BundleReader::open(d); }, FormatError::Kind::schema, {"manifest.json", "not JSON"});
+  expect_format_error([&] { BundleReader::open(d); }, FormatError::Kind::schema, {"manifest.json", "invalid JSON at byte"});
 }
 
 TEST_F(BundleReaderTest, MissingFileAccessorNamesTheFile) {
@@ -282,6 +284,91 @@ TEST_F(BundleReaderTest, GnuHeaderIsRefused) {
   const std::string a = tar_member("x", "1", '0', "", true) + kEnd;
   expect_format_error([&] { BundleReader::open(write("gnu.dpk", a)); }, FormatError::Kind::integrity,
                       {"entry x", "expected plain ustar"});
+}
+
+// ---- Hostile bundles (issue 12): what is read is bounded before the manifest is validated ----------
+
+// An archive of `prefix` then a member whose data is a hole of `size` zeros (no disk space), then the
+// end-of-archive marker.
+fs::path sparse_archive(const fs::path& p, const std::string& prefix, const std::string& name, uint64_t size) {
+  write_text(p, prefix + tar_header(name, size));
+  fs::resize_file(p, prefix.size() + 512 + (size + 511) / 512 * 512 + 1024);
+  return p;
+}
+
+TEST_F(BundleReaderTest, ManifestAboveTheLimitIsRefusedUnread) {
+  const fs::path p = sparse_archive(dir_ / "huge.dpk", "", "manifest.json", format::kMaxManifestBytes + 1);
+  expect_format_error([&] { BundleReader::open(p); }, FormatError::Kind::schema,
+                      {"huge.dpk:manifest.json", std::to_string(format::kMaxManifestBytes + 1) + " bytes",
+                       "expected at most " + std::to_string(format::kMaxManifestBytes)});
+}
+
+TEST_F(BundleReaderTest, LargeUnlistedMemberIsNeverRead) {
+  // 6 GB of zeros after the real bundle's members: open() skips it, verify() names it without reading it.
+  std::string a = archive();
+  a.resize(a.size() - 1024);  // drop the end marker; sparse_archive adds one after the new member
+  const fs::path p = sparse_archive(dir_ / "big.dpk", a, "zz/padding.bin", uint64_t{6} << 30);
+  BundleReader b = BundleReader::open(p);
+  EXPECT_EQ(b.size("zz/padding.bin"), uint64_t{6} << 30);
+  expect_format_error([&] { b.verify(); }, FormatError::Kind::integrity, {"zz/padding.bin", "not listed"});
+  expect_format_error([&] { b.file("zz/padding.bin"); }, FormatError::Kind::integrity,
+                      {"zz/padding.bin", "expected at most " + std::to_string(format::kMaxLoadedFileBytes)});
+}
+
+TEST_F(BundleReaderTest, TooMuchPaddingAfterTheEndIsRefused) {
+  const fs::path p = write("pad.dpk", archive() + std::string(format::kMaxArchiveTrailingBytes + 512, '\0'));
+  expect_format_error([&] { BundleReader::open(p); }, FormatError::Kind::integrity,
+                      {"pad.dpk", "bytes from the end-of-archive marker", "expected at most"});
+}
+
+TEST_F(BundleReaderTest, TooManyEntriesAreRefused) {
+  std::string a;
+  a.reserve((format::kMaxBundleFiles + 1) * 512 + 1024);
+  for (uint64_t i = 0; i <= format::kMaxBundleFiles; ++i) a += tar_header("d" + std::to_string(i) + "/", 0, '5');
+  expect_format_error([&] { BundleReader::open(write("many.dpk", a + kEnd)); }, FormatError::Kind::schema,
+                      {"many.dpk", "more than " + std::to_string(format::kMaxBundleFiles) + " entries"});
+}
+
+TEST_F(BundleReaderTest, FifoIsRefusedWithoutBlocking) {
+  const fs::path p = dir_ / "fifo.dpk";
+  ASSERT_EQ(::mkfifo(p.c_str(), 0644), 0);
+  expect_format_error([&] { BundleReader::open(p); }, FormatError::Kind::integrity,
+                      {"fifo.dpk", "is a FIFO (named pipe), expected a regular file"}, true);
+  const fs::path d = copy_dir();
+  ASSERT_EQ(::mkfifo((d / "kernels" / "fifo").c_str(), 0644), 0);
+  expect_format_error([&] { BundleReader::open(d); }, FormatError::Kind::integrity,
+                      {"kernels/fifo is a FIFO (named pipe)", "only regular files"});
+}
+
+TEST_F(BundleReaderTest, DeeplyNestedManifestIsRefused) {
+  const fs::path d = copy_dir();
+  std::string m = read_text(d / "manifest.json");
+  m.replace(m.find("\"toolchains\":{"), 14, "\"toolchains\":{\"zz\":" + std::string(100000, '[') +
+            std::string(100000, ']') + ",");
+  write_text(d / "manifest.json", m);
+  expect_format_error([&] { BundleReader::open(d); }, FormatError::Kind::schema,
+                      {"manifest.json", "nested deeper than 64 levels"});
+}
+
+TEST_F(BundleReaderTest, FileLoadedAfterOpenIsCheckedAgainstTheManifest) {
+  // load() / file() read files after open(): one edited in between is refused, never handed out.
+  const fs::path d = copy_dir();
+  BundleReader b = BundleReader::open(d);
+  const std::string f = "kernels/sm_90a/rmsnorm_w1_h256.sm_90a.cubin";
+  std::string bytes = read_text(d / f);
+  bytes[100] ^= 1;
+  write_text(d / f, bytes);
+  expect_format_error([&] { b.file(f); }, FormatError::Kind::integrity, {f, "sha256", "altered"});
+  expect_format_error([&] { BundleReader::open(d).load(); }, FormatError::Kind::integrity, {f, "altered"});
+}
+
+TEST_F(BundleReaderTest, LoadKeepsFilesAfterTheDirectoryIsGone) {
+  // dp_bundle_open's promise: once loaded, the bundle no longer needs its path.
+  const fs::path d = copy_dir();
+  BundleReader b = BundleReader::open(d);
+  b.load();
+  fs::remove_all(d);
+  for (const auto& f : b.manifest().files) EXPECT_EQ(format::sha256_hex(b.file(f.path)), f.sha256) << f.path;
 }
 
 }  // namespace
