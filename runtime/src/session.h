@@ -106,6 +106,8 @@ struct dp_session {
   uint64_t flag_device = 0;
   uint32_t host_flag_storage = 0;
   bool aborted = false;
+  dp_launch_observer_fn observer = nullptr;  // dp_session_set_launch_observer (profilers only)
+  void* observer_user = nullptr;
 
   static dp::rt::Result<dp_session*> create(dp_bundle* b, const dp_session_options& o);
 
