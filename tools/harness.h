@@ -124,8 +124,9 @@ class Harness {
   // Creates the session on o.device, binds every weight and loads the kernels.
   void open_device_and_weights();
   const std::vector<int32_t>& bundle_widths() const { return widths_; }
-  // dp::Error(usage) when the bundle lacks `width` or `requests` exceeds it.
-  void check_width(int width, int requests) const;
+  // dp::Error(usage) when the bundle lacks `width` or `requests` exceeds it; `option` names the width
+  // in the message.
+  void check_width(int width, int requests, const char* option = "--width") const;
   // Per-width state: metadata for `requests` real requests (steps: decode steps the MLA blocks must
   // hold), caches of fresh random contents bound again, io buffers, and which layers have a program.
   // uniform_context: every request at exactly o.context cached tokens (else [context/2, context], all

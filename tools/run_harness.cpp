@@ -390,9 +390,9 @@ ref::StepMeta Meta::step_meta() const {
 }
 // ---- the harness ------------------------------------------------------------------------------------
 
-void Harness::check_width(int width, int requests) const {
+void Harness::check_width(int width, int requests, const char* option) const {
   if (std::find(widths_.begin(), widths_.end(), width) == widths_.end())
-    fail(Errc::usage, "--width {}: {} has no kernels for width {} (built widths: {})", width, o_.bundle, width,
+    fail(Errc::usage, "{} {}: {} has no kernels for width {} (built widths: {})", option, width, o_.bundle, width,
          fmt::join(widths_, ", "));
   if (requests > width)
     fail(Errc::usage, "--requests {}: more than --width {} (the rest of a width's rows are padding)", requests, width);
@@ -609,7 +609,7 @@ void Harness::allocate_io() {
 }
 
 void Harness::set_width(int width, int requests, int steps, bool uniform_context) {
-  check_width(width, requests);
+  check_width(width, requests, "width");
   graph_.reset();  // captured with the previous width's buffers
   if (width_mem_) {
     sync();
