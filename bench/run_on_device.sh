@@ -12,7 +12,8 @@
 # Every stage has a time limit; a stage that fails or runs out of time is reported and the others go on
 # (bench and baseline rewrite their JSON as they go, so a stopped stage keeps what it measured).
 #   usage: bench/run_on_device.sh OUTDIR        (from the repository root or anywhere)
-# Environment: DP_KIT (default build/device-kit), DP_BENCH_REPLAYS (default 100), DP_SKIP_48B=1.
+# Environment: DP_KIT (default build/device-kit), DP_BENCH_REPLAYS (default 100), DP_SKIP_48B=1, DP_COMMIT (the
+# commit measured, recorded in device.txt, where the copy has no .git).
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:?usage: bench/run_on_device.sh OUTDIR}
@@ -56,7 +57,7 @@ fi
 # ---- 2. what ran where -----------------------------------------------------------------------------------
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "commit: $(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)$(git -C "$root" diff --quiet 2>/dev/null || echo ' (with local changes)')"
+  echo "commit: ${DP_COMMIT:-$(git -C "$root" rev-parse HEAD 2>/dev/null || echo "unknown (set DP_COMMIT)")}"
   echo "decodepack: $($DP --version)"
   echo "command: bench/run_on_device.sh $*"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit,pstate \
