@@ -25,8 +25,9 @@ Everything runs under CUDA graphs (torch.cuda.graph), L2-cold the way decodepack
 class has its own weights and states and one graph replays them all. Weights and states are random (the same
 distributions as `decodepack synth`), NOT decodepack's bytes: equal shapes, equal byte counts. Before anything
 is timed, the first layer of each class at each width is checked against a float64 torch reference of the
-same inputs and states (outputs, KDA recurrent and conv states, MLA cache rows); a class that fails is
-reported as failed and not timed. The HBM read ceiling of the same run is a read-bound torch reduction.
+same inputs and states (outputs 3e-2, KDA recurrent state max(1e-3, 2^-6 x its update), conv states and
+MLA cache rows 2e-2: a stock bf16 path rounds after every op; a wrong layer is off by O(1)); a class that
+fails is reported as failed and not timed. The HBM read ceiling of the same run is a read-bound torch reduction.
 
 Exit 0 when every check passed, 5 when one failed, 77 without torch, a CUDA GPU or fla.
 """
@@ -38,6 +39,11 @@ import sys
 
 FORMAT = "decodepack-bench"
 SKIP = 77
+# The baseline's gate asks "does it compute the same layer", not "is it as accurate as decodepack": a stock bf16
+# path rounds after every op, and at 48B shapes HF transformers' own bf16 layer is up to 1.5e-2 from float64
+# (issue 14). A wrong layer is off by O(1). KDA state: max(1e-3, 2^-6 x its relative update in the step).
+OUT_LIMIT = 3e-2
+CACHE_LIMIT = 2e-2
 BYTE_FIELDS = ["dense_weights", "expert_weights", "state_read", "state_write", "kv_read", "kv_write", "act_read",
                "act_write"]
 
@@ -195,20 +201,72 @@ def result_doc(implementation, version, model, device, context, replays, widths,
 
 # ---- the GPU part -------------------------------------------------------------------------------------------
 
+def cpu_shims(torch, F):
+    """Pure-torch stand-ins with fla's signatures and semantics, for --cpu-smoke only: they let the wiring,
+    the float64 reference, the checks and the JSON run on a host without a GPU. The GPU run uses fla."""
+
+    def causal_conv1d_update(x, cache, weight=None, activation=None):
+        # fla: cache [N, D, W] holds the last W inputs, the newest last; y = act(sum(cache * weight)).
+        new = torch.cat([cache[:, :, 1:], x[:, :, None].to(cache.dtype)], -1)
+        y = (new.float() * weight.float()[None]).sum(-1)
+        if activation in ("silu", "swish"):
+            y = y * torch.sigmoid(y)
+        cache.copy_(new)
+        return y.to(x.dtype), cache
+
+    def fused_recurrent_kda_fwd(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                                inplace_final_state=True, cu_seqlens=None, ssm_state_indices=None,
+                                use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                use_beta_sigmoid_in_kernel=False, **_):
+        _, T, H, K = q.shape
+        out = torch.zeros_like(v)
+        for t in range(T):  # one token per sequence (cu_seqlens = 0..T)
+            qt, kt, vt, gt = q[0, t].float(), k[0, t].float(), v[0, t].float(), g[0, t].float()
+            if use_qk_l2norm_in_kernel:
+                qt = qt / torch.sqrt((qt * qt).sum(-1, keepdim=True) + 1e-6)
+                kt = kt / torch.sqrt((kt * kt).sum(-1, keepdim=True) + 1e-6)
+            qt = qt * scale
+            if use_gate_in_kernel:
+                gt = -torch.exp(A_log.float())[:, None] * F.softplus(gt + dt_bias.float().view(H, K))
+            b = beta[0, t].float()
+            if use_beta_sigmoid_in_kernel:
+                b = torch.sigmoid(b)
+            idx = int(ssm_state_indices[t])
+            S = initial_state[idx].float() * torch.exp(gt)[..., None]
+            u = b[:, None] * (vt - torch.einsum("hkv,hk->hv", S, kt))
+            S = S + kt[..., None] * u[:, None, :]
+            out[0, t] = torch.einsum("hkv,hk->hv", S, qt).to(out.dtype)
+            initial_state[idx] = S
+        return out, initial_state
+
+    def rms_norm_gated(x, g, weight, bias, activation="swish", eps=1e-6, **_):
+        xf = x.float()
+        y = xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps) * weight.float()
+        y = y * torch.sigmoid(g.float()) if activation == "sigmoid" else y * g.float() * torch.sigmoid(g.float())
+        return y.to(x.dtype)
+
+    return causal_conv1d_update, rms_norm_gated, fused_recurrent_kda_fwd
+
+
 def run(args, cfg):
     import torch
     import torch.nn.functional as F
-    try:
-        from fla.modules.causal_conv1d.ops import causal_conv1d_update
-        from fla.modules.norm.fused_norm_gate import rms_norm_gated
-        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
-        import fla
-        fla_version = getattr(fla, "__version__", "?")
-    except ImportError as e:
-        print("SKIPPED: fla-core is not importable (%s): unzip .whl/fla_core-*.whl onto PYTHONPATH" % e)
-        return SKIP, None
+    if args.cpu_smoke:
+        causal_conv1d_update, rms_norm_gated, fused_recurrent_kda_fwd = cpu_shims(torch, F)
+        fla_version = "none (--cpu-smoke: pure-torch stand-ins)"
+    else:
+        try:
+            from fla.modules.causal_conv1d.ops import causal_conv1d_update
+            from fla.modules.norm.fused_norm_gate import rms_norm_gated
+            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+            import fla
+            fla_version = getattr(fla, "__version__", "?")
+        except ImportError as e:
+            print("SKIPPED: fla-core is not importable (%s): unzip .whl/fla_core-*.whl onto PYTHONPATH" % e)
+            return SKIP, None
 
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if args.cpu_smoke else "cuda")
+    gpu = not args.cpu_smoke
     bf, f32, f64 = torch.bfloat16, torch.float32, torch.float64
     gen = torch.Generator(device=dev).manual_seed(args.seed)
     H = cfg.H
@@ -352,7 +410,7 @@ def run(args, cfg):
     def moe_per_expert(p, x2):
         W = x2.shape[0]
         ids, w = route(p, x2)
-        if p.routing is None or not torch.cuda.is_current_stream_capturing():
+        if p.routing is None or not (gpu and torch.cuda.is_current_stream_capturing()):
             # Outside capture: the routing of these rows, read back (the graph keeps it).
             experts = {}
             for row, e in enumerate(ids.flatten().tolist()):
@@ -479,19 +537,20 @@ def run(args, cfg):
             before = {"cache": p.cache.clone()}
         p.routing = None
         out, res_out, ids = layer_fwd(p, m, h, res, moe)
-        torch.cuda.synchronize()
+        if gpu:
+            torch.cuda.synchronize()
         want, want_res, extra = ref_layer(p, m, h, res, before.get("state"), before.get("conv"), before.get("cache"),
                                           ids)
-        errs = [("hidden", rel(out, want), 1e-2), ("residual", rel(res_out, want_res), 1e-2)]
+        errs = [("hidden", rel(out, want), OUT_LIMIT), ("residual", rel(res_out, want_res), OUT_LIMIT)]
         sl = m.slots_long if p.mixer == "kda" else None
         if p.mixer == "kda":
             S_new, conv_new = extra
             S_old = before["state"][sl].to(f64)
             upd = float(torch.linalg.vector_norm(S_new - S_old) / torch.linalg.vector_norm(S_new))
-            errs.append(("kda state", rel(p.state[sl], S_new), max(1e-4, 2 ** -7 * upd)))
-            errs.append(("conv state", rel(p.conv[sl][:, :, 1:], conv_new[:, :, 1:]), 1e-2))
+            errs.append(("kda state", rel(p.state[sl], S_new), max(1e-3, 2 ** -6 * upd)))
+            errs.append(("conv state", rel(p.conv[sl], conv_new), CACHE_LIMIT))
         else:
-            errs.append(("latent rows", rel(p.cache.view(-1, cfg.Lr + cfg.R)[m.slot_mapping], extra[0]), 1e-2))
+            errs.append(("latent rows", rel(p.cache.view(-1, cfg.Lr + cfg.R)[m.slot_mapping], extra[0]), CACHE_LIMIT))
         for k, v in before.items():  # leave the states as they were
             getattr(p, k).copy_(v)
         return [(q, e, lim) for q, e, lim in errs], [("%s %.3e >= %.0e" % (q, e, lim)) for q, e, lim in errs
@@ -499,6 +558,14 @@ def run(args, cfg):
 
     # -- timing --
     def time_graph(fn, replays):
+        if not gpu:  # --cpu-smoke: host time of eager calls (no graphs), for the shape of the output only
+            import time
+            us = []
+            for _ in range(replays):
+                t = time.perf_counter()
+                fn()
+                us.append((time.perf_counter() - t) * 1e6)
+            return us
         fn()  # eager warm-up: Triton autotuning and fla's caches outside the capture
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
@@ -538,21 +605,24 @@ def run(args, cfg):
 
     # -- the ceiling: a read-bound reduction over 4 GiB --
     ceiling_bytes = 4 << 30
-    big = torch.ones(ceiling_bytes // 8, dtype=torch.int64, device=dev)
-    for _ in range(2):
-        big.sum()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(16)]
-    ev[0].record()
-    for i in range(15):
-        big.sum()
-        ev[i + 1].record()
-    torch.cuda.synchronize()
-    ceiling_us = [ev[i].elapsed_time(ev[i + 1]) * 1e3 for i in range(15)]
-    del big
+    if gpu:
+        big = torch.ones(ceiling_bytes // 8, dtype=torch.int64, device=dev)
+        for _ in range(2):
+            big.sum()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(16)]
+        ev[0].record()
+        for i in range(15):
+            big.sum()
+            ev[i + 1].record()
+        torch.cuda.synchronize()
+        ceiling_us = [ev[i].elapsed_time(ev[i + 1]) * 1e3 for i in range(15)]
+        del big
+    else:
+        ceiling_us = [1e6] * 15  # --cpu-smoke: a placeholder, 4.3 GB/s
     ceiling = ceiling_bytes / (summary(ceiling_us)["median"] * 1e-6)
     print("ceiling: %.3f TB/s (torch.sum over 4 GiB of int64)" % (ceiling / 1e12), file=sys.stderr, flush=True)
 
-    has_grouped = hasattr(torch, "_grouped_mm")
+    has_grouped = gpu and hasattr(torch, "_grouped_mm")
     moes = ["grouped", "per-expert"] if args.moe == "auto" else [args.moe]
     if not has_grouped:
         moes = [x for x in moes if x != "grouped"] or ["per-expert"]
@@ -569,7 +639,7 @@ def run(args, cfg):
         "stock PyTorch: cuBLAS linears, fla-core KDA (causal_conv1d_update, fused_recurrent_kda, rms_norm_gated), "
         "absorbed MLA in torch, torch._grouped_mm or per-expert cuBLAS MoE, CUDA graphs",
         "torch %s, fla-core %s" % (torch.__version__, fla_version), args.model,
-        torch.cuda.get_device_name(0), args.context, args.replays, args.widths, ceiling_bytes, ceiling_us,
+        torch.cuda.get_device_name(0) if gpu else "cpu (--cpu-smoke)", args.context, args.replays, args.widths, ceiling_bytes, ceiling_us,
         "torch.sum over 4 GiB of int64 (a read-bound reduction)", gate, classes, steps, notes)
 
     def save():
@@ -591,6 +661,8 @@ def run(args, cfg):
                         errs, bad = check(ls[0], m, moe)
                     except Exception as e:  # a library refusing these shapes is a failed class, not a crash
                         errs, bad = [("run", float("nan"), 0)], ["%s: %s" % (type(e).__name__, e)]
+                    print("width %d: check of layer %d (%s, moe %s): %s" % (
+                        W, ls[0].i, cls, moe, ", ".join("%s %.2e (limit %.0e)" % e for e in errs)), file=sys.stderr)
                     g["checks"] += len(errs)
                     g["failed"] += len(bad)
                     g["failures"] += ["layer %d (%s, moe %s) %s" % (ls[0].i, cls, moe, b) for b in bad]
@@ -669,6 +741,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-step", action="store_true", help="skip the whole step")
     ap.add_argument("--json", help="write the result here (manifests/bench-result.schema.json)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="test only: run on the CPU with pure-torch stand-ins for fla's kernels (a small config)")
     args = ap.parse_args(argv)
     try:
         args.widths = sorted({int(w) for w in args.widths.split(",")})
@@ -687,7 +761,7 @@ def main(argv=None):
     except ImportError as e:
         print("SKIPPED: %s" % e)
         return SKIP
-    if not torch.cuda.is_available():
+    if not args.cpu_smoke and not torch.cuda.is_available():
         print("SKIPPED: no CUDA GPU")
         return SKIP
     rc, doc = run(args, cfg)

@@ -10,6 +10,9 @@
     chart      bench/chart.py --table on the sample, with itself as the baseline; and a PNG when matplotlib is
                importable (exit 77, skipped, when it is not)
     ptx        the bench's own kernels (tools/bench_ptx.h) assemble with ptxas for sm_90a (77 without ptxas)
+    baseline   bench/baseline.py --cpu-smoke on a kimi-linear-tiny-shaped model with all four layer classes: its
+               stock layers (fla's kernels replaced by pure-torch stand-ins) pass its own gate against the float64
+               reference at widths 1 and 3, and its document validates (77 where torch is not importable)
 """
 import copy
 import importlib.util
@@ -195,9 +198,50 @@ def mode_ptx(dp, root):
     return c.failures
 
 
+def mode_baseline(dp, root):
+    try:
+        import torch  # noqa: F401
+        import jsonschema
+    except ImportError as e:
+        print("SKIPPED: %s (the baseline runs on the GPU host)" % e)
+        return SKIP
+    c = Checker()
+    with open(os.path.join(root, "manifests", "presets", "kimi-linear-tiny.json")) as f:
+        cfg = json.load(f)
+    # Four layers, one of each class: kda_dense, mla_dense, kda_moe, mla_moe.
+    cfg["linear_attn_config"]["kda_layers"] = [1, 3]
+    cfg["linear_attn_config"]["full_attn_layers"] = [2, 4]
+    cfg["first_k_dense_replace"] = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        model = os.path.join(tmp, "config.json")
+        with open(model, "w") as f:
+            json.dump(cfg, f)
+        out = os.path.join(tmp, "baseline.json")
+        r = subprocess.run([sys.executable, os.path.join(root, "bench", "baseline.py"), "--cpu-smoke", "--model", model,
+                            "--widths", "1,3", "--context", "100", "--replays", "5", "--json", out],
+                           capture_output=True, text=True, timeout=600)
+        print(r.stdout[-3000:])
+        c.check(r.returncode == 0, "baseline.py --cpu-smoke exit %d\n%s" % (r.returncode, r.stderr[-3000:]))
+        if not os.path.exists(out):
+            return c.failures + 1
+        with open(out) as f:
+            doc = json.load(f)
+        with open(os.path.join(root, "manifests", "bench-result.schema.json")) as f:
+            v = jsonschema.Draft202012Validator(json.load(f))
+        errs = [e.message for e in v.iter_errors(doc)]
+        c.check(not errs, "the smoke run's document validates" + ("" if not errs else ": " + "; ".join(errs[:3])))
+        c.check(all(g["failed"] == 0 and g["checks"] > 0 for g in doc["gate"]), "every check of the gate passed")
+        got = sorted({(x["class"], x["width"]) for x in doc["classes"] if x["status"] == "ok"})
+        want = sorted((k, w) for k in ["kda_dense", "kda_moe", "mla_dense", "mla_moe"] for w in [1, 3])
+        c.check(got == want, "every class at every width measured: %s" % got)
+        c.check(all(s["status"] == "ok" for s in doc["steps"]) and len(doc["steps"]) == 2, "the whole step at both widths")
+    return c.failures
+
+
 def main():
     mode, dp, root = sys.argv[1], sys.argv[2], sys.argv[3]
-    rc = {"schema": mode_schema, "bytes": mode_bytes, "chart": mode_chart, "ptx": mode_ptx}[mode](dp, root)
+    rc = {"schema": mode_schema, "bytes": mode_bytes, "chart": mode_chart, "ptx": mode_ptx,
+          "baseline": mode_baseline}[mode](dp, root)
     if rc == SKIP:
         return SKIP
     print("%s: %s" % (mode, "FAILED" if rc else "ok"))
