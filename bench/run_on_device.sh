@@ -12,8 +12,9 @@
 # Every stage has a time limit; a stage that fails or runs out of time is reported and the others go on
 # (bench and baseline rewrite their JSON as they go, so a stopped stage keeps what it measured).
 #   usage: bench/run_on_device.sh OUTDIR        (from the repository root or anywhere)
-# Environment: DP_KIT (default build/device-kit), DP_BENCH_REPLAYS (default 100), DP_SKIP_48B=1, DP_COMMIT (the
-# commit measured, recorded in device.txt, where the copy has no .git).
+# Environment: DP_KIT (default build/device-kit), DP_BENCH_REPLAYS (default 100), DP_COMMIT (the commit
+# measured, recorded in device.txt, where the copy has no .git), DP_STAGES (default "bench baseline 48b": which
+# of the three measurements to run; e.g. DP_STAGES=48b gives the 48B preset the whole time budget).
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:?usage: bench/run_on_device.sh OUTDIR}
@@ -24,6 +25,7 @@ replays=${DP_BENCH_REPLAYS:-100}
 t0=$(date +%s)
 elapsed() { echo $(( $(date +%s) - t0 )); }
 say() { echo "[$(elapsed) s] $*" | tee -a "$out/run.log"; }
+want() { case " ${DP_STAGES:-bench baseline 48b} " in *" $1 "*) return 0 ;; esac; return 1; }
 : > "$out/run.log"
 
 # ---- 1. the kit ----------------------------------------------------------------------------------------
@@ -78,10 +80,12 @@ for b in bench-48b-shaped kimi-linear-48b-a3b; do
 done
 
 # ---- 3. decodepack bench ------------------------------------------------------------------------------------
-say "decodepack bench: bench-48b-shaped, widths 1,2,4,8, context 4096"
-timeout 230 $DP bench "$bundles/bench-48b-shaped.dpk" --model "$model" --widths 1,2,4,8 --context 4096 \
-  --replays "$replays" --json "$out/bench.json" > "$out/bench.txt" 2> "$out/bench.log"
-say "decodepack bench exit $? (124: out of time)"
+if want bench; then
+  say "decodepack bench: bench-48b-shaped, widths 1,2,4,8, context 4096"
+  timeout 230 $DP bench "$bundles/bench-48b-shaped.dpk" --model "$model" --widths 1,2,4,8 --context 4096 \
+    --replays "$replays" --json "$out/bench.json" > "$out/bench.txt" 2> "$out/bench.log"
+  say "decodepack bench exit $? (124: out of time)"
+fi
 
 # ---- 4. the stock-kernel baseline ---------------------------------------------------------------------------
 pylib=$root/build/pylib
@@ -91,10 +95,13 @@ if ls "$root"/.whl/fla_core-*.whl > /dev/null 2>&1 && [ ! -d "$pylib/fla" ]; the
     python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$w" "$pylib"
   done
 fi
-say "baseline: stock PyTorch + fla on the same shapes"
-timeout 170 env PYTHONPATH="$pylib${PYTHONPATH:+:$PYTHONPATH}" python3 "$root/bench/baseline.py" --model "$model" \
-  --widths 1,2,4,8 --context 4096 --replays "$replays" --json "$out/baseline.json" > "$out/baseline.txt" 2> "$out/baseline.log"
-say "baseline exit $? (124: out of time)"
+if want baseline; then
+  say "baseline: stock PyTorch + fla on the same shapes"
+  timeout 170 env PYTHONPATH="$pylib${PYTHONPATH:+:$PYTHONPATH}" python3 "$root/bench/baseline.py" --model "$model" \
+    --widths 1,2,4,8 --context 4096 --replays "$replays" --json "$out/baseline.json" > "$out/baseline.txt" \
+    2> "$out/baseline.log"
+  say "baseline exit $? (124: out of time)"
+fi
 
 # ---- 5. chart, the 48B preset's whole step --------------------------------------------------------------
 if [ -s "$out/bench.json" ]; then
@@ -104,7 +111,7 @@ if [ -s "$out/bench.json" ]; then
     >> "$out/run.log" 2>&1 || say "chart: not drawn (see run.log)"
 fi
 left=$(( 440 - $(elapsed) ))
-if [ "${DP_SKIP_48B:-0}" != 1 ] && [ "$left" -gt 150 ]; then
+if want 48b && [ "$left" -gt 150 ]; then
   say "decodepack bench: kimi-linear-48b-a3b whole step (27 layers), ${left} s left"
   timeout $(( left - 10 )) $DP bench "$bundles/kimi-linear-48b-a3b.dpk" --widths 1,8 --context 4096 --replays 30 \
     --no-kernels --json "$out/bench-48b.json" > "$out/bench-48b.txt" 2> "$out/bench-48b.log"
