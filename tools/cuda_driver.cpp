@@ -70,6 +70,12 @@ const Driver& Driver::get() {
   sym(d.GraphLaunch, "cuGraphLaunch");
   sym(d.GraphExecDestroy, "cuGraphExecDestroy");
   sym(d.GraphDestroy, "cuGraphDestroy");
+  sym(d.DeviceGetAttribute, "cuDeviceGetAttribute");
+  sym(d.ModuleLoadDataEx, "cuModuleLoadDataEx");
+  sym(d.ModuleGetFunction, "cuModuleGetFunction");
+  sym(d.ModuleUnload, "cuModuleUnload");
+  sym(d.LaunchKernel, "cuLaunchKernel");
+  sym(d.EventRecordWithFlags, "cuEventRecordWithFlags");
   d.check(d.Init(0), "cuInit", "the CUDA driver " + path + " is installed but found no usable GPU");
   table = d;
   ready = true;

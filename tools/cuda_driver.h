@@ -21,10 +21,18 @@ using CUstream = struct CUstream_st*;
 using CUevent = struct CUevent_st*;
 using CUgraph = struct CUgraph_st*;
 using CUgraphExec = struct CUgraphExec_st*;
+using CUmodule = struct CUmod_st*;
+using CUfunction = struct CUfunc_st*;
+using CUjit_option = int;  // an enum in cuda.h
 
 inline constexpr CUresult CUDA_SUCCESS = 0;
 inline constexpr unsigned CU_STREAM_NON_BLOCKING = 0x1;
 inline constexpr int CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1;
+inline constexpr unsigned CU_EVENT_RECORD_EXTERNAL = 0x1;  // during capture: an event record node
+inline constexpr int CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16;
+inline constexpr int CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE = 38;
+inline constexpr CUjit_option CU_JIT_ERROR_LOG_BUFFER = 5;
+inline constexpr CUjit_option CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 6;
 
 struct Driver {
   std::string library;  // what was opened, for messages
@@ -60,6 +68,14 @@ struct Driver {
   CUresult (*GraphLaunch)(CUgraphExec, CUstream) = nullptr;
   CUresult (*GraphExecDestroy)(CUgraphExec) = nullptr;
   CUresult (*GraphDestroy)(CUgraph) = nullptr;
+  // `decodepack bench`'s own kernels (PTX, compiled by the driver) and its timing.
+  CUresult (*DeviceGetAttribute)(int*, int, CUdevice) = nullptr;
+  CUresult (*ModuleLoadDataEx)(CUmodule*, const void*, unsigned, CUjit_option*, void**) = nullptr;
+  CUresult (*ModuleGetFunction)(CUfunction*, CUmodule, const char*) = nullptr;
+  CUresult (*ModuleUnload)(CUmodule) = nullptr;
+  CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
+                           void**, void**) = nullptr;
+  CUresult (*EventRecordWithFlags)(CUevent, CUstream, unsigned) = nullptr;
 
   // The process's table with cuInit(0) done. Throws dp::Error(device) naming the library that cannot
   // be loaded, the missing entry point, or cuInit's error (e.g. CUDA_ERROR_NO_DEVICE).

@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   dp::tools::add_pull(app, action);
   dp::tools::add_run(app, action);
   dp::tools::add_indexer_run(app, action);
+  dp::tools::add_bench(app, action);
 
   try {
     app.parse(argc, argv);

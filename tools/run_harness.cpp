@@ -25,6 +25,7 @@
 #include "model/synth.h"
 #include "reference/layer.h"
 #include "reference/numeric.h"
+#include "harness.h"
 #include "run_device.h"
 
 namespace dp::tools {
@@ -99,70 +100,7 @@ std::vector<uint8_t> shard_bytes(std::vector<uint8_t> full, const std::vector<in
   return out;
 }
 
-// Runs f(i) for i in [0, n) on up to `threads` threads.
-template <class F>
-void parallel_for(size_t n, unsigned threads, F&& f) {
-  threads = std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(n)));
-  if (threads == 1) {
-    for (size_t i = 0; i < n; ++i) f(i);
-    return;
-  }
-  std::vector<std::thread> pool;
-  std::vector<std::exception_ptr> errors(threads);
-  for (unsigned t = 0; t < threads; ++t)
-    pool.emplace_back([&, t] {
-      try {
-        for (size_t i = t; i < n; i += threads) f(i);
-      } catch (...) {
-        errors[t] = std::current_exception();
-      }
-    });
-  for (auto& th : pool) th.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-}
-
-// ---- where weight values come from ------------------------------------------------------------------
-
-// The full (unsharded) tensor of a weight in its bound dtype: the checkpoint's, converted, or the
-// deterministic synth fill (`decodepack synth --seed S` writes the same bytes). The CPU reference reads
-// the same bytes through lookup(), so both sides see identical values.
-class WeightSource {
- public:
-  WeightSource(const model::Model& m, const st::Checkpoint* ckpt, uint64_t seed) : m_(m), ckpt_(ckpt), seed_(seed) {}
-
-  std::vector<uint8_t> full_bytes(const model::WeightSpec& w) const {
-    if (!ckpt_) return model::synth_tensor(w, w.dtype, seed_);
-    const st::TensorInfo* t = ckpt_->find(w.name);
-    for (size_t i = 0; !t && i < w.aliases.size(); ++i) t = ckpt_->find(w.aliases[i]);
-    if (!t) fail(Errc::input, "checkpoint {}: tensor {} is missing", ckpt_->dir().string(), w.name);
-    if (static_cast<int64_t>(t->numel()) != w.numel())
-      fail(Errc::input, "checkpoint tensor {}: shape {} has {} elements, expected {} (shape {})", t->name,
-           st::shape_string(t->shape), t->numel(), w.numel(), st::shape_string(w.shape));
-    return convert_bytes(ckpt_->data(*t), t->dtype, w.dtype, t->name);
-  }
-
-  ref::WeightLookup lookup(int layer) const {
-    return [this, layer](const std::string& key) {
-      const model::WeightSpec& w = ref::find_weight(m_, layer, key);
-      const std::vector<uint8_t> b = full_bytes(w);
-      return ref::decode_tensor(b, w.dtype, w.name);
-    };
-  }
-
- private:
-  const model::Model& m_;
-  const st::Checkpoint* ckpt_;
-  uint64_t seed_;
-};
-
 // ---- the model a bundle was built from ---------------------------------------------------------------
-
-struct ResolvedModel {
-  model::Model m;
-  std::string source;
-  std::optional<st::Checkpoint> ckpt;
-};
 
 ResolvedModel resolve_model(const RunOptions& o, const format::Manifest& man) {
   const std::string want = man.model.config_digest;  // "sha256:<hex>"
@@ -190,99 +128,23 @@ ResolvedModel resolve_model(const RunOptions& o, const format::Manifest& man) {
        "--model DIR (the checkpoint or config.json it was built from)", o.bundle, want);
 }
 
-// ---- one bound cache tensor ---------------------------------------------------------------------------
-
-struct Cache {
-  int32_t kind = 0;
-  dp_tensor desc{};
-  DType dtype = DType::F32;
-  size_t elem = 0;
-  size_t slot_bytes = 0;  // bytes per slot (KDA) or block (MLA)
-  int64_t count = 0;      // slots or blocks
-  CUdeviceptr ptr = 0;
-  std::vector<uint8_t> host;  // the device contents as `run` last knew them
-  size_t bytes() const { return slot_bytes * static_cast<size_t>(count); }
-};
-
-struct LayerCaches {
-  bool kda = false;
-  std::vector<Cache> c;  // KDA: state, conv q, conv k, conv v; MLA: latent
-  Cache* find(int32_t kind) {
-    for (Cache& x : c)
-      if (x.kind == kind) return &x;
-    return nullptr;
-  }
-};
-
 // ---- step metadata ------------------------------------------------------------------------------------
 
-struct Meta {
-  int W = 0, q = 1, stride = 0;  // stride: block-table columns
-  int64_t block_size = 0;
-  std::vector<bool> real;        // [W]
-  std::vector<int32_t> state_indices, num_accepted, seq_lens, block_table;
-  std::vector<int64_t> positions, slot_mapping;
-  int64_t slots = 0, blocks = 0;  // cache sizes the metadata needs
-
-  int rows() const { return W * q; }
-
-  void refresh() {
-    positions.assign(static_cast<size_t>(rows()), 0);
-    slot_mapping.assign(static_cast<size_t>(rows()), ref::kPadSlotId);
-    for (int r = 0; r < W; ++r) {
-      if (!real[r]) continue;
-      for (int i = 0; i < q; ++i) {
-        const int64_t pos = seq_lens[r] - q + i;
-        const size_t t = static_cast<size_t>(r * q + i);
-        positions[t] = pos;
-        slot_mapping[t] = static_cast<int64_t>(block_table[static_cast<size_t>(r * stride + pos / block_size)]) * block_size +
-                          pos % block_size;
-      }
-    }
-  }
-
-  void advance(Rng& rng) {
-    for (int r = 0; r < W; ++r) {
-      if (!real[r]) continue;
-      const int32_t a = q > 1 ? static_cast<int32_t>(1 + rng.below(q)) : 1;
-      num_accepted[r] = a;
-      seq_lens[r] += a;  // the previous step's q rows minus the rejected ones, plus q new rows
-    }
-    refresh();
-  }
-
-  ref::StepMeta step_meta() const {
-    ref::StepMeta m;
-    m.num_requests = W;
-    m.q = q;
-    for (int r = 0; r < W; ++r) {
-      std::vector<int64_t> slots, bt;
-      for (int i = 0; i < q; ++i) slots.push_back(state_indices[static_cast<size_t>(r * q + i)]);
-      for (int c = 0; c < stride; ++c) bt.push_back(block_table[static_cast<size_t>(r * stride + c)]);
-      m.kda_slots.push_back(slots);
-      m.block_table.push_back(bt);
-      m.num_accepted.push_back(num_accepted[r]);
-      m.seq_lens.push_back(seq_lens[r]);
-    }
-    m.slot_mapping = slot_mapping;
-    return m;
-  }
-};
-
-Meta make_meta(int W, int requests, int q, int steps, int64_t context, int64_t block_size, Rng& rng) {
+Meta make_meta(int W, int requests, int q, int steps, int64_t context, int64_t block_size, bool uniform, Rng& rng) {
   Meta m;
   m.W = W;
   m.q = q;
   m.block_size = block_size;
   m.real.assign(static_cast<size_t>(W), false);
   for (int r = 0; r < requests; ++r) m.real[r] = true;
-  // Context lengths: different per request where [context/2, context] has room for them.
-  const int64_t lo = context / 2, span = context - lo + 1;
+  // Context lengths: different per request where [context/2, context] has room for them (uniform:
+  // exactly `context` each).
+  const int64_t lo = uniform ? context : context / 2, span = context - lo + 1;
   std::vector<int64_t> ctx;
   std::set<int64_t> used;
   for (int r = 0; r < requests; ++r) {
     int64_t c = lo + rng.below(span);
-    for (int tries = 0; used.count(c) && tries < 64 && span >= requests; ++tries) c = lo + rng.below(span);
+    for (int tries = 0; !uniform && used.count(c) && tries < 64 && span >= requests; ++tries) c = lo + rng.below(span);
     used.insert(c);
     ctx.push_back(c);
   }
@@ -321,11 +183,6 @@ Meta make_meta(int W, int requests, int q, int steps, int64_t context, int64_t b
 }
 
 // ---- reference views of the caches ------------------------------------------------------------------
-
-struct CacheLayouts {
-  std::string kda_state = "kv";  // "kv": [slot][head][k][v]; "vk": [slot][head][v][k]
-  std::string conv = "sd";       // "sd": [slot][K-1][dim]; "ds": [slot][dim][K-1]
-};
 
 ref::KdaState kda_from_raw(const model::Model& m, ref::Shard shard, LayerCaches& lc, const CacheLayouts& lay) {
   const Cache& st = *lc.find(DP_KV_KDA_STATE);
@@ -467,64 +324,79 @@ int64_t match_near_ties(const model::Model& m, const WeightSource& src, int laye
   return taken;
 }
 
+}  // namespace
+
+// ---- where weight values come from, step metadata ----------------------------------------------------
+
+std::vector<uint8_t> WeightSource::full_bytes(const model::WeightSpec& w) const {
+  if (!ckpt_) return model::synth_tensor(w, w.dtype, seed_);
+  const st::TensorInfo* t = ckpt_->find(w.name);
+  for (size_t i = 0; !t && i < w.aliases.size(); ++i) t = ckpt_->find(w.aliases[i]);
+  if (!t) fail(Errc::input, "checkpoint {}: tensor {} is missing", ckpt_->dir().string(), w.name);
+  if (static_cast<int64_t>(t->numel()) != w.numel())
+    fail(Errc::input, "checkpoint tensor {}: shape {} has {} elements, expected {} (shape {})", t->name,
+         st::shape_string(t->shape), t->numel(), w.numel(), st::shape_string(w.shape));
+  return convert_bytes(ckpt_->data(*t), t->dtype, w.dtype, t->name);
+}
+
+ref::WeightLookup WeightSource::lookup(int layer) const {
+  return [this, layer](const std::string& key) {
+    const model::WeightSpec& w = ref::find_weight(m_, layer, key);
+    const std::vector<uint8_t> b = full_bytes(w);
+    return ref::decode_tensor(b, w.dtype, w.name);
+  };
+}
+
+void Meta::refresh() {
+  positions.assign(static_cast<size_t>(rows()), 0);
+  slot_mapping.assign(static_cast<size_t>(rows()), ref::kPadSlotId);
+  for (int r = 0; r < W; ++r) {
+    if (!real[r]) continue;
+    for (int i = 0; i < q; ++i) {
+      const int64_t pos = seq_lens[r] - q + i;
+      const size_t t = static_cast<size_t>(r * q + i);
+      positions[t] = pos;
+      slot_mapping[t] = static_cast<int64_t>(block_table[static_cast<size_t>(r * stride + pos / block_size)]) * block_size +
+                        pos % block_size;
+    }
+  }
+}
+
+void Meta::advance(Rng& rng) {
+  for (int r = 0; r < W; ++r) {
+    if (!real[r]) continue;
+    const int32_t a = q > 1 ? static_cast<int32_t>(1 + rng.below(q)) : 1;
+    num_accepted[r] = a;
+    seq_lens[r] += a;  // the previous step's q rows minus the rejected ones, plus q new rows
+  }
+  refresh();
+}
+
+ref::StepMeta Meta::step_meta() const {
+  ref::StepMeta m;
+  m.num_requests = W;
+  m.q = q;
+  for (int r = 0; r < W; ++r) {
+    std::vector<int64_t> slots, bt;
+    for (int i = 0; i < q; ++i) slots.push_back(state_indices[static_cast<size_t>(r * q + i)]);
+    for (int c = 0; c < stride; ++c) bt.push_back(block_table[static_cast<size_t>(r * stride + c)]);
+    m.kda_slots.push_back(slots);
+    m.block_table.push_back(bt);
+    m.num_accepted.push_back(num_accepted[r]);
+    m.seq_lens.push_back(seq_lens[r]);
+  }
+  m.slot_mapping = slot_mapping;
+  return m;
+}
 // ---- the harness ------------------------------------------------------------------------------------
 
-class Harness {
- public:
-  Harness(const RunOptions& o, RunResult& res) : o_(o), res_(res) {}
-  void run();
-
- private:
-  void log(const std::string& s) const {
-    if (o_.log) o_.log(s);
-  }
-  void open_and_validate();
-  void open_device();
-  void bind_weights();
-  void bind_caches();
-  void allocate_io();
-  void enqueue_step(const dp_step* step);
-  const dp_step* plan(int32_t graph_mode);
-  void upload_step_inputs(Rng& rng);
-  void check_step(int index, const std::string& mode);
-  std::vector<uint8_t> download(CUdeviceptr p, size_t bytes);
-  void sync() { drv_->check(drv_->StreamSynchronize(stream_->s), "cuStreamSynchronize"); }
-
-  const RunOptions& o_;
-  RunResult& res_;
-
-  // Host side.
-  std::optional<bundle::Bundle> manifest_bundle_;
-  std::optional<ResolvedModel> model_;
-  std::optional<WeightSource> source_;
-  CacheLayouts layouts_;
-  int num_layers_ = 0, q_ = 1, tp_ = 1;
-  int64_t hidden_ = 0;
-  std::string kv_dtype_;
-  std::vector<std::string> mixers_;
-  std::vector<bool> run_layer_;
-  Meta meta_;
-  std::vector<std::unique_ptr<ref::LayerWeights>> ref_weights_;
-  std::vector<double> norm_weight_;
-  bool drop_reference_cache_ = false;
-
-  // Device side, in construction order (destroyed in reverse: graph, events, stream, session, memory,
-  // context).
-  const Driver* drv_ = nullptr;
-  std::unique_ptr<Context> ctx_;
-  std::unique_ptr<DeviceMemory> mem_;
-  SessionHandle sh_;
-  std::unique_ptr<Stream> stream_;
-  std::unique_ptr<Event> start_, stop_;
-  std::unique_ptr<Graph> graph_;
-
-  std::vector<LayerCaches> caches_;
-  std::vector<CUdeviceptr> hidden_bufs_, residual_bufs_;  // [L+1]; residual_bufs_[0] = 0 (layer 0 has none)
-  CUdeviceptr final_out_ = 0, final_residual_ = 0;
-  CUdeviceptr d_positions_ = 0, d_state_indices_ = 0, d_block_table_ = 0, d_seq_lens_ = 0, d_slot_mapping_ = 0,
-              d_num_accepted_ = 0;
-  size_t act_bytes_ = 0;  // one [rows, H] bf16 buffer
-};
+void Harness::check_width(int width, int requests, const char* option) const {
+  if (std::find(widths_.begin(), widths_.end(), width) == widths_.end())
+    fail(Errc::usage, "{} {}: {} has no kernels for width {} (built widths: {})", option, width, o_.bundle, width,
+         fmt::join(widths_, ", "));
+  if (requests > width)
+    fail(Errc::usage, "--requests {}: more than --width {} (the rest of a width's rows are padding)", requests, width);
+}
 
 void Harness::open_and_validate() {
   // The compiler's reader for the manifest (deploy settings, config digest), with the CLI's exit codes
@@ -544,16 +416,8 @@ void Harness::open_and_validate() {
   res_.tensor_parallel = tp_;
   res_.rank = o_.rank;
 
-  std::vector<int32_t> widths(info.widths, info.widths + info.num_widths);
-  if (std::find(widths.begin(), widths.end(), o_.width) == widths.end())
-    fail(Errc::usage, "--width {}: {} has no kernels for width {} (built widths: {})", o_.width, o_.bundle, o_.width,
-         fmt::join(widths, ", "));
-  res_.width = o_.width;
-  res_.requests = o_.requests > 0 ? o_.requests : o_.width;
-  if (res_.requests > o_.width)
-    fail(Errc::usage, "--requests {}: more than --width {} (the rest of a width's rows are padding)", o_.requests,
-         o_.width);
-  res_.rows = o_.width * q_;
+  widths_.assign(info.widths, info.widths + info.num_widths);
+  if (o_.width > 0) check_width(o_.width, o_.requests);
   if (dp_bundle_weight_count(sh_.b, o_.rank) < 0) {
     std::vector<int32_t> ranks(info.ranks, info.ranks + info.num_ranks);
     fail(Errc::usage, "--rank {}: not built into {} (ranks: {})", o_.rank, o_.bundle, fmt::join(ranks, ", "));
@@ -624,7 +488,7 @@ void Harness::bind_weights() {
   log(fmt::format("weights: binding {} tensors of rank {} from {}", n, o_.rank, res_.weights));
   const auto t0 = std::chrono::steady_clock::now();
   uint64_t bytes = 0;
-  const unsigned threads = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
+  const unsigned threads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
   for (int32_t i = 0; i < n; ++i) {
     dp_weight_info wi{};
     wi.size = sizeof(wi);
@@ -700,7 +564,7 @@ void Harness::bind_caches() {
       c.elem = dp_dtype_size(c.desc.dtype);
       c.slot_bytes = c.elem;
       for (int32_t k = 1; k < c.desc.ndim; ++k) c.slot_bytes *= static_cast<size_t>(c.desc.shape[k]);
-      c.ptr = mem_->alloc(c.bytes(), fmt::format("layer {} cache kind {}", l, kind));
+      c.ptr = width_mem_->alloc(c.bytes(), fmt::format("layer {} cache kind {}", l, kind));
       c.desc.data = c.ptr;
       // Random, non-zero contents in the scale a decode sees: fp32 recurrent states and bf16 conv
       // histories around 1, latent rows [normed c | k_pe] around 1.
@@ -727,26 +591,73 @@ void Harness::bind_caches() {
 
 void Harness::allocate_io() {
   act_bytes_ = static_cast<size_t>(res_.rows * hidden_) * 2;
+  DeviceMemory& mem = *width_mem_;
+  hidden_bufs_.clear();
+  residual_bufs_.clear();
   for (int32_t l = 0; l <= num_layers_; ++l) {
-    hidden_bufs_.push_back(mem_->alloc(act_bytes_, "hidden rows"));
-    residual_bufs_.push_back(l == 0 ? 0 : mem_->alloc(act_bytes_, "residual rows"));
+    hidden_bufs_.push_back(mem.alloc(act_bytes_, "hidden rows"));
+    residual_bufs_.push_back(l == 0 ? 0 : mem.alloc(act_bytes_, "residual rows"));
   }
-  final_out_ = mem_->alloc(act_bytes_, "final norm output");
-  final_residual_ = mem_->alloc(act_bytes_, "final residual");
-  const size_t rows = static_cast<size_t>(res_.rows), W = static_cast<size_t>(o_.width);
-  d_positions_ = mem_->alloc(rows * 8, "positions");
-  d_state_indices_ = mem_->alloc(meta_.state_indices.size() * 4, "state indices");
-  d_block_table_ = mem_->alloc(meta_.block_table.size() * 4, "block table");
-  d_seq_lens_ = mem_->alloc(W * 4, "seq lens");
-  d_slot_mapping_ = mem_->alloc(rows * 8, "slot mapping");
-  d_num_accepted_ = mem_->alloc(W * 4, "num accepted");
+  final_out_ = mem.alloc(act_bytes_, "final norm output");
+  final_residual_ = mem.alloc(act_bytes_, "final residual");
+  const size_t rows = static_cast<size_t>(res_.rows), W = static_cast<size_t>(width_);
+  d_positions_ = mem.alloc(rows * 8, "positions");
+  d_state_indices_ = mem.alloc(meta_.state_indices.size() * 4, "state indices");
+  d_block_table_ = mem.alloc(meta_.block_table.size() * 4, "block table");
+  d_seq_lens_ = mem.alloc(W * 4, "seq lens");
+  d_slot_mapping_ = mem.alloc(rows * 8, "slot mapping");
+  d_num_accepted_ = mem.alloc(W * 4, "num accepted");
+}
+
+void Harness::set_width(int width, int requests, int steps, bool uniform_context) {
+  check_width(width, requests, "width");
+  graph_.reset();  // captured with the previous width's buffers
+  if (width_mem_) {
+    sync();
+    rt(dp_session_release_kv(sh_.s), "releasing the previous width's caches");
+  }
+  caches_.clear();
+  width_mem_.reset();
+  width_mem_ = std::make_unique<DeviceMemory>(*drv_);
+  width_ = width;
+  res_.width = width;
+  res_.requests = requests > 0 ? requests : width;
+  res_.rows = width * q_;
+  meta_rng_ = Rng(o_.seed ^ 0x5EEDull);
+  const int64_t block_size = manifest_bundle_->deploy().kv_cache.block_size;
+  meta_ = make_meta(width, res_.requests, q_, steps, o_.context, block_size, uniform_context, meta_rng_);
+  bind_caches();
+  allocate_io();
+  routed_.assign(static_cast<size_t>(num_layers_), -1);
+
+  // Which layers have a program at this width (the plan's step is the same object for every step).
+  const dp_step* step = plan(DP_GRAPH_NONE);
+  run_layer_.assign(static_cast<size_t>(num_layers_), true);
+  res_.layers_run.clear();
+  res_.layers_skipped.clear();
+  missing_.clear();
+  for (int32_t l = 0; l < num_layers_; ++l) {
+    if (dp_step_layer_kernel(step, l)) {
+      res_.layers_run.push_back(l);
+      continue;
+    }
+    run_layer_[static_cast<size_t>(l)] = false;
+    res_.layers_skipped.push_back(l);
+    // dp_launch_layer says why (it refuses before looking at the io or launching anything).
+    dp_layer_io io;
+    dp_layer_io_init(&io);
+    dp_status* st = dp_launch_layer(sh_.s, step, l, &io, stream_->s);
+    missing_.push_back(fmt::format("layer {} ({}): {}", l, res_.layer_classes[static_cast<size_t>(l)],
+                                   st ? dp_status_message(st) : "no program"));
+    dp_status_free(st);
+  }
 }
 
 const dp_step* Harness::plan(int32_t graph_mode) {
-  std::vector<int32_t> qlens(static_cast<size_t>(o_.width), q_);
+  std::vector<int32_t> qlens(static_cast<size_t>(width_), q_);
   dp_step_desc d;
   dp_step_desc_init(&d);
-  d.num_requests = o_.width;  // padded requests included: the step runs at exactly this width
+  d.num_requests = width_;  // padded requests included: the step runs at exactly this width
   d.query_lens = qlens.data();
   d.num_accepted = meta_.num_accepted.data();
   d.state_indices = meta_.state_indices.data();
@@ -761,43 +672,63 @@ const dp_step* Harness::plan(int32_t graph_mode) {
   // The host all-gathers the reasons over its TP group; one rank here.
   const int32_t verdict = dp_agree(&r.reason, 1, nullptr);
   if (verdict != DP_REASON_NONE)
-    fail(Errc::internal, "the runtime refused the step at width {}: {}: {}", o_.width, dp_reason_name(verdict), r.message);
-  if (r.width != o_.width)
-    fail(Errc::internal, "dp_plan chose width {} for {} requests, expected {}", r.width, o_.width, o_.width);
+    fail(Errc::internal, "the runtime refused the step at width {}: {}: {}", width_, dp_reason_name(verdict), r.message);
+  if (r.width != width_)
+    fail(Errc::internal, "dp_plan chose width {} for {} requests, expected {}", r.width, width_, width_);
   return r.step;
 }
 
+dp_layer_io Harness::layer_io(int layer) const {
+  const size_t l = static_cast<size_t>(layer);
+  dp_layer_io io;
+  dp_layer_io_init(&io);
+  io.hidden = hidden_bufs_[l];
+  io.residual = residual_bufs_[l];
+  io.out = hidden_bufs_[l + 1];
+  io.residual_out = residual_bufs_[l + 1];
+  io.positions = d_positions_;
+  io.state_indices = d_state_indices_;
+  io.block_table = d_block_table_;
+  io.block_table_stride = meta_.stride;
+  io.seq_lens = d_seq_lens_;
+  io.slot_mapping = d_slot_mapping_;
+  io.num_accepted = d_num_accepted_;
+  return io;
+}
+
 void Harness::enqueue_step(const dp_step* step) {
+  std::vector<int> layers;
+  for (int32_t l = 0; l < num_layers_; ++l)
+    if (run_layer_[static_cast<size_t>(l)]) layers.push_back(l);
+  enqueue_layers(step, layers, true);
+}
+
+void Harness::enqueue_layers(const dp_step* step, const std::vector<int>& layers, bool final_norm) {
   dp_stream s = stream_->s;
-  for (int32_t l = 0; l < num_layers_; ++l) {
-    if (!run_layer_[static_cast<size_t>(l)]) continue;
+  for (int l : layers) {
     // Prefetch points of the layer (the session has a table where it is worth it); one join closes
     // the side stream at the end of the step.
     for (int32_t point : {DP_PREFETCH_NEXT_ATTENTION, DP_PREFETCH_OPROJ_DOWN, DP_PREFETCH_ATTENTION_MOE})
-      rt(dp_prefetch_fork(sh_.s, point, l, o_.width, s, nullptr), fmt::format("prefetch fork, layer {}", l));
-    dp_layer_io io;
-    dp_layer_io_init(&io);
-    io.hidden = hidden_bufs_[static_cast<size_t>(l)];
-    io.residual = residual_bufs_[static_cast<size_t>(l)];
-    io.out = hidden_bufs_[static_cast<size_t>(l) + 1];
-    io.residual_out = residual_bufs_[static_cast<size_t>(l) + 1];
-    io.positions = d_positions_;
-    io.state_indices = d_state_indices_;
-    io.block_table = d_block_table_;
-    io.block_table_stride = meta_.stride;
-    io.seq_lens = d_seq_lens_;
-    io.slot_mapping = d_slot_mapping_;
-    io.num_accepted = d_num_accepted_;
+      rt(dp_prefetch_fork(sh_.s, point, l, width_, s, nullptr), fmt::format("prefetch fork, layer {}", l));
+    const dp_layer_io io = layer_io(l);
     rt(dp_launch_layer(sh_.s, step, l, &io, s), fmt::format("launching layer {} ({})", l, res_.layer_classes[l]));
   }
-  dp_final_norm_io n;
-  dp_final_norm_io_init(&n);
-  n.hidden = hidden_bufs_.back();
-  n.residual = residual_bufs_.back();
-  n.out = final_out_;
-  n.residual_out = final_residual_;
-  rt(dp_launch_final_norm(sh_.s, step, &n, s), "launching the final norm");
+  if (final_norm) {
+    dp_final_norm_io n;
+    dp_final_norm_io_init(&n);
+    n.hidden = hidden_bufs_.back();
+    n.residual = residual_bufs_.back();
+    n.out = final_out_;
+    n.residual_out = final_residual_;
+    rt(dp_launch_final_norm(sh_.s, step, &n, s), "launching the final norm");
+  }
   rt(dp_prefetch_join(sh_.s, s), "prefetch join");
+}
+
+void Harness::launch_layer(const dp_step* step, int layer) {
+  const dp_layer_io io = layer_io(layer);
+  rt(dp_launch_layer(sh_.s, step, layer, &io, stream_->s),
+     fmt::format("launching layer {} ({})", layer, res_.layer_classes[static_cast<size_t>(layer)]));
 }
 
 // Fresh inputs, the step's metadata, and poison in every output and in the cache rows the step only
@@ -851,7 +782,7 @@ void Harness::upload_step_inputs(Rng& rng) {
       }
       continue;
     }
-    for (int r = 0; r < o_.width; ++r) {
+    for (int r = 0; r < width_; ++r) {
       if (!meta_.real[r]) continue;
       for (int i = 0; i < q_; ++i) {
         if (i == meta_.num_accepted[r] - 1) continue;
@@ -865,6 +796,28 @@ void Harness::upload_step_inputs(Rng& rng) {
   }
 }
 
+std::unique_ptr<Graph> Harness::capture(const std::function<void()>& enqueue) {
+  auto graph = std::make_unique<Graph>(*drv_);
+  sync();
+  drv_->check(drv_->StreamBeginCapture(stream_->s, cuda::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture");
+  try {
+    enqueue();
+  } catch (...) {
+    cuda::CUgraph g = nullptr;
+    drv_->StreamEndCapture(stream_->s, &g);
+    if (g) drv_->GraphDestroy(g);
+    throw;
+  }
+  drv_->check(drv_->StreamEndCapture(stream_->s, &graph->g), "cuStreamEndCapture");
+  drv_->check(drv_->GraphInstantiate(&graph->exec, graph->g, 0), "cuGraphInstantiateWithFlags");
+  return graph;
+}
+
+void Harness::refresh_cache_mirrors() {
+  for (LayerCaches& lc : caches_)
+    for (Cache& c : lc.c) c.host = download(c.ptr, c.bytes());
+}
+
 std::vector<uint8_t> Harness::download(CUdeviceptr p, size_t bytes) {
   std::vector<uint8_t> v(bytes);
   drv_->check(drv_->MemcpyDtoHAsync(v.data(), p, bytes, stream_->s), "cuMemcpyDtoHAsync");
@@ -876,8 +829,8 @@ void Harness::check_step(int index, const std::string& mode) {
   const model::Model& m = model_->m;
   const ref::StepMeta sm = meta_.step_meta();
   const int64_t T = res_.rows, H = hidden_;
-  auto add = [&](int layer, const std::string& cls, const std::string& quantity, double value,
-                 double limit) -> RunCheck& {
+  auto make_check = [&](int layer, const std::string& cls, const std::string& quantity, double value,
+                        double limit) {
     RunCheck c;
     c.step = index;
     c.mode = mode;
@@ -887,132 +840,169 @@ void Harness::check_step(int index, const std::string& mode) {
     c.value = value;
     c.limit = limit;
     c.ok = std::isfinite(value) && value < limit;
-    res_.checks.push_back(c);
-    return res_.checks.back();
-  };
-  // A count that must be 0 (cache rows changed where the step must not write).
-  auto add_count = [&](int layer, const std::string& cls, const std::string& quantity, int64_t n) {
-    RunCheck& c = add(layer, cls, quantity, static_cast<double>(n), 0);
-    c.kind = "count";
-    c.ok = n == 0;
+    return c;
   };
   const std::vector<bool> valid = ref::valid_rows(sm, model::Mixer::kda);  // padding is the same for both mixers
   const ref::Options opt;
 
+  // What the comparisons read comes off the device first (one stream); then the layers are compared
+  // in parallel, each with its own reference weights, caches and results.
+  struct LayerData {
+    int32_t layer = 0;
+    std::vector<uint8_t> hin, rin, hout, rout;
+    std::vector<std::vector<uint8_t>> now;  // the caches as the GPU left them
+    std::vector<RunCheck> checks;
+    int64_t routed = -1;
+  };
+  std::vector<LayerData> data;
   for (int32_t l = 0; l < num_layers_; ++l) {
     if (!run_layer_[static_cast<size_t>(l)]) continue;
     const size_t li = static_cast<size_t>(l);
-    const std::string& cls = res_.layer_classes[li];
-    ref::Mat hin = bf16_mat(download(hidden_bufs_[li], act_bytes_), T, H);
-    zero_rows(hin, valid);
-    ref::Mat rin;
-    if (l > 0) {
-      rin = bf16_mat(download(residual_bufs_[li], act_bytes_), T, H);
-      zero_rows(rin, valid);
-    }
-    const ref::Mat hout = bf16_mat(download(hidden_bufs_[li + 1], act_bytes_), T, H);
-    const ref::Mat rout = bf16_mat(download(residual_bufs_[li + 1], act_bytes_), T, H);
-
-    if (!ref_weights_[li])
-      ref_weights_[li] = std::make_unique<ref::LayerWeights>(m, l, source_->lookup(l), ref::Shard{tp_, o_.rank});
-    LayerCaches& lc = caches_[li];
-    ref::LayerState state;
-    if (lc.kda) state.kda = kda_from_raw(m, ref::Shard{tp_, o_.rank}, lc, layouts_);
-    else state.mla = mla_from_raw(m, lc);
-    ref::Trace trace;
-    ref::LayerOutput want =
-        ref::decoder_layer(*ref_weights_[li], hin, l > 0 ? &rin : nullptr, sm, state, opt, &trace);
-    const int64_t alternatives =
-        match_near_ties(m, *source_, l, ref::Shard{tp_, o_.rank}, *ref_weights_[li], trace, hout, valid, opt, want.hidden);
-    if (drop_reference_cache_) ref_weights_[li]->drop_cache();
-    add(l, cls,
-        alternatives ? fmt::format("hidden ({} near-tie row{} rerouted)", alternatives, alternatives == 1 ? "" : "s")
-                     : std::string("hidden"),
-        ref::rel_error(hout, want.hidden, &valid), kBf16Limit);
-    add(l, cls, "residual", ref::rel_error(rout, want.residual, &valid), kBf16Limit);
-
-    // The caches as the GPU left them; the mirror becomes them, so the next step starts from the
-    // GPU's state (the comparison of each step stands alone).
-    std::vector<std::vector<uint8_t>> now;
-    for (const Cache& c : lc.c) now.push_back(download(c.ptr, c.bytes()));
-    if (lc.kda) {
-      std::set<int64_t> touched;
-      for (int r = 0; r < o_.width; ++r)
-        if (meta_.real[r])
-          for (int i = 0; i < q_; ++i) touched.insert(meta_.state_indices[static_cast<size_t>(r * q_ + i)]);
-      int64_t changed = 0;
-      for (size_t k = 0; k < lc.c.size(); ++k)
-        changed += changed_outside(lc.c[k].host, now[k], lc.c[k].slot_bytes, lc.c[k].elem, touched);
-      const ref::KdaState before = kda_from_raw(m, ref::Shard{tp_, o_.rank}, lc, layouts_);
-      for (size_t k = 0; k < lc.c.size(); ++k) lc.c[k].host = now[k];
-      const ref::KdaState got = kda_from_raw(m, ref::Shard{tp_, o_.rank}, lc, layouts_);
-      std::vector<double> gs, ws, gc, wc;
-      ref::KdaState& ref_state = state.kda;
-      for (int64_t s : touched) {
-        for (int64_t j = 0; j < got.heads; ++j) {
-          const size_t n = static_cast<size_t>(got.head_dim * got.head_dim);
-          const size_t off = static_cast<size_t>((s * got.heads + j)) * n;
-          gs.insert(gs.end(), got.recurrent.begin() + static_cast<std::ptrdiff_t>(off),
-                    got.recurrent.begin() + static_cast<std::ptrdiff_t>(off + n));
-          std::span<double> w = ref_state.slot_state(s, j);
-          ws.insert(ws.end(), w.begin(), w.end());
-        }
-        for (int which = 0; which < 3; ++which) {
-          const std::vector<double>& gv = which == 0 ? got.conv_q : which == 1 ? got.conv_k : got.conv_v;
-          const std::vector<double>& wv = which == 0 ? ref_state.conv_q : which == 1 ? ref_state.conv_k : ref_state.conv_v;
-          const size_t n = static_cast<size_t>(got.conv_dim * got.conv_width), off = static_cast<size_t>(s) * n;
-          gc.insert(gc.end(), gv.begin() + static_cast<std::ptrdiff_t>(off), gv.begin() + static_cast<std::ptrdiff_t>(off + n));
-          wc.insert(wc.end(), wv.begin() + static_cast<std::ptrdiff_t>(off), wv.begin() + static_cast<std::ptrdiff_t>(off + n));
-        }
+    LayerData d;
+    d.layer = l;
+    d.hin = download(hidden_bufs_[li], act_bytes_);
+    if (l > 0) d.rin = download(residual_bufs_[li], act_bytes_);
+    d.hout = download(hidden_bufs_[li + 1], act_bytes_);
+    d.rout = download(residual_bufs_[li + 1], act_bytes_);
+    for (const Cache& c : caches_[li].c) d.now.push_back(download(c.ptr, c.bytes()));
+    data.push_back(std::move(d));
+  }
+  parallel_for(data.size(), check_threads, [&](size_t i) {
+    LayerData& d = data[i];
+    const int32_t l = d.layer;
+    const size_t li = static_cast<size_t>(l);
+    auto add = [&](int layer, const std::string& cls, const std::string& quantity, double value,
+                   double limit) -> RunCheck& {
+      d.checks.push_back(make_check(layer, cls, quantity, value, limit));
+      return d.checks.back();
+    };
+    // A count that must be 0 (cache rows changed where the step must not write).
+    auto add_count = [&](int layer, const std::string& cls, const std::string& quantity, int64_t n) {
+      RunCheck& c = add(layer, cls, quantity, static_cast<double>(n), 0);
+      c.kind = "count";
+      c.ok = n == 0;
+    };
+      const std::string& cls = res_.layer_classes[li];
+      ref::Mat hin = bf16_mat(d.hin, T, H);
+      zero_rows(hin, valid);
+      ref::Mat rin;
+      if (l > 0) {
+        rin = bf16_mat(d.rin, T, H);
+        zero_rows(rin, valid);
       }
-      // The state limit. The state read is exact on both sides, so only this step's update S_new - S_read
-      // can differ, and it is computed from bf16-rounded inputs (projections, conv outputs, gates): where
-      // a GPU GEMM and the float64 reference round one such input to neighbouring bf16 values, the
-      // update moves by up to one bf16 unit (2^-8) of its size. The limit is that, or 1e-4 when larger.
-      double upd2 = 0, new2 = 0;
-      for (int r = 0; r < o_.width; ++r) {
-        if (!meta_.real[r]) continue;
-        const int64_t src = meta_.state_indices[static_cast<size_t>(r * q_ + meta_.num_accepted[static_cast<size_t>(r)] - 1)];
-        for (int i = 0; i < q_; ++i) {
-          const int64_t dst = meta_.state_indices[static_cast<size_t>(r * q_ + i)];
+      const ref::Mat hout = bf16_mat(d.hout, T, H);
+      const ref::Mat rout = bf16_mat(d.rout, T, H);
+
+      if (!ref_weights_[li])
+        ref_weights_[li] = std::make_unique<ref::LayerWeights>(m, l, source_->lookup(l), ref::Shard{tp_, o_.rank});
+      LayerCaches& lc = caches_[li];
+      ref::LayerState state;
+      if (lc.kda) state.kda = kda_from_raw(m, ref::Shard{tp_, o_.rank}, lc, layouts_);
+      else state.mla = mla_from_raw(m, lc);
+      ref::Trace trace;
+      ref::LayerOutput want =
+          ref::decoder_layer(*ref_weights_[li], hin, l > 0 ? &rin : nullptr, sm, state, opt, &trace);
+      const int64_t alternatives =
+          match_near_ties(m, *source_, l, ref::Shard{tp_, o_.rank}, *ref_weights_[li], trace, hout, valid, opt, want.hidden);
+      if (drop_reference_cache_) ref_weights_[li]->drop_cache();
+      if (const auto it = trace.t.find("topk_ids"); it != trace.t.end()) {
+        std::set<int64_t> experts;
+        for (int64_t t = 0; t < it->second.rows; ++t)
+          if (valid[static_cast<size_t>(t)])
+            for (double e : it->second.row(t)) experts.insert(static_cast<int64_t>(e));
+        d.routed = static_cast<int64_t>(experts.size());
+      }
+      add(l, cls,
+          alternatives ? fmt::format("hidden ({} near-tie row{} rerouted)", alternatives, alternatives == 1 ? "" : "s")
+                       : std::string("hidden"),
+          ref::rel_error(hout, want.hidden, &valid), kBf16Limit);
+      add(l, cls, "residual", ref::rel_error(rout, want.residual, &valid), kBf16Limit);
+
+      // The caches as the GPU left them; the mirror becomes them, so the next step starts from the
+      // GPU's state (the comparison of each step stands alone).
+      const std::vector<std::vector<uint8_t>>& now = d.now;
+      if (lc.kda) {
+        std::set<int64_t> touched;
+        for (int r = 0; r < width_; ++r)
+          if (meta_.real[r])
+            for (int i = 0; i < q_; ++i) touched.insert(meta_.state_indices[static_cast<size_t>(r * q_ + i)]);
+        int64_t changed = 0;
+        for (size_t k = 0; k < lc.c.size(); ++k)
+          changed += changed_outside(lc.c[k].host, now[k], lc.c[k].slot_bytes, lc.c[k].elem, touched);
+        const ref::KdaState before = kda_from_raw(m, ref::Shard{tp_, o_.rank}, lc, layouts_);
+        for (size_t k = 0; k < lc.c.size(); ++k) lc.c[k].host = now[k];
+        const ref::KdaState got = kda_from_raw(m, ref::Shard{tp_, o_.rank}, lc, layouts_);
+        std::vector<double> gs, ws, gc, wc;
+        ref::KdaState& ref_state = state.kda;
+        for (int64_t s : touched) {
           for (int64_t j = 0; j < got.heads; ++j) {
             const size_t n = static_cast<size_t>(got.head_dim * got.head_dim);
-            const size_t off = static_cast<size_t>((src * got.heads + j)) * n;
-            std::span<double> w = ref_state.slot_state(dst, j);
-            for (size_t e = 0; e < n; ++e) {
-              const double d = w[e] - before.recurrent[off + e];
-              upd2 += d * d;
-              new2 += w[e] * w[e];
+            const size_t off = static_cast<size_t>((s * got.heads + j)) * n;
+            gs.insert(gs.end(), got.recurrent.begin() + static_cast<std::ptrdiff_t>(off),
+                      got.recurrent.begin() + static_cast<std::ptrdiff_t>(off + n));
+            std::span<double> w = ref_state.slot_state(s, j);
+            ws.insert(ws.end(), w.begin(), w.end());
+          }
+          for (int which = 0; which < 3; ++which) {
+            const std::vector<double>& gv = which == 0 ? got.conv_q : which == 1 ? got.conv_k : got.conv_v;
+            const std::vector<double>& wv = which == 0 ? ref_state.conv_q : which == 1 ? ref_state.conv_k : ref_state.conv_v;
+            const size_t n = static_cast<size_t>(got.conv_dim * got.conv_width), off = static_cast<size_t>(s) * n;
+            gc.insert(gc.end(), gv.begin() + static_cast<std::ptrdiff_t>(off), gv.begin() + static_cast<std::ptrdiff_t>(off + n));
+            wc.insert(wc.end(), wv.begin() + static_cast<std::ptrdiff_t>(off), wv.begin() + static_cast<std::ptrdiff_t>(off + n));
+          }
+        }
+        // The state limit. The state read is exact on both sides, so only this step's update S_new - S_read
+        // can differ, and it is computed from bf16-rounded inputs (projections, conv outputs, gates): where
+        // a GPU GEMM and the float64 reference round one such input to neighbouring bf16 values, the
+        // update moves by up to one bf16 unit (2^-8) of its size. The limit is that, or 1e-4 when larger.
+        double upd2 = 0, new2 = 0;
+        for (int r = 0; r < width_; ++r) {
+          if (!meta_.real[r]) continue;
+          const int64_t src = meta_.state_indices[static_cast<size_t>(r * q_ + meta_.num_accepted[static_cast<size_t>(r)] - 1)];
+          for (int i = 0; i < q_; ++i) {
+            const int64_t dst = meta_.state_indices[static_cast<size_t>(r * q_ + i)];
+            for (int64_t j = 0; j < got.heads; ++j) {
+              const size_t n = static_cast<size_t>(got.head_dim * got.head_dim);
+              const size_t off = static_cast<size_t>((src * got.heads + j)) * n;
+              std::span<double> w = ref_state.slot_state(dst, j);
+              for (size_t e = 0; e < n; ++e) {
+                const double d = w[e] - before.recurrent[off + e];
+                upd2 += d * d;
+                new2 += w[e] * w[e];
+              }
             }
           }
         }
+        const double state_limit = std::max(kF32Limit, new2 > 0 ? std::ldexp(std::sqrt(upd2 / new2), -8) : 0.0);
+        add(l, cls, fmt::format("kda state ({} slots)", touched.size()), ref::rel_error(gs, ws), state_limit);
+        add(l, cls, "conv state q/k/v", ref::rel_error(gc, wc), kBf16Limit);
+        add_count(l, cls, "other slots unchanged", changed);
+      } else {
+        Cache& c = lc.c[0];
+        const int64_t bs = c.desc.shape[1];
+        const size_t row_values = static_cast<size_t>(c.desc.shape[2]);
+        std::set<int64_t> written;  // cache slots (block * block_size + offset) the step writes
+        for (size_t t = 0; t < meta_.slot_mapping.size(); ++t)
+          if (valid[t] && meta_.slot_mapping[t] >= 0) written.insert(meta_.slot_mapping[t]);
+        // Every other row, bitwise.
+        const int64_t changed = changed_outside(c.host, now[0], c.slot_bytes / static_cast<size_t>(bs), c.elem, written);
+        c.host = now[0];
+        const ref::MlaCache got = mla_from_raw(m, lc);
+        std::vector<double> g, w;
+        for (int64_t s : written) {
+          const size_t off = static_cast<size_t>(s) * row_values;
+          g.insert(g.end(), got.data.begin() + static_cast<std::ptrdiff_t>(off),
+                   got.data.begin() + static_cast<std::ptrdiff_t>(off + row_values));
+          w.insert(w.end(), state.mla.data.begin() + static_cast<std::ptrdiff_t>(off),
+                   state.mla.data.begin() + static_cast<std::ptrdiff_t>(off + row_values));
+        }
+        add(l, cls, fmt::format("latent rows ({} written)", written.size()), ref::rel_error(g, w), kBf16Limit);
+        add_count(l, cls, "other rows unchanged", changed);
       }
-      const double state_limit = std::max(kF32Limit, new2 > 0 ? std::ldexp(std::sqrt(upd2 / new2), -8) : 0.0);
-      add(l, cls, fmt::format("kda state ({} slots)", touched.size()), ref::rel_error(gs, ws), state_limit);
-      add(l, cls, "conv state q/k/v", ref::rel_error(gc, wc), kBf16Limit);
-      add_count(l, cls, "other slots unchanged", changed);
-    } else {
-      Cache& c = lc.c[0];
-      const int64_t bs = c.desc.shape[1];
-      const size_t row_values = static_cast<size_t>(c.desc.shape[2]);
-      std::set<int64_t> written;  // cache slots (block * block_size + offset) the step writes
-      for (size_t t = 0; t < meta_.slot_mapping.size(); ++t)
-        if (valid[t] && meta_.slot_mapping[t] >= 0) written.insert(meta_.slot_mapping[t]);
-      // Every other row, bitwise.
-      const int64_t changed = changed_outside(c.host, now[0], c.slot_bytes / static_cast<size_t>(bs), c.elem, written);
-      c.host = now[0];
-      const ref::MlaCache got = mla_from_raw(m, lc);
-      std::vector<double> g, w;
-      for (int64_t s : written) {
-        const size_t off = static_cast<size_t>(s) * row_values;
-        g.insert(g.end(), got.data.begin() + static_cast<std::ptrdiff_t>(off),
-                 got.data.begin() + static_cast<std::ptrdiff_t>(off + row_values));
-        w.insert(w.end(), state.mla.data.begin() + static_cast<std::ptrdiff_t>(off),
-                 state.mla.data.begin() + static_cast<std::ptrdiff_t>(off + row_values));
-      }
-      add(l, cls, fmt::format("latent rows ({} written)", written.size()), ref::rel_error(g, w), kBf16Limit);
-      add_count(l, cls, "other rows unchanged", changed);
-    }
+  });
+  for (LayerData& d : data) {
+    res_.checks.insert(res_.checks.end(), d.checks.begin(), d.checks.end());
+    routed_[static_cast<size_t>(d.layer)] = d.routed;
   }
 
   // The final norm, from the rows the GPU fed it.
@@ -1022,55 +1012,37 @@ void Harness::check_step(int index, const std::string& mode) {
   zero_rows(r, valid);
   if (norm_weight_.empty()) norm_weight_ = ref::model_tensor(m, source_->lookup(-1), "norm.weight").data;
   const ref::AddNorm want = ref::fused_add_rms_norm(h, &r, norm_weight_, m.rms_norm_eps, opt.rounding);
-  add(-1, "final_norm", "out", ref::rel_error(bf16_mat(download(final_out_, act_bytes_), T, H), want.x, &valid),
-      kBf16Limit);
-  add(-1, "final_norm", "residual",
-      ref::rel_error(bf16_mat(download(final_residual_, act_bytes_), T, H), want.residual, &valid), kBf16Limit);
+  res_.checks.push_back(make_check(
+      -1, "final_norm", "out", ref::rel_error(bf16_mat(download(final_out_, act_bytes_), T, H), want.x, &valid),
+      kBf16Limit));
+  res_.checks.push_back(make_check(
+      -1, "final_norm", "residual",
+      ref::rel_error(bf16_mat(download(final_residual_, act_bytes_), T, H), want.residual, &valid), kBf16Limit));
 }
 
-void Harness::run() {
-  open_and_validate();
-  const model::Model& m = model_->m;
-  Rng meta_rng(o_.seed ^ 0x5EEDull);
-  const int64_t block_size = manifest_bundle_->deploy().kv_cache.block_size;
-  meta_ = make_meta(o_.width, res_.requests, q_, o_.steps + (o_.graph ? 1 : 0), o_.context, block_size, meta_rng);
+void Harness::open_bundle() { open_and_validate(); }
 
+void Harness::open_device_and_weights() {
   open_device();
   bind_weights();
   log("kernels: loading every width's code objects");
   rt(dp_session_load_kernels(sh_.s), "loading kernels");
-  bind_caches();
-  allocate_io();
   if (o_.check) {
     ref_weights_.resize(static_cast<size_t>(num_layers_));
     // A real-shaped model does not fit in double on the host: keep only one layer's tensors at a time.
-    drop_reference_cache_ = m.total_weight_bytes() > (uint64_t{4} << 30);
+    drop_reference_cache_ = model_->m.total_weight_bytes() > (uint64_t{4} << 30);
   }
+}
 
-  // Which layers have a program at this width (the plan's step is the same object for every step).
-  const dp_step* step = plan(DP_GRAPH_NONE);
-  run_layer_.assign(static_cast<size_t>(num_layers_), true);
-  std::vector<std::string> missing;
-  for (int32_t l = 0; l < num_layers_; ++l) {
-    if (dp_step_layer_kernel(step, l)) {
-      res_.layers_run.push_back(l);
-      continue;
-    }
-    run_layer_[static_cast<size_t>(l)] = false;
-    res_.layers_skipped.push_back(l);
-    // dp_launch_layer says why (it refuses before looking at the io or launching anything).
-    dp_layer_io io;
-    dp_layer_io_init(&io);
-    dp_status* st = dp_launch_layer(sh_.s, step, l, &io, stream_->s);
-    missing.push_back(fmt::format("layer {} ({}): {}", l, res_.layer_classes[static_cast<size_t>(l)],
-                                  st ? dp_status_message(st) : "no program"));
-    dp_status_free(st);
-  }
-  if (!missing.empty() && !o_.skip_missing)
+void Harness::run() {
+  open_bundle();
+  open_device_and_weights();
+  set_width(o_.width, o_.requests, o_.steps + (o_.graph ? 1 : 0), false);
+  if (!missing_.empty() && !o_.skip_missing)
     fail(Errc::input, "width {}: {} of {} layers have no program in the bundle, so the step cannot run on the GPU alone "
-         "(--skip-missing runs the others, each fed fresh inputs):\n  {}", o_.width, missing.size(), num_layers_,
-         fmt::join(missing, "\n  "));
-  for (const std::string& s : missing) log("skipped: " + s);
+         "(--skip-missing runs the others, each fed fresh inputs):\n  {}", o_.width, missing_.size(), num_layers_,
+         fmt::join(missing_, "\n  "));
+  for (const std::string& s : missing_) log("skipped: " + s);
 
   // With --graph, one eager warm-up step (as a host runs before capturing), then one capture, and every
   // further step replays it with fresh contents in the captured buffers.
@@ -1081,20 +1053,7 @@ void Harness::run() {
     const std::string mode = replay ? "graph" : "eager";
     if (replay && !graph_) {
       const dp_step* captured = plan(DP_GRAPH_FULL);  // under FULL graphs a host plans at capture only
-      graph_ = std::make_unique<Graph>(*drv_);
-      sync();
-      drv_->check(drv_->StreamBeginCapture(stream_->s, cuda::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-                  "cuStreamBeginCapture");
-      try {
-        enqueue_step(captured);
-      } catch (...) {
-        cuda::CUgraph g = nullptr;
-        drv_->StreamEndCapture(stream_->s, &g);
-        if (g) drv_->GraphDestroy(g);
-        throw;
-      }
-      drv_->check(drv_->StreamEndCapture(stream_->s, &graph_->g), "cuStreamEndCapture");
-      drv_->check(drv_->GraphInstantiate(&graph_->exec, graph_->g, 0), "cuGraphInstantiateWithFlags");
+      graph_ = capture([&] { enqueue_step(captured); });
       log("graph: one step captured");
     }
     upload_step_inputs(input_rng);
@@ -1114,11 +1073,9 @@ void Harness::run() {
       res_.checked = true;
       check_step(i, mode);
     }
-    meta_.advance(meta_rng);
+    meta_.advance(meta_rng_);
   }
 }
-
-}  // namespace
 
 RunResult run_bundle(const RunOptions& o) {
   if (o.width < 1) fail(Errc::usage, "--width {}: expected a batch width >= 1", o.width);

@@ -501,6 +501,15 @@ dp_status* dp_session_raise_error_flag(dp_session* s, uint32_t bits) {
   });
 }
 
+dp_status* dp_session_set_launch_observer(dp_session* s, dp_launch_observer_fn fn, void* user) {
+  return guarded(__func__, [&](const char* fn_name) -> Status {
+    if (!s) return null_arg(fn_name, "session");
+    s->observer = fn;
+    s->observer_user = fn ? user : nullptr;
+    return ok();
+  });
+}
+
 // ---- Launch -------------------------------------------------------------------------------------------
 
 dp_status* dp_launch_layer(dp_session* s, const dp_step* step, int32_t layer, const dp_layer_io* io, dp_stream stream) {

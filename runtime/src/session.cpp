@@ -858,7 +858,8 @@ Status dp_session::launch_final_norm(const dp_step* step, const dp_final_norm_io
   // Without a residual the sum is `hidden` alone: the kernel then writes hidden to residual_out.
   DeviceScope scope(device.get());
   DP_RETURN_IF_ERROR(scope.status());
-  return launch_packed(*device, k, stream, programmatic, [&](ParamSource src) -> uint64_t {
+  if (observer) observer(observer_user, -1, 0, k.entry->name.c_str(), 0, stream);
+  Status st = launch_packed(*device, k, stream, programmatic, [&](ParamSource src) -> uint64_t {
     switch (src) {
       case ParamSource::io_hidden: return io.hidden;
       case ParamSource::io_residual: return io.residual;
@@ -867,6 +868,8 @@ Status dp_session::launch_final_norm(const dp_step* step, const dp_final_norm_io
       default: return 0;
     }
   });
+  if (observer) observer(observer_user, -1, 0, k.entry->name.c_str(), 1, stream);
+  return st;
 }
 
 Status dp_session::launch_layer(const dp_step* step, int32_t layer, const dp_layer_io& io, dp_stream stream) {
@@ -914,8 +917,13 @@ Status dp_session::launch_layer(const dp_step* step, int32_t layer, const dp_lay
       default: return 0;
     }
   };
-  for (const LoadedKernel& k : layer_programs[step->index][layer])
-    DP_RETURN_IF_ERROR(launch_packed(*device, k, stream, programmatic, value_of));
+  const std::vector<LoadedKernel>& program = layer_programs[step->index][layer];
+  for (size_t i = 0; i < program.size(); ++i) {
+    if (observer) observer(observer_user, layer, static_cast<int32_t>(i), program[i].entry->name.c_str(), 0, stream);
+    Status st = launch_packed(*device, program[i], stream, programmatic, value_of);
+    if (observer) observer(observer_user, layer, static_cast<int32_t>(i), program[i].entry->name.c_str(), 1, stream);
+    DP_RETURN_IF_ERROR(std::move(st));
+  }
   return ok();
 }
 

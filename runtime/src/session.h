@@ -107,6 +107,8 @@ struct dp_session {
   uint32_t host_flag_storage = 0;
   bool aborted = false;
   bool programmatic = false;  // launch layer and final-norm kernels with programmatic dependent launch
+  dp_launch_observer_fn observer = nullptr;  // dp_session_set_launch_observer (profilers only)
+  void* observer_user = nullptr;
 
   static dp::rt::Result<dp_session*> create(dp_bundle* b, const dp_session_options& o);
 

@@ -626,6 +626,20 @@ DP_API void dp_final_norm_io_init(dp_final_norm_io* io);
 DP_API dp_status* dp_launch_final_norm(dp_session* session, const dp_step* step, const dp_final_norm_io* io,
                                        dp_stream stream);
 
+/* ---- Launch observer (profilers; off by default) --------------------------------------------------- *
+ *
+ * For tools that time a layer program kernel by kernel (`decodepack bench`): once set, `fn` is called
+ * around every kernel that dp_launch_layer and dp_launch_final_norm enqueue, on the calling thread,
+ * with after = 0 right before the kernel is enqueued on `stream` and after = 1 right after (also when
+ * the launch failed). `layer` is the decoder layer (-1: the final norm), `index` the kernel's position
+ * in the layer's program (0-based), `kernel` its name (valid during the call). The callback may enqueue
+ * work on `stream` (record an event, launch a kernel of its own), also during stream capture; it must
+ * not call this session's functions. A NULL `fn` turns the observer off (the default): a launch then
+ * costs one pointer test more. Serving hosts have no use for it. */
+typedef void (*dp_launch_observer_fn)(void* user, int32_t layer, int32_t index, const char* kernel, int32_t after,
+                                      dp_stream stream);
+DP_API dp_status* dp_session_set_launch_observer(dp_session* session, dp_launch_observer_fn fn, void* user);
+
 /* ---- L2 weight prefetch --------------------------------------------------------------------------- *
  *
  * At fixed points of a layer the session launches a small kernel on its own side stream that pulls the

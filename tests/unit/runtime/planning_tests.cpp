@@ -333,6 +333,29 @@ TEST_F(PlanningTest, PeerAbortIsReported) {
   DP_EXPECT_STATUS(dp_after_step(s_), DP_ERR_ABORTED, "a peer rank announced that it gave up");
 }
 
+// The launch observer (profilers): off by default, settable and clearable, and a launch refused
+// before any kernel is enqueued never calls it. (GPU runs of `decodepack bench` exercise the calls.)
+TEST_F(PlanningTest, LaunchObserverIsCalledOnlyAroundEnqueuedKernels) {
+  int calls = 0;
+  const dp_launch_observer_fn count = [](void* user, int32_t, int32_t, const char*, int32_t, dp_stream) {
+    ++*static_cast<int*>(user);
+  };
+  DP_EXPECT_OK(dp_session_set_launch_observer(s_, count, &calls));
+  const dp_plan_result r = plan(decode(2).desc());
+  ASSERT_NE(r.step, nullptr);
+  dp_layer_io io;
+  dp_layer_io_init(&io);
+  io.hidden = io.out = io.residual = io.residual_out = 0x7a0000000000ull;
+  DP_EXPECT_STATUS(dp_launch_layer(s_, r.step, 1, &io, nullptr), DP_ERR_NO_DEVICE, "host-only");
+  dp_final_norm_io n;
+  dp_final_norm_io_init(&n);
+  DP_EXPECT_STATUS(dp_launch_final_norm(s_, r.step, &n, nullptr), DP_ERR_NO_DEVICE, "host-only");
+  EXPECT_EQ(calls, 0);
+  DP_EXPECT_OK(dp_session_set_launch_observer(s_, nullptr, nullptr));
+  DP_EXPECT_STATUS(dp_session_set_launch_observer(nullptr, count, &calls), DP_ERR_INVALID_ARGUMENT,
+                   "dp_session_set_launch_observer: session is NULL");
+}
+
 TEST_F(PlanningTest, LaunchesOnAHostOnlySession) {
   const dp_plan_result r = plan(decode(2).desc());
   ASSERT_NE(r.step, nullptr);
