@@ -399,7 +399,11 @@ def run(args, cfg):
         order = flat.argsort(stable=True)
         rows = order // cfg.topk
         xs = x2.index_select(0, rows)
-        offs = torch.bincount(flat, minlength=cfg.E).cumsum(0).to(torch.int32)
+        # Group ends without bincount (its output size is read back to the host, which a CUDA graph
+        # cannot capture): offs[e] = assignments to experts <= e.
+        counts = torch.zeros(cfg.E, device=flat.device, dtype=torch.int32)
+        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = counts.cumsum(0).to(torch.int32)
         h13 = torch._grouped_mm(xs, p.w13.transpose(1, 2), offs=offs)
         g, u = h13.chunk(2, -1)
         y = torch._grouped_mm((F.silu(g) * u).contiguous(), p.w2.transpose(1, 2), offs=offs)

@@ -202,10 +202,52 @@ __device__ __forceinline__ void dp_gate_up_tile(XRow xrow,                      
   __syncthreads();
 }
 
-// Routed + shared gate/up. Launch: grid = nS + U*nI blocks, block 256, where nI = ceil(I/RB) tiles of
-// one expert, nS = ceil(SI/RB) tiles of the shared expert (0 without one): shared tiles first, then
-// used expert u's tiles at nS + u*nI .. (u+1)*nI - 1.
-template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S>
+// Gate/up of one 8-feature tile by one warp on the tensor cores (NVIDIA, T >= 2): the warp's 16-row
+// tile holds the gate rows (0-7) and the up rows (8-15) of features f0 .. f0+7 over the whole of D, so
+// lane (g, q) ends with gate and up of feature f0 + g for activation rows 8nt + 2q and 8nt + 2q + 1 in
+// its own accumulators: the activation is applied in registers and stored by the lane, with no shared
+// memory and no barrier, and the warp goes on to its next tile.
+//   xrow(t): activation row t (< T), [D] bf16, or null (masked: its outputs are not stored)
+//   store(t, f, v): v = act(gate, up) of feature f for row t
+#if DP_VENDOR_NVIDIA
+template <int T, int D, int kAct, typename XRow, typename Store>
+__device__ __forceinline__ void dp_gate_up_warp_tile(XRow xrow, const dp_bf16* __restrict__ wg,
+                                                     const dp_bf16* __restrict__ wu, int Irows, int f0,
+                                                     float act_beta, float act_lbeta, Store store) {
+  constexpr int NT = (T + 7) / 8;
+  const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
+  float acc[1][NT][4];  // rows g (gate) and g + 8 (up) of the tile
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[0][nt][0] = acc[0][nt][1] = acc[0][nt][2] = acc[0][nt][3] = 0.0f;
+  dp_mma_rows<D, 1, NT>(
+      [&](int m) {
+        const int f = f0 + m % 8;
+        return (m < 8 ? wg : wu) + (dp_u64)(f < Irows ? f : 0) * D;  // features past the matrix re-read row 0
+      },
+      [&](int t) { return t < T ? xrow(t) : nullptr; }, 0, (D + 31) / 32, acc);
+  const int f = f0 + g;
+  if (f >= Irows) return;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int t = 8 * nt + 2 * q + k;
+      if (t < T && xrow(t))
+        store(t, f, dp_gated_act<kAct>(dp_round_bf16(acc[0][nt][k]), dp_round_bf16(acc[0][nt][k + 2]), act_beta,
+                                       act_lbeta));
+    }
+}
+#endif
+
+// Routed + shared gate/up. Two work splits (kWarpTiles, chosen by the compiler from T):
+//   0: block tiles. Launch: grid = nS + U*nI blocks, block 256, where nI = ceil(I/RB) tiles of one
+//      expert, nS = ceil(SI/RB) tiles of the shared expert (0 without one): shared tiles first, then
+//      used expert u's tiles at nS + u*nI .. (u+1)*nI - 1.
+//   1: warp tiles of 8 features (dp_gate_up_warp_tile), the shared expert's first, then each used
+//      expert's, walked by all warps of the grid with a stride (any grid; the compiler sizes it to the
+//      most tiles a step can have, at most about two blocks per SM). On AMD: the block tiles of 0,
+//      walked by the blocks of the grid with a stride.
+template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S, int kWarpTiles>
 __device__ __forceinline__ void dp_moe_up(
     const dp_bf16* __restrict__ x,             // [T, D] bf16 post-attention-norm rows (or latent)
     const dp_bf16* __restrict__ w1,            // [E, stride_w1] bf16 expert gate (w1) weights, [I, D] each
@@ -219,6 +261,29 @@ __device__ __forceinline__ void dp_moe_up(
     dp_u32 stride_w1,                          // elements between experts of w1 (dense: I*D)
     dp_u32 stride_w3,                          // elements between experts of w3 (dense: I*D)
     float act_beta = 0.0f, float act_lbeta = 0.0f) {  // SiTU betas (kAct 1)
+#if DP_VENDOR_NVIDIA
+  if constexpr (kWarpTiles && T >= 2) {
+    constexpr int tS = (SI + 7) / 8, tI = (I + 7) / 8;  // 8-feature tiles of the shared expert, of one expert
+    const int warps = (int)gridDim.x * DP_GEMM_GROUPS;
+    const int total = tS + experts[0] * tI;
+    for (int it = (int)blockIdx.x * DP_GEMM_GROUPS + (int)threadIdx.x / DP_GROUP; it < total; it += warps) {
+      if (it < tS) {
+        dp_gate_up_warp_tile<T, D, kAct>(
+            [&](int t) { return x + (dp_u64)t * D; }, shared_gate, shared_up, SI, 8 * it, act_beta, act_lbeta,
+            [&](int t, int f, float v) { hs[(dp_u64)t * SI + f] = dp_f32_to_bf16(v); });
+      } else {
+        const int u = (it - tS) / tI, f0 = 8 * ((it - tS) % tI);
+        const dp_i32 e = experts[1 + u];
+        const dp_i32* slots = expert_slots + u * T;
+        dp_gate_up_warp_tile<T, D, kAct>(
+            [&](int t) { return slots[t] >= 0 ? x + (dp_u64)t * D : nullptr; },  // rows that chose e
+            w1 + (dp_u64)e * stride_w1, w3 + (dp_u64)e * stride_w3, I, f0, act_beta, act_lbeta,
+            [&](int t, int f, float v) { h[((dp_u64)t * KT + slots[t]) * I + f] = dp_f32_to_bf16(v); });
+      }
+    }
+    return;
+  }
+#endif
   typedef dp_gate_up_geometry<T, D, MT, S> F;
   typedef typename F::G G;
   constexpr int RB = F::kFeatures;
@@ -229,31 +294,33 @@ __device__ __forceinline__ void dp_moe_up(
   __shared__ float act[RB * T];                                 // [RB, T] fp32
   __shared__ dp_i32 slot_of[T];                                 // [T] i32 this expert's top-k position per row
 
-  int b = (int)blockIdx.x;
-  if (b < nS) {
-    const int row0 = b * RB;
-    dp_gate_up_tile<T, D, MT, S, kAct>([&](int t) { return x + (dp_u64)t * D; }, shared_gate, shared_up, SI, row0,
-                                       act_beta, act_lbeta, partial, result, act);
+  const int total = nS + experts[0] * nI;  // tiles of this step (fewer experts used than the grid allows for)
+  const int stride = kWarpTiles ? (int)gridDim.x : total;
+  for (int b = (int)blockIdx.x; b < total; b += stride) {
+    __syncthreads();  // the previous tile's readers of slot_of and act are done
+    if (b < nS) {
+      const int row0 = b * RB;
+      dp_gate_up_tile<T, D, MT, S, kAct>([&](int t) { return x + (dp_u64)t * D; }, shared_gate, shared_up, SI, row0,
+                                         act_beta, act_lbeta, partial, result, act);
+      for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
+        const int t = i % T, r = row0 + i / T;
+        if (r < SI) hs[(dp_u64)t * SI + r] = dp_f32_to_bf16(act[i]);
+      }
+      continue;
+    }
+    const int u = (b - nS) / nI, tile = (b - nS) % nI;
+    const dp_i32 e = experts[1 + u];
+    if ((int)threadIdx.x < T) slot_of[threadIdx.x] = expert_slots[u * T + threadIdx.x];
+    __syncthreads();
+    const int row0 = tile * RB;
+    dp_gate_up_tile<T, D, MT, S, kAct>(
+        [&](int t) { return slot_of[t] >= 0 ? x + (dp_u64)t * D : nullptr; },  // rows that chose e
+        w1 + (dp_u64)e * stride_w1, w3 + (dp_u64)e * stride_w3, I, row0, act_beta, act_lbeta, partial, result, act);
     for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
       const int t = i % T, r = row0 + i / T;
-      if (r < SI) hs[(dp_u64)t * SI + r] = dp_f32_to_bf16(act[i]);
+      const int j = slot_of[t];
+      if (r < I && j >= 0) h[((dp_u64)t * KT + j) * I + r] = dp_f32_to_bf16(act[i]);
     }
-    return;
-  }
-  b -= nS;
-  const int u = b / nI, tile = b % nI;
-  if (u >= experts[0]) return;  // fewer experts used than the grid allows for
-  const dp_i32 e = experts[1 + u];
-  if ((int)threadIdx.x < T) slot_of[threadIdx.x] = expert_slots[u * T + threadIdx.x];
-  __syncthreads();
-  const int row0 = tile * RB;
-  dp_gate_up_tile<T, D, MT, S, kAct>(
-      [&](int t) { return slot_of[t] >= 0 ? x + (dp_u64)t * D : nullptr; },  // rows that chose e
-      w1 + (dp_u64)e * stride_w1, w3 + (dp_u64)e * stride_w3, I, row0, act_beta, act_lbeta, partial, result, act);
-  for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
-    const int t = i % T, r = row0 + i / T;
-    const int j = slot_of[t];
-    if (r < I && j >= 0) h[((dp_u64)t * KT + j) * I + r] = dp_f32_to_bf16(act[i]);
   }
 }
 
@@ -285,8 +352,11 @@ __device__ __forceinline__ void dp_mlp_up(const dp_bf16* __restrict__ x,       /
 // Launch: grid ceil(D/M) blocks, block 256. A block owns M output features; its 8 groups share out the
 // items (the shared expert first, then the used experts in order: item i goes to group i % 8), so that
 // many experts' rows are in flight at once instead of one expert after another. Each expert's rows are
-// read once for all the rows that chose it (rows that did not are masked out of the FMAs). A group
-// sums its items in order and the block sums its groups in order: deterministic, no atomics.
+// read once for all the rows that chose it (rows that did not are masked out). A group sums its items
+// in order and the block sums its groups in order: deterministic, no atomics.
+// M = 16 with T >= 2 on NVIDIA: the block's 16 rows of an item are one tensor-core tile (dp_mma_rows)
+// against the rows that chose the expert, each item's products scaled by their rows' weights as they
+// are added up. Otherwise (T = 1, AMD): the lane-FMA loop, at most 4 rows at a time.
 template <int T, int D, int I, int E, int KT, int SI, int M>
 __device__ __forceinline__ void dp_moe_down(
     const dp_bf16* __restrict__ h,             // [T, KT, I] bf16 from dp_moe_up
@@ -300,68 +370,113 @@ __device__ __forceinline__ void dp_moe_down(
     float routed_scaling,
     dp_u32 stride_w2) {                        // elements between experts of w2 (dense: D*I)
   static_assert(I % 8 == 0 && SI % 8 == 0 && D % 8 == 0, "moe_down: widths must be multiples of 8");
-  constexpr int kItersI = (I / 8 + DP_GROUP - 1) / DP_GROUP;
-  constexpr int kItersS = (SI / 8 + DP_GROUP - 1) / DP_GROUP;
   constexpr int kShared = SI > 0 ? 1 : 0;
+#if DP_VENDOR_NVIDIA
+  constexpr bool kMma = T >= 2 && M == 16;
+#else
+  constexpr bool kMma = false;
+#endif
+  // Rows of the weights one group multiplies at a time (the lane-FMA loop keeps MF x T accumulators).
+  constexpr int MF = kMma ? M : (M < 4 ? M : 4);
+  static_assert(M % MF == 0, "moe_down: M must be a multiple of the rows per pass");
   __shared__ float partial[DP_GEMM_GROUPS * M * T];  // [8, M, T] fp32 group sums
   const int group = (int)threadIdx.x / DP_GROUP, lane = (int)threadIdx.x % DP_GROUP;
   const int row0 = (int)blockIdx.x * M;
   const int items = kShared + experts[0];
 
-  float acc[M][T];  // [M, T] fp32 lane partials of this group's items
-#pragma unroll
-  for (int m = 0; m < M; ++m)
-#pragma unroll
-    for (int t = 0; t < T; ++t) acc[m][t] = 0.0f;
-  const dp_bf16* w[M];
-  for (int item = group; item < items; item += DP_GEMM_GROUPS) {
-    float tmp[M][T];  // [M, T] fp32 this item's lane partials
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-      for (int t = 0; t < T; ++t) tmp[m][t] = 0.0f;
-    float coef[T];  // [T] fp32 weight of this item in row t's output (0: row t does not use it)
+  // Item `item`'s weight row m of this block, its activation row t (null: row t does not use it) and
+  // the weight of its products in row t's output.
+  auto weight_row = [&](int item, int m) -> const dp_bf16* {
+    const int r = row0 + m < D ? row0 + m : 0;  // rows past the matrix re-read row 0 and are dropped
+    if (kShared && item == 0) return shared_down + (dp_u64)r * SI;
+    return w2 + (dp_u64)experts[1 + item - kShared] * stride_w2 + (dp_u64)r * I;
+  };
+  auto act_row = [&](int item, int t, float* coef) -> const dp_bf16* {
     if (kShared && item == 0) {
-      const dp_bf16* xr[T];
+      if (coef) *coef = 1.0f;
+      return hs + (dp_u64)t * SI;
+    }
+    const int u = item - kShared;
+    const dp_i32 j = expert_slots[u * T + t];
+    if (coef) *coef = j >= 0 ? routed_scaling * topk_weights[t * KT + j] : 0.0f;
+    return j >= 0 ? h + ((dp_u64)t * KT + j) * I : nullptr;
+  };
+
+  if constexpr (kMma) {
+#if DP_VENDOR_NVIDIA
+    constexpr int NT = (T + 7) / 8;
+    const int g = lane / 4, q = lane % 4;
+    float acc[NT][4];  // [NT, 4] fp32 accumulator fragments: rows g, g+8; activations 8nt + 2q + (k % 2)
 #pragma unroll
-      for (int t = 0; t < T; ++t) {
-        xr[t] = hs + (dp_u64)t * SI;
-        coef[t] = 1.0f;
-      }
+    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+    for (int item = group; item < items; item += DP_GEMM_GROUPS) {
+      float tmp[1][NT][4];  // this item's products
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const int r = row0 + m;
-        w[m] = shared_down + (dp_u64)(r < D ? r : 0) * SI;
-      }
-      dp_dot_rows<T, M, kItersS>(w, xr, 0, SI / 8, lane, tmp);
-    } else {
-      const int u = item - kShared;
-      const dp_i32 e = experts[1 + u];
-      const dp_bf16* xr[T];
+      for (int nt = 0; nt < NT; ++nt) tmp[0][nt][0] = tmp[0][nt][1] = tmp[0][nt][2] = tmp[0][nt][3] = 0.0f;
+      auto wrow = [&](int m) { return weight_row(item, m); };
+      auto xrow = [&](int t) { return t < T ? act_row(item, t, nullptr) : nullptr; };
+      if (kShared && item == 0)
+        dp_mma_rows<SI, 1, NT>(wrow, xrow, 0, (SI + 31) / 32, tmp);
+      else
+        dp_mma_rows<I, 1, NT>(wrow, xrow, 0, (I + 31) / 32, tmp);
 #pragma unroll
-      for (int t = 0; t < T; ++t) {
-        const dp_i32 j = expert_slots[u * T + t];
-        xr[t] = j >= 0 ? h + ((dp_u64)t * KT + j) * I : nullptr;
-        coef[t] = j >= 0 ? routed_scaling * topk_weights[t * KT + j] : 0.0f;
-      }
+      for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const int r = row0 + m;
-        w[m] = w2 + (dp_u64)e * stride_w2 + (dp_u64)(r < D ? r : 0) * I;
-      }
-      dp_dot_rows<T, M, kItersI>(w, xr, 0, I / 8, lane, tmp);
+        for (int k = 0; k < 2; ++k) {
+          const int t = 8 * nt + 2 * q + k;
+          float c = 0.0f;
+          if (t < T) act_row(item, t, &c);
+          acc[nt][k] += c * tmp[0][nt][k];
+          acc[nt][k + 2] += c * tmp[0][nt][k + 2];
+        }
     }
 #pragma unroll
-    for (int m = 0; m < M; ++m)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int t = 0; t < T; ++t) acc[m][t] += coef[t] * tmp[m][t];
-  }
-  dp_group_reduce<T, M>(acc);
-  if (lane == 0) {
+      for (int k = 0; k < 4; ++k) {
+        const int m = g + 8 * (k / 2), t = 8 * nt + 2 * q + (k % 2);
+        if (t < T) partial[(group * M + m) * T + t] = acc[nt][k];
+      }
+#endif
+  } else {
+    constexpr int kItersI = (I / 8 + DP_GROUP - 1) / DP_GROUP;
+    constexpr int kItersS = (SI / 8 + DP_GROUP - 1) / DP_GROUP;
+    for (int m0 = 0; m0 < M; m0 += MF) {
+      float acc[MF][T];  // [MF, T] fp32 lane partials of this group's items
 #pragma unroll
-    for (int m = 0; m < M; ++m)
+      for (int m = 0; m < MF; ++m)
 #pragma unroll
-      for (int t = 0; t < T; ++t) partial[(group * M + m) * T + t] = acc[m][t];
+        for (int t = 0; t < T; ++t) acc[m][t] = 0.0f;
+      for (int item = group; item < items; item += DP_GEMM_GROUPS) {
+        float tmp[MF][T];  // [MF, T] fp32 this item's lane partials
+#pragma unroll
+        for (int m = 0; m < MF; ++m)
+#pragma unroll
+          for (int t = 0; t < T; ++t) tmp[m][t] = 0.0f;
+        float coef[T];  // [T] fp32 weight of this item in row t's output (0: row t does not use it)
+        const dp_bf16* xr[T];
+#pragma unroll
+        for (int t = 0; t < T; ++t) xr[t] = act_row(item, t, &coef[t]);
+        const dp_bf16* w[MF];
+#pragma unroll
+        for (int m = 0; m < MF; ++m) w[m] = weight_row(item, m0 + m);
+        if (kShared && item == 0)
+          dp_dot_rows<T, MF, kItersS>(w, xr, 0, SI / 8, lane, tmp);
+        else
+          dp_dot_rows<T, MF, kItersI>(w, xr, 0, I / 8, lane, tmp);
+#pragma unroll
+        for (int m = 0; m < MF; ++m)
+#pragma unroll
+          for (int t = 0; t < T; ++t) acc[m][t] += coef[t] * tmp[m][t];
+      }
+      dp_group_reduce<T, MF>(acc);
+      if (lane == 0) {
+#pragma unroll
+        for (int m = 0; m < MF; ++m)
+#pragma unroll
+          for (int t = 0; t < T; ++t) partial[(group * M + m0 + m) * T + t] = acc[m][t];
+      }
+    }
   }
   __syncthreads();
   for (int i = (int)threadIdx.x; i < M * T; i += DP_GEMM_THREADS) {

@@ -118,10 +118,15 @@ uint32_t gemm_grid(const Params& p) {
 
 int64_t moe_max_used(const Params& p) { return std::min(p.at("E"), p.at("W") * p.at("K")); }
 
-// moe_down: output features per block (M). Every group keeps M x T accumulators for its items and
-// streams M rows of each: more rows per group put more loads in flight when few activation rows ride
-// along.
-int64_t moe_down_rows(int64_t t) { return t <= 4 ? 4 : t <= 8 ? 2 : 1; }
+// moe_up from 2 activation rows: every warp computes whole 8-feature tiles (gate and up rows in one
+// tensor-core tile, over all of D) and walks the step's tiles with a grid stride; one row keeps the
+// block tiles of 16 features (4 K-slices, lane FMAs). Measured on the H200 (bench/NOTES.md).
+bool moe_up_warp_tiles(const Params& p) { return p.at("W") >= 2; }
+
+// moe_down: output features per block (M). One activation row: every group keeps 4 x 1 lane-FMA
+// accumulators for its items and streams 4 rows of each. From 2 rows: a 16-row tensor-core tile per
+// item (on AMD the lane-FMA loop walks the 16 rows 4 at a time).
+int64_t moe_down_rows(int64_t t) { return t == 1 ? 4 : kTileRows; }
 
 void check_multiple_of_8(const Params& p, const std::string& who, std::initializer_list<const char*> keys) {
   for (const char* k : keys)
@@ -356,7 +361,7 @@ const std::vector<OpSpec>& ops() {
           },
           [](const Params& p) {
             return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"),
-                                        p.at("ACT"), 1, kFfnSlices};
+                                        p.at("ACT"), 1, kFfnSlices, moe_up_warp_tiles(p) ? 1 : 0};
           },
           [](const Params& p) {
             const int64_t W = p.at("W"), D = p.at("D"), I = p.at("I"), E = p.at("E"), K = p.at("K"), S = p.at("S");
@@ -392,6 +397,14 @@ const std::vector<OpSpec>& ops() {
           },
           [](const Params& p) {
             LaunchShape s;
+            if (moe_up_warp_tiles(p)) {
+              // Warp tiles of 8 features: enough blocks of 8 warps for the most tiles a step can have,
+              // at most kTargetBlocks (the warps walk the tiles with a stride).
+              const int64_t tiles = (p.at("S") + 7) / 8 + moe_max_used(p) * ((p.at("I") + 7) / 8);
+              s.grid[0] = static_cast<uint32_t>(std::min(kTargetBlocks, (tiles + kGemmGroups - 1) / kGemmGroups));
+              s.block[0] = kGemmThreads;
+              return s;
+            }
             const int64_t n_i = (p.at("I") + kFfnFeatures - 1) / kFfnFeatures;
             const int64_t n_s = (p.at("S") + kFfnFeatures - 1) / kFfnFeatures;
             s.grid[0] = static_cast<uint32_t>(n_s + moe_max_used(p) * n_i);
