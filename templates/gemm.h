@@ -78,20 +78,12 @@ __device__ __forceinline__ float dp_gated_act(float gate, float up, float beta, 
   return beta * dp_tanh(dp_div(gate, beta)) * dp_sigmoid(gate) * (lbeta * dp_tanh(dp_div(up, lbeta)));
 }
 
-// An activation vector: from global memory through the read-only path, or (kXShared) from shared
-// memory, where gemm_norm keeps its normalised rows (a generic load).
-template <bool kXShared>
-__device__ __forceinline__ dp_u32x4 dp_load16_x(const dp_bf16* p) {
-  if constexpr (kXShared) return *(const dp_u32x4*)p;
-  else return dp_load16(p);
-}
-
 // Lane partials of M x T dot products over a slice of K:
 //   acc[m][t] += sum over this lane's vectors v of w[m][8v .. 8v+7] . x[t][8v .. 8v+7]
 // for v = v0 + lane + 32*i, i < kIters, v < v_end. x[t] == nullptr masks activation row t (no loads,
 // no FMAs; acc[.][t] unchanged). The weight loads of kUnroll iterations are issued before any of them
 // is used, so each lane keeps M*kUnroll 16-byte loads in flight.
-template <int T, int M, int kIters, bool kXShared = false>
+template <int T, int M, int kIters>
 __device__ __forceinline__ void dp_dot_rows(const dp_bf16* const (&w)[M],  // M rows, each [K] bf16
                                             const dp_bf16* const (&x)[T],  // T rows, each [K] bf16, or null
                                             int v0, int v_end, int lane,
@@ -122,7 +114,7 @@ __device__ __forceinline__ void dp_dot_rows(const dp_bf16* const (&w)[M],  // M 
       for (int t = 0; t < T; ++t) {
         if (!x[t]) continue;
         float xf[8];  // [8] fp32
-        dp_unpack8_bf16(dp_load16_x<kXShared>(x[t] + 8 * v), xf);
+        dp_unpack8_bf16(dp_load16(x[t] + 8 * v), xf);
 #pragma unroll
         for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -178,7 +170,7 @@ __device__ __forceinline__ void dp_mma_16816(float (&c)[4], dp_u32 a0, dp_u32 a1
 // g, activations 2q, 2q+1; c[2], c[3] = row g+8, the same activations.
 //   wrow(m): pointer to weight row m (0 <= m < 16*MT) of the slot, [K] bf16
 //   xrow(t): pointer to activation row t (0 <= t < 8*NT), [K] bf16, or null (a zero row)
-template <int K, int MT, int NT, bool kXShared = false, typename WRow, typename XRow>
+template <int K, int MT, int NT, typename WRow, typename XRow>
 __device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_end, float (&acc)[MT][NT][4]) {
   constexpr int kUnroll = (NT <= 2 ? 8 : 4) / MT > 0 ? (NT <= 2 ? 8 : 4) / MT : 1;  // chunks of loads in flight
   const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
@@ -214,7 +206,7 @@ __device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         if (in && xp[nt]) {
-          xv[u][nt] = dp_load16_x<kXShared>(xp[nt] + 32 * c);
+          xv[u][nt] = dp_load16(xp[nt] + 32 * c);
         } else {
           xv[u][nt].x = xv[u][nt].y = xv[u][nt].z = xv[u][nt].w = 0u;
         }
@@ -245,7 +237,7 @@ __device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_
 // NVIDIA with T >= 2: tensor cores (dp_mma_rows). T == 1, and AMD: the lane-FMA loop (dp_dot_rows),
 // kFmaRows rows at a time (each lane streams 16-byte vectors of whole row slices: measured faster than
 // the tensor-core tile's 64-byte row pieces when one activation row leaves nothing to multiply).
-template <int T, int K, int MT, int S, bool kXShared = false, typename WRow, typename XRow>
+template <int T, int K, int MT, int S, typename WRow, typename XRow>
 __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
                                              float* partial,     // smem [8, 16*MT, T] fp32
                                              float* out_smem) {  // smem [RB, T] fp32
@@ -269,8 +261,8 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
-    dp_mma_rows<K, MT, NT, kXShared>([&](int m) { return wrow(slot, m); },
-                                     [&](int t) { return t < T ? xrow(t) : nullptr; }, c0, c_end, acc);
+    dp_mma_rows<K, MT, NT>([&](int m) { return wrow(slot, m); }, [&](int t) { return t < T ? xrow(t) : nullptr; },
+                           c0, c_end, acc);
     const int g = lane / 4, q = lane % 4;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -299,7 +291,7 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
       for (int m = 0; m < kFmaRows; ++m)
 #pragma unroll
         for (int t = 0; t < T; ++t) acc[m][t] = 0.0f;
-      dp_dot_rows<T, kFmaRows, kIters, kXShared>(w, xr, v0, v_end, lane, acc);
+      dp_dot_rows<T, kFmaRows, kIters>(w, xr, v0, v_end, lane, acc);
       dp_group_reduce<T, kFmaRows>(acc);
       if (lane == 0) {
 #pragma unroll
@@ -334,14 +326,15 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
 // logits) instead of bf16 (rounded to nearest even, as torch stores a bf16 GEMM output).
 //
 // Launch: grid = sum over segments of ceil(N_s / RB) blocks (segment 0's tiles first), block 256.
-// The body of both GEMM entry points: this block's tile of every segment, activation row t at xrow(t)
-// (global memory, or shared memory when kXShared).
-template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S, bool kXShared,
-          typename XRow>
-__device__ __forceinline__ void dp_gemm_tiles(XRow xrow, void* __restrict__ out, const dp_bf16* __restrict__ w0,
-                                              const dp_bf16* __restrict__ w1, const dp_bf16* __restrict__ w2,
-                                              const dp_bf16* __restrict__ w3, const dp_bf16* __restrict__ w4,
-                                              const dp_bf16* __restrict__ w5) {
+template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S>
+__device__ __forceinline__ void dp_gemm(const dp_bf16* __restrict__ x,  // [T, K] bf16
+                                        void* __restrict__ out,          // [T, Ntot] bf16 (fp32 if kOutF32)
+                                        const dp_bf16* __restrict__ w0,  // [N0, K] bf16
+                                        const dp_bf16* __restrict__ w1 = nullptr,  // [N1, K] bf16
+                                        const dp_bf16* __restrict__ w2 = nullptr,  // [N2, K] bf16
+                                        const dp_bf16* __restrict__ w3 = nullptr,  // [N3, K] bf16
+                                        const dp_bf16* __restrict__ w4 = nullptr,  // [N4, K] bf16
+                                        const dp_bf16* __restrict__ w5 = nullptr) {  // [N5, K] bf16
   typedef dp_gemm_geometry<K, MT, S> G;
   constexpr int kNtot = N0 + N1 + N2 + N3 + N4 + N5;
   static_assert(N0 > 0, "gemm: segment 0 must have rows");
@@ -372,12 +365,12 @@ __device__ __forceinline__ void dp_gemm_tiles(XRow xrow, void* __restrict__ out,
   const int row0 = b * G::kRows;
 
   // Rows past the matrix re-read row 0 and are dropped.
-  dp_block_dot<T, K, MT, S, kXShared>(
+  dp_block_dot<T, K, MT, S>(
       [&](int slot, int m) {
         const int r = row0 + slot * G::kSlotRows + m;
         return wseg + (dp_u64)(r < n_seg ? r : 0) * K;
       },
-      xrow, partial, result);
+      [&](int t) { return x + (dp_u64)t * K; }, partial, result);
 
   for (int i = (int)threadIdx.x; i < G::kRows * T; i += DP_GEMM_THREADS) {
     const int t = i % T;
@@ -389,85 +382,4 @@ __device__ __forceinline__ void dp_gemm_tiles(XRow xrow, void* __restrict__ out,
     else
       ((dp_bf16*)out)[o] = dp_f32_to_bf16(result[i]);
   }
-}
-
-template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S>
-__device__ __forceinline__ void dp_gemm(const dp_bf16* __restrict__ x,  // [T, K] bf16
-                                        void* __restrict__ out,          // [T, Ntot] bf16 (fp32 if kOutF32)
-                                        const dp_bf16* __restrict__ w0,  // [N0, K] bf16
-                                        const dp_bf16* __restrict__ w1 = nullptr,  // [N1, K] bf16
-                                        const dp_bf16* __restrict__ w2 = nullptr,  // [N2, K] bf16
-                                        const dp_bf16* __restrict__ w3 = nullptr,  // [N3, K] bf16
-                                        const dp_bf16* __restrict__ w4 = nullptr,  // [N4, K] bf16
-                                        const dp_bf16* __restrict__ w5 = nullptr) {  // [N5, K] bf16
-  dp_gemm_tiles<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, false>([&](int t) { return x + (dp_u64)t * K; }, out,
-                                                                     w0, w1, w2, w3, w4, w5);
-}
-
-// ---------------------------------------------------------------------------------------------------
-// The GEMM with the fused residual add + RMSNorm of its input (norm.h's op) as its prologue, so that
-// a layer's norms cost no launch of their own:
-//   sum = bf16(hidden + residual) (just hidden when residual is null),
-//   x   = bf16(bf16(sum * rsqrt(mean(sum^2) + eps)) * norm_w),   out = x W^T as dp_gemm.
-// Every block normalises the T rows itself into shared memory (warp t takes row t, T <= 8: a row's
-// statistics are one warp's sum, no block reduction), then runs the GEMM on them; block 0 also
-// writes sum to sum_out and, when x_out is not null, x to x_out (for the kernels after this one).
-// sum_out and x_out must not alias hidden or residual: other blocks are still reading those.
-// Shared memory: T*K bf16 rows beside the GEMM's own (the compiler fuses only where they fit).
-template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S>
-__device__ __forceinline__ void dp_gemm_norm(const dp_bf16* __restrict__ hidden,    // [T, K] bf16
-                                             const dp_bf16* __restrict__ residual,  // [T, K] bf16, or null
-                                             const dp_bf16* __restrict__ norm_w,    // [K] bf16
-                                             float eps,
-                                             dp_bf16* __restrict__ sum_out,         // [T, K] bf16 (block 0)
-                                             dp_bf16* __restrict__ x_out,           // [T, K] bf16 (block 0), or null
-                                             void* __restrict__ out,                // [T, Ntot] bf16 (fp32 if kOutF32)
-                                             const dp_bf16* __restrict__ w0,        // [N0, K] bf16
-                                             const dp_bf16* __restrict__ w1 = nullptr,  // [N1, K] bf16
-                                             const dp_bf16* __restrict__ w2 = nullptr,  // [N2, K] bf16
-                                             const dp_bf16* __restrict__ w3 = nullptr,  // [N3, K] bf16
-                                             const dp_bf16* __restrict__ w4 = nullptr,  // [N4, K] bf16
-                                             const dp_bf16* __restrict__ w5 = nullptr) {  // [N5, K] bf16
-  static_assert(T <= DP_GEMM_GROUPS, "gemm_norm: at most one row per warp (T <= 8)");
-  static_assert(K % 8 == 0, "gemm_norm: K must be a multiple of 8");
-  __shared__ dp_u32x4 xs_vecs[T * K / 8];  // [T, K] bf16 normalised rows, as 16-byte vectors
-  dp_bf16* xs = (dp_bf16*)xs_vecs;
-  constexpr int kVecs = K / 8;
-  const int t = (int)threadIdx.x / DP_GROUP, lane = (int)threadIdx.x % DP_GROUP;
-  const bool writer = blockIdx.x == 0;
-  if (t < T) {
-    const dp_bf16* h = hidden + (dp_u64)t * K;
-    const dp_bf16* r = residual ? residual + (dp_u64)t * K : nullptr;
-    float sumsq = 0.0f;
-    for (int v = lane; v < kVecs; v += DP_GROUP) {
-      float x[8];
-      dp_unpack8_bf16(dp_load16(h + 8 * v), x);
-      if (r) {
-        float b[8];
-        dp_unpack8_bf16(dp_load16(r + 8 * v), b);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) x[k] = dp_bf16_to_f32(dp_f32_to_bf16(x[k] + b[k]));
-      }
-#pragma unroll
-      for (int k = 0; k < 8; ++k) sumsq += x[k] * x[k];
-      const dp_u32x4 packed = dp_pack8_bf16(x);
-      *(dp_u32x4*)(xs + t * K + 8 * v) = packed;
-      if (writer) dp_store16(sum_out + (dp_u64)t * K + 8 * v, packed);
-    }
-    // mean = sum * (1/H), as norm.h.
-    const float scale = dp_rsqrtf(dp_group_sum(sumsq) * (1.0f / (float)K) + eps);
-    for (int v = lane; v < kVecs; v += DP_GROUP) {
-      float x[8], w[8], y[8];
-      dp_unpack8_bf16(*(const dp_u32x4*)(xs + t * K + 8 * v), x);
-      dp_unpack8_bf16(dp_load16(norm_w + 8 * v), w);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) y[k] = dp_bf16_to_f32(dp_f32_to_bf16(x[k] * scale)) * w[k];
-      const dp_u32x4 packed = dp_pack8_bf16(y);
-      *(dp_u32x4*)(xs + t * K + 8 * v) = packed;
-      if (writer && x_out) dp_store16(x_out + (dp_u64)t * K + 8 * v, packed);
-    }
-  }
-  __syncthreads();
-  dp_gemm_tiles<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, true>([&](int t) { return xs + t * K; }, out, w0, w1,
-                                                                    w2, w3, w4, w5);
 }

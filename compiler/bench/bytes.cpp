@@ -124,11 +124,10 @@ Bytes kernel_bytes(const model::Model& m, int layer, const format::ProgramStepEn
       }
     } else if (a.from == "io") {
       // By the kernel's parameter: `residual` of the post-attention norm is bound to residual_out, and
-      // it is read there. Layer 0 has no residual input. gemm_norm writes the residual stream through
-      // `sum_out`.
+      // it is read there. Layer 0 has no residual input.
       if (a.param == "hidden" || (a.param == "residual" && !(layer == 0 && a.name == "residual")))
         b.act_read += act_rows(m, t.rows());
-      else if (a.param == "out" || a.param == "residual_out" || a.param == "sum_out")
+      else if (a.param == "out" || a.param == "residual_out")
         b.act_write += act_rows(m, t.rows());
     }
   }

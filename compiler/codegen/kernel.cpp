@@ -184,58 +184,6 @@ OpSpec indexer_op(const char* name, const char* device_fn, std::vector<ArgSpec> 
           [](const Params&) { return static_cast<uint32_t>(kIdxThreads); }};
 }
 
-// ---- the two GEMM ops (gemm, gemm_norm): the same parameters, tiles and weights -------------------
-// gemm_norm keeps its T normalised rows of K in shared memory beside the GEMM's own (static shared
-// memory is 48 KB), one row per warp.
-constexpr int64_t kNormFuseMaxRows = kGemmGroups;
-constexpr int64_t kNormFuseMaxBytes = 40960;
-
-std::vector<ParamSpec> gemm_params() {
-  return {{"W", "w", 1, kMaxGemmRows, "activation rows (requests x q)"},
-          {"K", "k", 8, 1 << 20, "input width, a multiple of 8"},
-          {"NA", "na", 1, 1 << 20, "rows of weight 0"},
-          {"NB", "nb", 0, 1 << 20, "rows of weight 1 (0: absent)", true},
-          {"NC", "nc", 0, 1 << 20, "rows of weight 2 (0: absent)", true},
-          {"ND", "nd", 0, 1 << 20, "rows of weight 3 (0: absent)", true},
-          {"NE", "ne", 0, 1 << 20, "rows of weight 4 (0: absent)", true},
-          {"NF", "nf", 0, 1 << 20, "rows of weight 5 (0: absent)", true},
-          {"F", "f", 0, 1, "1: fp32 output (router logits), 0: bf16", true}};
-}
-
-void gemm_check(const Params& p, const std::string& who) {
-  check_multiple_of_8(p, who, {"K"});
-  for (int i = 1; i < 6; ++i)
-    if (p.at(kGemmSegKeys[i]) > 0 && p.at(kGemmSegKeys[i - 1]) == 0)
-      fail(Errc::input, "{}: parameter {} = {} follows {} = 0 (absent weights must be the last ones)", who,
-           kGemmSegKeys[i], p.at(kGemmSegKeys[i]), kGemmSegKeys[i - 1]);
-}
-
-std::vector<int64_t> gemm_template_args(const Params& p) {
-  const GemmGeometry g = gemm_geometry(p.at("W"), p.at("K"), gemm_ntot(p));
-  return {p.at("W"), p.at("K"), p.at("NA"), p.at("NB"), p.at("NC"), p.at("ND"), p.at("NE"), p.at("NF"), p.at("F"),
-          g.mt, g.s};
-}
-
-// `out` and the present weights, after the op's input parameters (absent weights are the device
-// function's trailing defaults).
-void add_gemm_outputs_and_weights(const Params& p, std::vector<ArgSpec>& a) {
-  const char* out_t = p.at("F") ? "fp32" : "bf16";
-  a.push_back({"out", KernelParam::Kind::pointer, "void*", shape({p.at("W"), gemm_ntot(p)}, out_t),
-               "outputs of the weights side by side, in weight order"});
-  static const char* names[6] = {"w0", "w1", "w2", "w3", "w4", "w5"};
-  for (int i = 0; i < 6; ++i)
-    if (p.at(kGemmSegKeys[i]) > 0)
-      a.push_back({names[i], KernelParam::Kind::pointer, "const dp_bf16*",
-                   shape({p.at(kGemmSegKeys[i]), p.at("K")}, "bf16"), "weight [out, in]"});
-}
-
-LaunchShape gemm_launch(const Params& p) {
-  LaunchShape s;
-  s.grid[0] = gemm_grid(p);
-  s.block[0] = kGemmThreads;
-  return s;
-}
-
 const std::vector<OpSpec>& ops() {
   static const std::vector<OpSpec> table = {
       {
@@ -243,51 +191,47 @@ const std::vector<OpSpec>& ops() {
           "gemm",
           "gemm.h",
           "dp_gemm",
-          gemm_params(),
-          gemm_check,
-          gemm_template_args,
+          {{"W", "w", 1, kMaxGemmRows, "activation rows (requests x q)"},
+           {"K", "k", 8, 1 << 20, "input width, a multiple of 8"},
+           {"NA", "na", 1, 1 << 20, "rows of weight 0"},
+           {"NB", "nb", 0, 1 << 20, "rows of weight 1 (0: absent)", true},
+           {"NC", "nc", 0, 1 << 20, "rows of weight 2 (0: absent)", true},
+           {"ND", "nd", 0, 1 << 20, "rows of weight 3 (0: absent)", true},
+           {"NE", "ne", 0, 1 << 20, "rows of weight 4 (0: absent)", true},
+           {"NF", "nf", 0, 1 << 20, "rows of weight 5 (0: absent)", true},
+           {"F", "f", 0, 1, "1: fp32 output (router logits), 0: bf16", true}},
+          [](const Params& p, const std::string& who) {
+            check_multiple_of_8(p, who, {"K"});
+            for (int i = 1; i < 6; ++i)
+              if (p.at(kGemmSegKeys[i]) > 0 && p.at(kGemmSegKeys[i - 1]) == 0)
+                fail(Errc::input, "{}: parameter {} = {} follows {} = 0 (absent weights must be the last ones)", who,
+                     kGemmSegKeys[i], p.at(kGemmSegKeys[i]), kGemmSegKeys[i - 1]);
+          },
           [](const Params& p) {
+            const GemmGeometry g = gemm_geometry(p.at("W"), p.at("K"), gemm_ntot(p));
+            return std::vector<int64_t>{p.at("W"), p.at("K"), p.at("NA"), p.at("NB"), p.at("NC"), p.at("ND"),
+                                        p.at("NE"), p.at("NF"), p.at("F"), g.mt, g.s};
+          },
+          [](const Params& p) {
+            const char* out_t = p.at("F") ? "fp32" : "bf16";
             std::vector<ArgSpec> a{
                 {"x", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"W", "K"}, "bf16"), "input rows"},
+                {"out", KernelParam::Kind::pointer, "void*", shape({p.at("W"), gemm_ntot(p)}, out_t),
+                 "outputs of the weights side by side, in weight order"},
             };
-            add_gemm_outputs_and_weights(p, a);
+            static const char* names[6] = {"w0", "w1", "w2", "w3", "w4", "w5"};
+            for (int i = 0; i < 6; ++i)
+              if (p.at(kGemmSegKeys[i]) > 0)
+                a.push_back({names[i], KernelParam::Kind::pointer, "const dp_bf16*",
+                             shape({p.at(kGemmSegKeys[i]), p.at("K")}, "bf16"), "weight [out, in]"});
             return a;
           },
-          gemm_launch,
-          [](const Params&) { return kGemmThreads; },
-          "DP_KERNEL_BOUNDS",
-      },
-      {
-          // The GEMM with the fused residual add + RMSNorm of its input as its prologue (the norm
-          // costs no launch of its own).
-          "gemm_norm",
-          "gemm.h",
-          "dp_gemm_norm",
-          gemm_params(),
-          [](const Params& p, const std::string& who) {
-            gemm_check(p, who);
-            if (p.at("W") > kNormFuseMaxRows || p.at("W") * p.at("K") * 2 > kNormFuseMaxBytes)
-              fail(Errc::input, "{}: W = {} rows of K = {} do not fit the fused norm's shared memory (at most {} rows "
-                   "and {} bytes)", who, p.at("W"), p.at("K"), kNormFuseMaxRows, kNormFuseMaxBytes);
-          },
-          gemm_template_args,
           [](const Params& p) {
-            std::vector<ArgSpec> a{
-                {"hidden", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"W", "K"}, "bf16"),
-                 "rows before the residual add"},
-                {"residual", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"W", "K"}, "bf16"),
-                 "residual stream (null: the sum is hidden)", true},
-                {"norm_w", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"K"}, "bf16"), "RMSNorm weight"},
-                {"eps", KernelParam::Kind::f32, "float", "", "RMSNorm epsilon"},
-                {"sum_out", KernelParam::Kind::pointer, "dp_bf16*", dims(p, {"W", "K"}, "bf16"),
-                 "hidden + residual (written by block 0; must not alias hidden or residual)"},
-                {"x_out", KernelParam::Kind::pointer, "dp_bf16*", dims(p, {"W", "K"}, "bf16"),
-                 "normalised rows for later kernels (written by block 0), or null", true},
-            };
-            add_gemm_outputs_and_weights(p, a);
-            return a;
+            LaunchShape s;
+            s.grid[0] = gemm_grid(p);
+            s.block[0] = kGemmThreads;
+            return s;
           },
-          gemm_launch,
           [](const Params&) { return kGemmThreads; },
           "DP_KERNEL_BOUNDS",
       },
@@ -985,10 +929,6 @@ KernelSignature kernel_signature(const KernelInstance& k) {
 LaunchShape launch_shape(const KernelInstance& k) { return spec_of(k, {}).launch(k.params); }
 
 std::string op_header(const KernelInstance& k) { return spec_of(k, {}).header; }
-
-bool gemm_norm_fits(int64_t rows, int64_t k) {
-  return rows <= kNormFuseMaxRows && rows * k * 2 <= kNormFuseMaxBytes && k % 8 == 0;
-}
 
 std::string generate_source(const KernelInstance& k) {
   const OpSpec& op = spec_of(k, {});

@@ -81,8 +81,4 @@ std::string generate_source(const KernelInstance& k);
 // The templates/ header the op's device code lives in, e.g. "norm.h".
 std::string op_header(const KernelInstance& k);
 
-// Whether gemm_norm (the GEMM with the fused residual add + RMSNorm prologue) takes `rows` activation
-// rows of width `k`: its normalised rows live in shared memory, one per warp.
-bool gemm_norm_fits(int64_t rows, int64_t k);
-
 }  // namespace dp::codegen

@@ -169,29 +169,16 @@ class Builder {
     try {
       check_supported();
       const int64_t H = m_.hidden;
-      // The norms run fused into the GEMM after them (gemm_norm) where its rows fit; the input norm's
-      // sum then goes to scratch (r1_): the host's residual_out may alias residual, which later blocks
-      // of that GEMM still read. The residual_out the host sees is written once, by the post-attention
-      // norm (its gemm_norm for MoE, rmsnorm for a dense MLP).
-      fuse_ = codegen::gemm_norm_fits(t_, H);
-      if (fuse_) {
-        r1_ = ws_.take(t_ * H * 2);
-      } else {
-        x_ = ws_.take(t_ * H * 2);
-        push(StepBuilder("rmsnorm", {{"W", t_}, {"H", H}})
-                 .io("hidden", "hidden").io("residual", "residual").weight("weight", "input_layernorm.weight")
-                 .ws("out", x_).io("residual_out", "residual_out").f32("eps", m_.rms_norm_eps));
-      }
+      x_ = ws_.take(t_ * H * 2);
+      push(StepBuilder("rmsnorm", {{"W", t_}, {"H", H}})
+               .io("hidden", "hidden").io("residual", "residual").weight("weight", "input_layernorm.weight")
+               .ws("out", x_).io("residual_out", "residual_out").f32("eps", m_.rms_norm_eps));
       a_ = ws_.take(t_ * H * 2);
       if (mixer() == Mixer::kda) kda(); else mla();
       x2_ = ws_.take(t_ * H * 2);
-      if (!fuse_ || ffn() == Ffn::dense) {
-        StepBuilder norm("rmsnorm", {{"W", t_}, {"H", H}});
-        norm.ws("hidden", a_);
-        if (fuse_) norm.ws("residual", r1_); else norm.io("residual", "residual_out");
-        push(norm.weight("weight", "post_attention_layernorm.weight").ws("out", x2_)
-                 .io("residual_out", "residual_out").f32("eps", m_.rms_norm_eps));
-      }
+      push(StepBuilder("rmsnorm", {{"W", t_}, {"H", H}})
+               .ws("hidden", a_).io("residual", "residual_out").weight("weight", "post_attention_layernorm.weight")
+               .ws("out", x2_).io("residual_out", "residual_out").f32("eps", m_.rms_norm_eps));
       if (ffn() == Ffn::dense) dense(); else moe();
       p.steps = std::move(steps_);
       p.workspace = ws_.top;
@@ -248,25 +235,15 @@ class Builder {
   void push(StepBuilder& b) { steps_.push_back(b.finish(lw_)); }
   void push(StepBuilder&& b) { push(b); }
 
-  // The first GEMM of the mixer, which reads the input-normed rows: gemm_norm on the layer's hidden and
-  // residual when the norm is fused, else gemm on the rmsnorm's output.
-  StepBuilder mixer_gemm(std::map<std::string, int64_t> params) {
-    if (!fuse_) return std::move(StepBuilder("gemm", std::move(params)).ws("x", x_));
-    StepBuilder g("gemm_norm", std::move(params));
-    g.io("hidden", "hidden").io("residual", "residual").weight("norm_w", "input_layernorm.weight")
-        .f32("eps", m_.rms_norm_eps).ws("sum_out", r1_).null("x_out");
-    return g;
-  }
-
   void kda() {
     const model::KdaConfig& k = m_.kda;
     const int64_t H = m_.hidden, NH = k.num_heads / d_.tensor_parallel, D = k.head_dim, P = NH * D;
     const int64_t FR = lw_.rows("self_attn.f_a_proj.weight"), GR = lw_.rows("self_attn.g_a_proj.weight");
     const int64_t NP = 3 * P + FR + GR + NH;
     const uint64_t proj = ws_.take(t_ * NP * 2), o = ws_.take(t_ * P * 2);
-    push(mixer_gemm({{"W", t_}, {"K", H}, {"NA", P}, {"NB", P}, {"NC", P}, {"ND", FR}, {"NE", GR}, {"NF", NH},
-                     {"F", 0}})
-             .ws("out", proj)
+    push(StepBuilder("gemm", {{"W", t_}, {"K", H}, {"NA", P}, {"NB", P}, {"NC", P}, {"ND", FR}, {"NE", GR},
+                              {"NF", NH}, {"F", 0}})
+             .ws("x", x_).ws("out", proj)
              .weight("w0", "self_attn.q_proj.weight").weight("w1", "self_attn.k_proj.weight")
              .weight("w2", "self_attn.v_proj.weight").weight("w3", "self_attn.f_a_proj.weight")
              .weight("w4", "self_attn.g_a_proj.weight").weight("w5", "self_attn.b_proj.weight"));
@@ -299,9 +276,9 @@ class Builder {
     const uint64_t qkv = ws_.take(t_ * row * 2), qabs = ws_.take(t_ * N * (L + R) * 2);
     const uint64_t part_o = ws_.take(w_ * NS * q_ * N * L * 4), part_ml = ws_.take(w_ * NS * q_ * N * 2 * 4);
     const uint64_t o = ws_.take(t_ * N * V * 2);
-    push(mixer_gemm({{"W", t_}, {"K", H}, {"NA", QW}, {"NB", L + R}, {"NC", 0}, {"ND", 0}, {"NE", 0}, {"NF", 0},
-                     {"F", 0}})
-             .ws("out", qkv).weight("w0", "self_attn.q_proj.weight")
+    push(StepBuilder("gemm", {{"W", t_}, {"K", H}, {"NA", QW}, {"NB", L + R}, {"NC", 0}, {"ND", 0}, {"NE", 0},
+                              {"NF", 0}, {"F", 0}})
+             .ws("x", x_).ws("out", qkv).weight("w0", "self_attn.q_proj.weight")
              .weight("w1", "self_attn.kv_a_proj_with_mqa.weight"));
     push(StepBuilder("mla_prep", {{"W", w_}, {"Q", q_}, {"N", N}, {"L", L}, {"R", R}, {"PN", PN}, {"V", V}, {"BS", BS}})
              .ws("q", qkv).u32("stride_q", row).ws("kv", qkv + static_cast<uint64_t>(QW) * 2).u32("stride_kv", row)
@@ -344,17 +321,9 @@ class Builder {
     const uint64_t logits = ws_.take(t_ * E * 4), ids = ws_.take(t_ * K * 4), tw = ws_.take(t_ * K * 4);
     const uint64_t experts = ws_.take((1 + U) * 4), slots = ws_.take(U * t_ * 4);
     const uint64_t h = ws_.take(t_ * K * I * 2), hs = ws_.take(t_ * std::max<int64_t>(S, 1) * 2);
-    // The router GEMM opens the FFN: with the fused norm it normalises (attention output + r1_), writes
-    // the residual stream for the host (residual_out) and the normed rows for moe_up (x2_).
-    const std::map<std::string, int64_t> router{{"W", t_}, {"K", H}, {"NA", E}, {"NB", 0}, {"NC", 0},
-                                                {"ND", 0}, {"NE", 0}, {"NF", 0}, {"F", 1}};
-    if (fuse_)
-      push(StepBuilder("gemm_norm", router)
-               .ws("hidden", a_).ws("residual", r1_).weight("norm_w", "post_attention_layernorm.weight")
-               .f32("eps", m_.rms_norm_eps).io("sum_out", "residual_out").ws("x_out", x2_)
-               .weight("w0", "block_sparse_moe.gate.weight").ws("out", logits));
-    else
-      push(StepBuilder("gemm", router).ws("x", x2_).weight("w0", "block_sparse_moe.gate.weight").ws("out", logits));
+    push(StepBuilder("gemm", {{"W", t_}, {"K", H}, {"NA", E}, {"NB", 0}, {"NC", 0}, {"ND", 0}, {"NE", 0}, {"NF", 0},
+                              {"F", 1}})
+             .ws("x", x2_).weight("w0", "block_sparse_moe.gate.weight").ws("out", logits));
     push(StepBuilder("moe_route", {{"W", t_}, {"E", E}, {"K", K}, {"RN", e.renormalize ? 1 : 0}})
              .ws("logits", logits).weight("bias", "block_sparse_moe.gate.e_score_correction_bias")
              .ws("topk_ids", ids).ws("topk_weights", tw).ws("experts", experts).ws("expert_slots", slots));
@@ -384,8 +353,7 @@ class Builder {
   int64_t w_, q_, t_;
   LayerWeightsView lw_;
   Scratch ws_;
-  bool fuse_ = false;  // norms fused into the next GEMM (gemm_norm)
-  uint64_t x_ = 0, a_ = 0, x2_ = 0, r1_ = 0;
+  uint64_t x_ = 0, a_ = 0, x2_ = 0;
   std::vector<ProgramStep> steps_;
 };
 

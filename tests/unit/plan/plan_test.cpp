@@ -53,9 +53,7 @@ TEST(Plan, KernelNamesAreDeterministicAndCoverEveryClassWidthAndTarget) {
 
 TEST(Plan, ProgramsFollowTheLayerContract) {
   model::Model m = model::load_model("kimi-linear-48b-a3b");
-  const deploy::Deploy d = deploy_of(base_deploy());
-  const int64_t q = d.q();
-  Plan p = make_plan(m, d, "deploy.json");
+  Plan p = make_plan(m, deploy_of(base_deploy()), "deploy.json");
   auto find = [&](LayerClass c, int64_t w) -> const LayerProgram& {
     for (const LayerProgram& pr : p.programs)
       if (pr.cls == c && pr.width == w) return pr;
@@ -66,14 +64,14 @@ TEST(Plan, ProgramsFollowTheLayerContract) {
     for (const ProgramStep& s : pr.steps) v.push_back(s.kernel.op);
     return v;
   };
-  // Width 3: the norms are fused into the GEMMs after them (gemm_norm), except the dense MLP's.
   EXPECT_EQ(ops(find(LayerClass::kda_moe, 3)),
-            (std::vector<std::string>{"gemm_norm", "kda_step", "gemm", "gemm_norm", "moe_route", "moe_up", "moe_down"}));
+            (std::vector<std::string>{"rmsnorm", "gemm", "kda_step", "gemm", "rmsnorm", "gemm", "moe_route", "moe_up",
+                                      "moe_down"}));
   EXPECT_EQ(ops(find(LayerClass::mla_moe, 3)),
-            (std::vector<std::string>{"gemm_norm", "mla_prep", "mla_attn", "mla_combine", "gemm", "gemm_norm",
+            (std::vector<std::string>{"rmsnorm", "gemm", "mla_prep", "mla_attn", "mla_combine", "gemm", "rmsnorm", "gemm",
                                       "moe_route", "moe_up", "moe_down"}));
   EXPECT_EQ(ops(find(LayerClass::kda_dense, 3)),
-            (std::vector<std::string>{"gemm_norm", "kda_step", "gemm", "rmsnorm", "mlp_up", "gemm"}));
+            (std::vector<std::string>{"rmsnorm", "gemm", "kda_step", "gemm", "rmsnorm", "mlp_up", "gemm"}));
   for (const LayerProgram& pr : p.programs) {
     SCOPED_TRACE(std::string(to_string(pr.cls)) + " w" + std::to_string(pr.width));
     // The layer reads io.hidden first and writes io.out last; workspace offsets stay inside its workspace.
@@ -86,10 +84,7 @@ TEST(Plan, ProgramsFollowTheLayerContract) {
     };
     EXPECT_EQ(arg(first, "hidden").from, ProgramArg::From::io);
     EXPECT_EQ(arg(first, "hidden").name, "hidden");
-    // Fused where the rows fit gemm_norm's shared memory, a separate rmsnorm otherwise.
-    const bool fused = codegen::gemm_norm_fits(pr.width * q, m.hidden);
-    EXPECT_EQ(first.kernel.op, fused ? "gemm_norm" : "rmsnorm");
-    EXPECT_EQ(arg(first, fused ? "norm_w" : "weight").name, "input_layernorm.weight");
+    EXPECT_EQ(arg(first, "weight").name, "input_layernorm.weight");
     EXPECT_EQ(arg(last, "out").name, "out");
     for (const ProgramStep& s : pr.steps) {
       EXPECT_EQ(s.args.size(), codegen::kernel_signature(s.kernel).params.size()) << s.name;
@@ -362,26 +357,6 @@ TEST(Plan, IndexerConfigsTheTemplatesCannotBuildSayWhyAndPlanNoIndexerKernels) {
     m.indexer.top_k = top_k;
     EXPECT_EQ(indexer_kernel_gap(m), "") << heads << " " << top_k;
   }
-}
-
-TEST(Plan, NormsAreFusedWhereTheirRowsFitGemmNorm) {
-  // q = 2: width 4 has 8 activation rows (fused), width 8 has 16 (a separate rmsnorm, whose output the
-  // first GEMM reads, and the post-attention rmsnorm before the router).
-  model::Model m = model::load_model("kimi-linear-48b-a3b");
-  Json j = base_deploy();
-  j["num_speculative_tokens"] = 1;
-  Plan p = make_plan(m, deploy_of(j), "deploy.json");
-  auto ops = [&](int64_t w) {
-    std::vector<std::string> v;
-    for (const LayerProgram& pr : p.programs)
-      if (pr.cls == LayerClass::kda_moe && pr.width == w)
-        for (const ProgramStep& s : pr.steps) v.push_back(s.kernel.op);
-    return v;
-  };
-  EXPECT_EQ(ops(4), (std::vector<std::string>{"gemm_norm", "kda_step", "gemm", "gemm_norm", "moe_route", "moe_up",
-                                              "moe_down"}));
-  EXPECT_EQ(ops(8), (std::vector<std::string>{"rmsnorm", "gemm", "kda_step", "gemm", "rmsnorm", "gemm", "moe_route",
-                                              "moe_up", "moe_down"}));
 }
 
 }  // namespace
