@@ -14,7 +14,8 @@
 #   usage: bench/run_on_device.sh OUTDIR        (from the repository root or anywhere)
 # Environment: DP_KIT (default build/device-kit), DP_BENCH_REPLAYS (default 100), DP_COMMIT (the commit
 # measured, recorded in device.txt, where the copy has no .git), DP_STAGES (default "bench baseline 48b": which
-# of the three measurements to run; e.g. DP_STAGES=48b gives the 48B preset the whole time budget).
+# of the three measurements to run; e.g. DP_STAGES=48b gives the 48B preset the whole time budget), DP_BENCH_FLAGS
+# (more options for the bench model's `decodepack bench`, e.g. --no-prefetch).
 set -u
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:?usage: bench/run_on_device.sh OUTDIR}
@@ -81,9 +82,9 @@ done
 
 # ---- 3. decodepack bench ------------------------------------------------------------------------------------
 if want bench; then
-  say "decodepack bench: bench-48b-shaped, widths 1,2,4,8, context 4096"
+  say "decodepack bench: bench-48b-shaped, widths 1,2,4,8, context 4096 ${DP_BENCH_FLAGS:-}"
   timeout 230 $DP bench "$bundles/bench-48b-shaped.dpk" --model "$model" --widths 1,2,4,8 --context 4096 \
-    --replays "$replays" --json "$out/bench.json" > "$out/bench.txt" 2> "$out/bench.log"
+    --replays "$replays" ${DP_BENCH_FLAGS:-} --json "$out/bench.json" > "$out/bench.txt" 2> "$out/bench.log"
   say "decodepack bench exit $? (124: out of time)"
 fi
 
