@@ -1,26 +1,33 @@
 #include "backend/target.h"
 
+#include <algorithm>
+#include <vector>
+
 #include <fmt/format.h>
 
 #include "common/error.h"
+#include "format/targets.h"
 
 namespace dp::backend {
 
 const char* to_string(Vendor v) { return v == Vendor::nvidia ? "nvidia" : "amd"; }
 
 std::span<const TargetInfo> known_targets() {
-  // min_llvm_major: the LLVM release that added the processor to the AMDGPU backend (gfx90a: 13,
-  // gfx942: 17, gfx950: 20). A clang older than that rejects --offload-arch outright, so the table
-  // lets us refuse up front with the version to install rather than relay clang's parse error.
-  static const TargetInfo table[] = {
-      {"sm_80", Vendor::nvidia, 80, 0, ".cubin"},
-      {"sm_90", Vendor::nvidia, 90, 0, ".cubin"},
-      {"sm_90a", Vendor::nvidia, 90, 0, ".cubin"},
-      {"sm_100a", Vendor::nvidia, 100, 0, ".cubin"},
-      {"gfx90a", Vendor::amd, 0, 13, ".hsaco"},
-      {"gfx942", Vendor::amd, 0, 17, ".hsaco"},
-      {"gfx950", Vendor::amd, 0, 20, ".hsaco"},
-  };
+  // runtime/format/targets.h's table, NVIDIA first (by compute capability, then name), then AMD by name. min_llvm_major: a clang older than
+  // the release that added the processor rejects --offload-arch outright, so the table lets us refuse
+  // up front with the version to install rather than relay clang's parse error.
+  static const std::vector<TargetInfo> table = [] {
+    std::vector<TargetInfo> v;
+    for (const format::GpuTarget& t : format::kGpuTargets) {
+      const bool nvidia = t.vendor == format::GpuVendor::nvidia;
+      v.push_back({t.name, nvidia ? Vendor::nvidia : Vendor::amd, t.sm, t.min_llvm_major, nvidia ? ".cubin" : ".hsaco"});
+    }
+    std::stable_sort(v.begin(), v.end(), [](const TargetInfo& a, const TargetInfo& b) {
+      if (a.vendor != b.vendor) return a.vendor == Vendor::nvidia;
+      return a.sm != b.sm ? a.sm < b.sm : a.name < b.name;
+    });
+    return v;
+  }();
   return table;
 }
 

@@ -18,7 +18,7 @@ struct TargetInfo {
   std::string_view file_ext;  // code-object file extension: ".cubin" | ".hsaco"
 };
 
-// Every target this build knows, NVIDIA first, then by name.
+// Every target this build knows (runtime/format/targets.h), NVIDIA first by compute capability, then AMD by name.
 std::span<const TargetInfo> known_targets();
 // Looks a target up; an unknown name is dp::Error(input) listing the valid ones, prefixed by `where`.
 const TargetInfo& target_info(std::string_view name, std::string_view where = {});

@@ -9,6 +9,7 @@
 
 #include "common/embedded.h"
 #include "common/error.h"
+#include "format/targets.h"
 #include "indexer/workspace.h"
 #include "model/ir.h"
 
@@ -17,23 +18,21 @@ namespace {
 
 // ---- Tables ----------------------------------------------------------------------------------------
 
-// Sorted by name (find_target and the "valid:" lists rely on it). CUDA versions are the first toolkit
-// that accepts the architecture; LLVM versions the first release with the AMDGPU processor. gfx90a
-// and gfx942 also build with the project's clang-19; gfx950 needs LLVM 20.
-constexpr std::array kTargets = {
-    TargetInfo{"gfx90a", Vendor::hip, 0, 0, 13, "MI210, MI250X"},
-    TargetInfo{"gfx942", Vendor::hip, 0, 0, 17, "MI300X, MI325X"},
-    TargetInfo{"gfx950", Vendor::hip, 0, 0, 20, "MI350X, MI355X"},
-    TargetInfo{"sm_100a", Vendor::cuda, 12, 8, 0, "B200, GB200"},
-    TargetInfo{"sm_120a", Vendor::cuda, 12, 8, 0, "RTX 5090, RTX PRO 6000 Blackwell"},
-    TargetInfo{"sm_80", Vendor::cuda, 11, 0, 0, "A100"},
-    TargetInfo{"sm_86", Vendor::cuda, 11, 1, 0, "A10, RTX 3090"},
-    TargetInfo{"sm_89", Vendor::cuda, 11, 8, 0, "L40S, RTX 4090"},
-    TargetInfo{"sm_90", Vendor::cuda, 11, 8, 0, "H100, H200 (without wgmma/setmaxnreg)"},
-    TargetInfo{"sm_90a", Vendor::cuda, 12, 0, 0, "H100, H200"},
-};
+// The target table is runtime/format/targets.h's, in this module's types; sorted by name
+// (find_target and the "valid:" lists rely on it).
+constexpr std::array<TargetInfo, format::kGpuTargets.size()> make_targets() {
+  std::array<TargetInfo, format::kGpuTargets.size()> out{};
+  for (size_t i = 0; i < out.size(); ++i) {
+    const format::GpuTarget& t = format::kGpuTargets[i];
+    out[i] = TargetInfo{t.name, t.vendor == format::GpuVendor::nvidia ? Vendor::cuda : Vendor::hip, t.min_cuda_major,
+                        t.min_cuda_minor, t.min_llvm_major, t.gpus};
+  }
+  return out;
+}
+constexpr auto kTargets = make_targets();
 
 constexpr std::array<int64_t, 4> kTensorParallel = {1, 2, 4, 8};
+static_assert(kTensorParallel.back() == format::kMaxTensorParallel, "the largest TP is runtime/format's bound");
 
 // Every field, per object. parse_deploy rejects anything else and known_keys() lists exactly these, so
 // the reader, the schema test and the "valid fields" messages share one list.
@@ -458,7 +457,7 @@ Deploy parse_deploy(const Json& j, const std::string& where) {
   {
     Obj o = top.object("kv_cache");
     d.kv_cache.dtype = o.enumeration("dtype", KvCacheDtype::bf16, kKvCacheDtypes, kKvCacheHints);
-    d.kv_cache.block_size = o.integer("block_size", 64, 16, kMaxBlockSize);
+    d.kv_cache.block_size = o.integer("block_size", 64, format::kMinBlockSize, kMaxBlockSize);
     if (d.kv_cache.block_size % 16 != 0)
       fail(Errc::input, "{}: kv_cache.block_size {} is not a multiple of 16 (valid: 16, 32, 48, ..., {}; 64 is "
            "FlashMLA's)", where, d.kv_cache.block_size, kMaxBlockSize);
@@ -476,7 +475,7 @@ Deploy parse_deploy(const Json& j, const std::string& where) {
   {
     // vLLM: decode_context_parallel_size 1, cp_kv_cache_interleave_size 1, and the same two rules.
     Obj o = top.object("dcp");
-    d.dcp.size = o.integer("size", 1, 1, 8);
+    d.dcp.size = o.integer("size", 1, 1, format::kMaxDcpSize);
     if (d.tensor_parallel % d.dcp.size != 0)
       fail(Errc::input, "{}: dcp.size {} does not divide tensor_parallel {} (valid: {})", where, d.dcp.size,
            d.tensor_parallel, join(divisors(d.tensor_parallel)));

@@ -24,6 +24,7 @@
 
 #include "common/dtype.h"
 #include "common/json.h"
+#include "format/deploy_limits.h"
 
 namespace dp::model {
 struct Model;
@@ -154,10 +155,11 @@ struct Deploy {
   bool operator==(const Deploy&) const = default;
 };
 
-// Limits that are ours rather than vLLM's.
-inline constexpr int64_t kMaxWidth = 64;              // per-row loops are unrolled per width
-inline constexpr int64_t kMaxSpeculativeTokens = 7;   // q <= 8 rows per request
-inline constexpr int64_t kMaxBlockSize = 65536;       // larger is a typo (bytes for tokens)
+// Limits that are ours rather than vLLM's; those the runtime's manifest reader also checks live in
+// runtime/format/deploy_limits.h.
+using format::kMaxWidth;
+using format::kMaxSpeculativeTokens;
+using format::kMaxBlockSize;
 inline constexpr int64_t kMaxPrefetchCapBytes = int64_t{1} << 30;  // more than any GPU's L2
 inline constexpr int64_t kMaxIndexerLimit = (int64_t{1} << 31) - 1;  // kernels index keys with int32
 // Keys per chunk: the staged pages round the keys up to a multiple of 64, which must stay an int32.

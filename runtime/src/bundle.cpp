@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <new>
 
+#include "format/deploy_limits.h"
+
 namespace dp::rt {
 namespace {
 
@@ -73,15 +75,15 @@ Status derive(dp_bundle& b) {
   Fields f(where);
   Status st;
   DeploySettings& d = b.deploy;
-  d.tensor_parallel = static_cast<int>(f.integer(m.deploy, "tensor_parallel", 1, 1024, st));
-  d.q = 1 + static_cast<int>(f.integer(m.deploy, "num_speculative_tokens", 0, 63, st));
+  d.tensor_parallel = static_cast<int>(f.integer(m.deploy, "tensor_parallel", 1, format::kMaxTensorParallel, st));
+  d.q = 1 + static_cast<int>(f.integer(m.deploy, "num_speculative_tokens", 0, format::kMaxSpeculativeTokens, st));
   for (int64_t r : f.ints(m.deploy, "ranks", st)) d.ranks.push_back(static_cast<int32_t>(r));
   for (int64_t w : f.ints(m.deploy, "widths", st)) d.widths.push_back(static_cast<int32_t>(w));
   if (const format::Json* t = f.at(m.deploy, "targets", st); t && t->is_array())
     for (const auto& v : *t)
       if (v.is_string()) d.targets.push_back(v.get<std::string>());
   const std::string kv = f.string(m.deploy, "kv_cache.dtype", st);
-  d.block_size = f.integer(m.deploy, "kv_cache.block_size", 1, 1 << 20, st);
+  d.block_size = f.integer(m.deploy, "kv_cache.block_size", format::kMinBlockSize, format::kMaxBlockSize, st);
   d.kda_state_layout = f.string(m.deploy, "kda_state.layout", st);
   const std::string kda_dtype = f.string(m.deploy, "kda_state.dtype", st);
   const std::string conv = f.string(m.deploy, "conv_state.dtype", st);
@@ -93,7 +95,7 @@ Status derive(dp_bundle& b) {
   d.mla_kv_lora_rank = f.integer(det, "mla.kv_lora_rank", 0, 1 << 20, st);
   d.mla_rope_dim = f.integer(det, "mla.qk_rope_head_dim", 0, 1 << 20, st);
   if (m.indexer.heads > 0) {
-    d.dcp_size = f.integer(m.deploy, "dcp.size", 1, 1024, st);
+    d.dcp_size = f.integer(m.deploy, "dcp.size", 1, format::kMaxDcpSize, st);
     d.dcp_interleave = f.integer(m.deploy, "dcp.interleave", 1, 1 << 20, st);
     d.indexer_max_keys = f.integer(m.deploy, "indexer.max_keys_per_chunk", 1, INT32_MAX, st);
     d.indexer_max_requests = f.integer(m.deploy, "indexer.max_requests", 1, INT32_MAX, st);

@@ -5,12 +5,17 @@
 #include <string>
 
 #include "decodepack/decodepack.h"
+#include "format/manifest.h"
 #include "src/bundle.h"
 #include "src/device.h"
 #include "src/indexer.h"
 #include "src/session.h"
 #include "src/status.h"
 #include "src/validity.h"
+
+// The public header's format version is the reader's (runtime/format/manifest.h): one number.
+static_assert(DP_BUNDLE_FORMAT_MAJOR == dp::format::kFormatMajor && DP_BUNDLE_FORMAT_MINOR == dp::format::kFormatMinor,
+              "decodepack.h's DP_BUNDLE_FORMAT_* must equal dp::format::kFormatMajor/kFormatMinor");
 
 struct dp_status {
   dp_code code;

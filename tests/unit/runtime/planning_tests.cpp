@@ -548,5 +548,38 @@ TEST_F(LayerProgramTest, BundlesBeforeFormat11HaveNoPrograms) {
   close();
 }
 
+// The manifest's deploy block is held to the deploy reader's bounds (runtime/format/deploy_limits.h):
+// a bundle outside them was not written by decodepack and is refused when it opens.
+TEST_F(LayerProgramTest, DeployBlockOutsideTheDeployReadersBoundsIsRefused) {
+  struct Case {
+    const char* field;
+    nlohmann::json value;
+    const char* fragment;
+  };
+  const std::vector<Case> cases = {
+      {"num_speculative_tokens", 8, "num_speculative_tokens"},
+      {"tensor_parallel", 16, "tensor_parallel"},
+  };
+  const nlohmann::json original = m_;
+  for (const Case& c : cases) {
+    m_ = original;
+    m_["deploy"][c.field] = c.value;
+    save();
+    dp_bundle* b = nullptr;
+    const Outcome o = outcome(dp_bundle_open(dir_.c_str(), nullptr, &b));
+    EXPECT_EQ(o.code, DP_ERR_FORMAT) << c.field << ": " << o.message;
+    EXPECT_NE(o.message.find(c.fragment), std::string::npos) << o.message;
+    dp_bundle_close(b);
+  }
+  m_ = original;
+  m_["deploy"]["kv_cache"]["block_size"] = 8;
+  save();
+  dp_bundle* b = nullptr;
+  const Outcome o = outcome(dp_bundle_open(dir_.c_str(), nullptr, &b));
+  EXPECT_EQ(o.code, DP_ERR_FORMAT) << o.message;
+  EXPECT_NE(o.message.find("kv_cache.block_size"), std::string::npos) << o.message;
+  dp_bundle_close(b);
+}
+
 }  // namespace
 }  // namespace dp::rttest
