@@ -1,14 +1,42 @@
 // decodepack: ahead-of-time decode-kernel compiler and bundle packager. See README.md.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "common/error.h"
+#include "common/suggest.h"
 
 namespace dp::tools {
 bool stderr_is_tty() { return ::isatty(STDERR_FILENO) == 1; }
 }  // namespace dp::tools
+
+namespace {
+
+// Whether the user asked the chosen subcommand for --json on stdout (a flag; bench's --json takes a
+// file name and writes there instead).
+bool json_on_stdout(const CLI::App& app) {
+  for (const CLI::App* sub : app.get_subcommands()) {
+    const CLI::Option* o = sub->get_option_no_throw("--json");
+    if (o && o->count() > 0 && o->get_expected_max() == 0) return true;
+  }
+  return false;
+}
+
+// The failure as the one JSON object a --json caller reads from stdout:
+//   {"error": {"code": "input", "exit": 3, "message": "..."}}
+void print_json_error(dp::Errc code, const std::string& message) {
+  const nlohmann::json j = {{"error", {{"code", dp::errc_name(code)}, {"exit", static_cast<int>(code)},
+                                       {"message", message}}}};
+  std::printf("%s\n", j.dump(2).c_str());
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"decodepack: ahead-of-time decode-kernel compiler and bundle packager for Kimi-Linear / Kimi-K3"};
@@ -30,19 +58,39 @@ int main(int argc, char** argv) {
   dp::tools::add_indexer_run(app, action);
   dp::tools::add_bench(app, action);
 
+  // A first word that is no subcommand is a typo of one (CLI11 would only say one is required).
+  if (argc >= 2 && argv[1][0] != '-') {
+    std::vector<std::string> names;
+    for (const CLI::App* sub : app.get_subcommands({})) names.push_back(sub->get_name());
+    const std::string word = argv[1];
+    if (std::find(names.begin(), names.end(), word) == names.end()) {
+      std::string list;
+      for (const std::string& n : names) list += (list.empty() ? "" : ", ") + n;
+      const std::string near = dp::closest_name(word, names);
+      std::fprintf(stderr, "decodepack: error: unknown subcommand '%s'%s (subcommands: %s; see decodepack --help)\n",
+                   word.size() > 64 ? (word.substr(0, 64) + "...").c_str() : word.c_str(),
+                   near.empty() ? "" : ("; did you mean '" + near + "'?").c_str(), list.c_str());
+      return static_cast<int>(dp::Errc::usage);
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
+    const bool json = json_on_stdout(app);
     int rc = app.exit(e);
+    if (rc != 0 && json) print_json_error(dp::Errc::usage, e.what());
     return rc == 0 ? 0 : static_cast<int>(dp::Errc::usage);
   }
+  const bool json = json_on_stdout(app);
   try {
     return action ? action() : 0;
   } catch (const dp::Error& e) {
     std::fprintf(stderr, "decodepack: error: %s\n", e.what());
+    if (json) print_json_error(e.code(), e.what());
     return static_cast<int>(e.code());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "decodepack: internal error: %s\n", e.what());
+    if (json) print_json_error(dp::Errc::internal, e.what());
     return static_cast<int>(dp::Errc::internal);
   }
 }

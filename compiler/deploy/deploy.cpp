@@ -9,6 +9,7 @@
 
 #include "common/embedded.h"
 #include "common/error.h"
+#include "common/suggest.h"
 #include "format/targets.h"
 #include "indexer/workspace.h"
 #include "model/ir.h"
@@ -135,21 +136,6 @@ std::vector<int64_t> pow2_divisors(int64_t n) {
   for (int64_t p = 1; n > 0 && p <= n; p *= 2)
     if (n % p == 0) out.push_back(p);
   return out;
-}
-
-size_t edit_distance(std::string_view a, std::string_view b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
 }
 
 // ---- Reading -----------------------------------------------------------------------------------------
