@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "common/fs.h"
 #include "common/hash.h"
+#include "common/suggest.h"
 #include "format/manifest.h"
 #include "model/ir.h"
 
@@ -558,7 +559,7 @@ std::vector<std::string> preset_names() {
   return out;
 }
 
-Model load_model(const std::string& spec) {
+Model load_model(const std::string& spec, std::string_view flag) {
   std::error_code ec;
   fs::path p(spec);
   const fs::file_status st = fs::status(p, ec);
@@ -570,13 +571,19 @@ Model load_model(const std::string& spec) {
   }
   if (fs::is_regular_file(st)) return model_from_config(load_json_file(p), p.string());
   if (fs::exists(st))
-    fail(Errc::io, "--model {}: is {}, expected a checkpoint directory, a config file or a preset name", spec,
+    fail(Errc::io, "{} {}: is {}, expected a checkpoint directory, a config file or a preset name", flag, spec,
          format::file_type_name(st.type()));
   if (auto data = embedded_file("presets/" + spec + ".json"))
     return model_from_config(parse_json(*data, "preset " + spec), "preset " + spec);
+  // Neither a path nor a preset: a mistyped command-line value (usage), with the nearest preset.
+  const std::vector<std::string> presets = preset_names();
   std::string names;
-  for (const std::string& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
-  fail(Errc::input, "--model {}: no such directory, file or preset (presets: {})", spec, names);
+  for (const std::string& n : presets) names += (names.empty() ? "" : ", ") + n;
+  std::string near = spec.find('/') == std::string::npos ? closest_name(spec, presets, 3) : "";
+  for (const std::string& n : presets)  // "kimi-linear-48b" for "kimi-linear-48b-a3b"
+    if (near.empty() && spec.size() >= 4 && n.starts_with(spec)) near = n;
+  fail(Errc::usage, "{} {}: no such directory, file or preset{} (presets: {})", flag, excerpt(spec),
+       near.empty() ? "" : fmt::format("; did you mean {}?", near), names);
 }
 
 }  // namespace dp::model

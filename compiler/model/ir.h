@@ -154,8 +154,9 @@ struct Model {
 Model model_from_config(const Json& config, const std::string& where);
 
 // `spec` is a directory holding config.json, a path to a config file, or a preset name from
-// manifests/presets (e.g. "kimi-linear-48b-a3b"). Throws dp::Error(input|io) naming what is wrong.
-Model load_model(const std::string& spec);
+// manifests/presets (e.g. "kimi-linear-48b-a3b"). Throws dp::Error(input|io) naming what is wrong, and
+// dp::Error(usage) naming `flag` and the nearest preset when `spec` is neither a path nor a preset.
+Model load_model(const std::string& spec, std::string_view flag = "--model");
 
 // Names of the presets compiled into the tool.
 std::vector<std::string> preset_names();

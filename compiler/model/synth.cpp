@@ -129,7 +129,7 @@ SynthResult synthesize(const SynthOptions& opt) {
   plan_output(opt.out, OutputKind::directory, opt.force, "a checkpoint", synth_own_files);
   remove_stale_staging(opt.out);
 
-  Model m = load_model(opt.preset);
+  Model m = load_model(opt.preset, "--preset");
   const bool hf = opt.layout == CheckpointLayout::transformers;
   if (hf && m.type != ModelType::kimi_linear)
     fail(Errc::usage, "--layout transformers: HF transformers implements kimi_linear only, not {}",

@@ -153,8 +153,10 @@ TEST(Config, DigestIsOfTheCanonicalJson) {
 }
 
 TEST(Config, UnknownPresetListsPresets) {
-  test::expect_error([] { load_model("kimi-nonexistent"); }, Errc::input,
-                     {"kimi-nonexistent", "kimi-linear-48b-a3b", "kimi-k3-tiny"});
+  test::expect_error([] { load_model("kimi-nonexistent"); }, Errc::usage,
+                     {"--model kimi-nonexistent", "kimi-linear-48b-a3b", "kimi-k3-tiny"});
+  test::expect_error([] { load_model("kimi-linear-tiyn", "--preset"); }, Errc::usage,
+                     {"--preset kimi-linear-tiyn", "did you mean kimi-linear-tiny?"});
 }
 
 // tests/corpus/config/expected.txt: "<file>\t<fragment>[\t<fragment>...]", one broken config per line.
