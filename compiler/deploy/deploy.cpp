@@ -9,6 +9,7 @@
 
 #include "common/embedded.h"
 #include "common/error.h"
+#include "common/fs.h"
 #include "common/suggest.h"
 #include "format/targets.h"
 #include "indexer/workspace.h"
@@ -523,6 +524,10 @@ Deploy load_deploy(const std::string& spec) {
     if (!text) fail(Errc::internal, "built-in {} is missing from this build", name);
     return parse_deploy(parse_json(*text, name), std::string(name));
   }
+  // A file that is not there: say what --deploy takes (a path, or `default`), with the same exit code.
+  if (!path_exists(spec))
+    fail(Errc::io, "--deploy {}: no such file{} (give a deploy JSON file, or `default` for the built-in deploy)",
+         excerpt(spec), spec.size() < 16 && edit_distance(spec, "default") <= 2 ? "; did you mean `default`?" : "");
   return parse_deploy(load_json_file(spec), spec);
 }
 
