@@ -29,6 +29,7 @@
 
 #include "bundle/bundle.h"
 #include "commands.h"
+#include "common/dtype.h"
 #include "common/error.h"
 #include "common/fs.h"
 #include "common/json.h"
@@ -114,12 +115,8 @@ int32_t nccl_all_gather(void* user, uint64_t send, uint64_t recv, uint64_t bytes
 
 // ---- inputs ---------------------------------------------------------------------------------------
 
-uint16_t bf16_bits(double v) {  // round to nearest even, like the kernels' and torch's conversion
-  float f = static_cast<float>(v);
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+uint16_t bf16_bits(double v) {  // via fp32, like the kernels' and torch's conversion
+  return f32_to_bf16_bits(static_cast<float>(v));
 }
 double bf16_value(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <thread>
 
+#include "common/dtype.h"
 #include "common/error.h"
 #include "common/hash.h"
 #include "format/untrusted.h"
@@ -61,12 +62,11 @@ void hash_converted(Sha256& h, const uint8_t* p, size_t n, DType from, DType to,
   if (from == DType::F32 && to == DType::BF16) {  // round to nearest even, as the device load does
     tmp.resize(n / 2);
     for (size_t i = 0; i < n / 4; ++i) {
-      uint32_t u;
-      std::memcpy(&u, p + 4 * i, 4);
-      if ((u & 0x7fffffff) > 0x7f800000) u = (u | 0x00400000);  // NaN stays a (quiet) NaN, never rounds to Inf
-      else u += 0x7fff + ((u >> 16) & 1);
-      tmp[2 * i] = static_cast<uint8_t>(u >> 16);
-      tmp[2 * i + 1] = static_cast<uint8_t>(u >> 24);
+      float f;
+      std::memcpy(&f, p + 4 * i, 4);
+      const uint16_t b = f32_to_bf16_bits(f);  // a NaN stays a (quiet) NaN, never rounds to Inf
+      tmp[2 * i] = static_cast<uint8_t>(b);
+      tmp[2 * i + 1] = static_cast<uint8_t>(b >> 8);
     }
     h.update(tmp.data(), tmp.size());
     return;

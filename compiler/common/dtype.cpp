@@ -1,5 +1,7 @@
 #include "common/dtype.h"
 
+#include <cstring>
+
 #include <array>
 #include <utility>
 
@@ -28,6 +30,14 @@ std::optional<DType> dtype_from_name(std::string_view name) {
   for (const Info& i : kInfo)
     if (i.name == name) return i.type;
   return std::nullopt;
+}
+
+uint16_t f32_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u | 0x00400000u) >> 16);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
 }
 
 }  // namespace dp

@@ -18,4 +18,9 @@ std::optional<DType> dtype_from_name(std::string_view name);
 // Bytes per element (all family dtypes are whole bytes; MXFP4 is stored as U8 pairs).
 uint32_t dtype_size(DType t);
 
+// fp32 -> bf16 bits, rounded to nearest even as the device kernels and torch convert; a NaN stays a
+// quiet NaN (it never rounds to Inf), infinities stay infinite. The one such conversion of the
+// compiler and the tools (synth, fingerprints, the tools' inputs).
+uint16_t f32_to_bf16_bits(float f);
+
 }  // namespace dp

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <map>
 
+#include "common/dtype.h"
 #include "common/embedded.h"
 #include "common/error.h"
 #include "common/fs.h"
@@ -39,12 +40,7 @@ uint64_t name_seed(uint64_t seed, const std::string& key, int layer, int expert)
   return v;
 }
 
-uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fff + ((u >> 16) & 1);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
+uint16_t to_bf16(float f) { return f32_to_bf16_bits(f); }
 
 enum class Fill { linear, norm, a_log, dt_bias, conv, bias, scale_e8m0, packed_fp4, res_proj };
 
