@@ -43,12 +43,6 @@ int64_t KernelInstance::param(std::string_view key) const {
   return -1;
 }
 
-std::string kernel_name(std::string_view op, const std::vector<std::pair<std::string, int64_t>>& params) {
-  std::string name(op);
-  for (const auto& [k, v] : params) name += fmt::format("_{}{}{}", k, v < 0 ? "n" : "", v < 0 ? -v : v);
-  return name;
-}
-
 uint64_t PrefetchTable::bytes() const {
   uint64_t b = 0;
   for (const PrefetchRange& r : ranges) b += r.bytes;

@@ -37,7 +37,6 @@ struct KernelInstance {
   codegen::KernelInstance codegen;
   int64_t param(std::string_view key) const;           // -1 when absent
 };
-std::string kernel_name(std::string_view op, const std::vector<std::pair<std::string, int64_t>>& params);
 
 struct WeightShard {
   size_t weight = 0;        // index into Model::weights
