@@ -197,14 +197,19 @@ TEST(DecodeOps, LaunchShapes) {
   EXPECT_EQ(k.grid[1], 4u);
   EXPECT_EQ(k.block[0], 512u);
   EXPECT_EQ(launch_shape(route(4, 256, 8)).grid[0], 1u);
-  // moe_up: shared tiles + min(E, W*K) experts' tiles, 16 features per block.
+  // moe_up, one row: shared tiles + min(E, W*K) experts' tiles, 16 features per block.
   EXPECT_EQ(launch_shape(moe_up(1, 2304, 1024, 256, 8, 1024)).grid[0], 64u + 8u * 64u);
-  EXPECT_EQ(launch_shape(moe_up(64 / 4, 2304, 1024, 256, 8, 1024)).grid[0], 64u + 128u * 64u);
-  // moe_down: M output features per block, the items spread over its groups (M = 4 up to 4 rows,
-  // 2 up to 8, then 1).
-  EXPECT_EQ(launch_shape(moe_down(4, 2304, 1024, 256, 8, 1024)).grid[0], 576u);
-  EXPECT_EQ(launch_shape(moe_down(8, 2304, 1024, 256, 8, 1024)).grid[0], 1152u);
-  EXPECT_EQ(launch_shape(moe_down(16, 2304, 1024, 256, 8, 1024)).grid[0], 2304u);
+  // From 2 rows: warp tiles of 8 features walked with a grid stride; blocks of 8 warps for the most
+  // tiles a step can have (no shared expert, 16 experts x 32 tiles of I = 256 at width 2), at most 264.
+  EXPECT_EQ(launch_shape(moe_up(2, 2304, 256, 256, 8, 0)).grid[0], 16u * 32u / 8u);
+  EXPECT_EQ(launch_shape(moe_up(2, 2304, 1024, 256, 8, 1024)).grid[0], 264u);  // 272 capped
+  EXPECT_EQ(launch_shape(moe_up(64 / 4, 2304, 1024, 256, 8, 1024)).grid[0], 264u);
+  // moe_down: M output features per block, the items spread over its groups (M = 4 for one row, then
+  // a 16-row tensor-core tile).
+  EXPECT_EQ(launch_shape(moe_down(1, 2304, 1024, 256, 8, 1024)).grid[0], 576u);
+  EXPECT_EQ(launch_shape(moe_down(4, 2304, 1024, 256, 8, 1024)).grid[0], 144u);
+  EXPECT_EQ(launch_shape(moe_down(8, 2304, 1024, 256, 8, 1024)).grid[0], 144u);
+  EXPECT_EQ(launch_shape(moe_down(16, 2304, 1024, 256, 8, 1024)).grid[0], 144u);
   EXPECT_EQ(launch_shape(mlp_up(4, 2304, 9216)).grid[0], 576u);
   // MLA: one block per (16 query rows, split, request); rows are (draft position, head) pairs.
   LaunchShape a = launch_shape(mla_attn(4, 2, 32));
