@@ -4,46 +4,22 @@
 
 #include "common/error.h"
 #include "common/json.h"
+#include "common/text.h"
 
 namespace dp::bundle {
 namespace {
 
-// Longest piece of a registry's reply quoted in a message.
-constexpr size_t kQuoteMax = 200;
-
-char lower(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c; }
-
-std::string to_lower(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) c = lower(c);
-  return out;
-}
-
-std::string_view trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r' || s.back() == '\n')) s.remove_suffix(1);
-  return s;
-}
-
-// Printable ASCII, at most kQuoteMax characters (then "..."), for quoting untrusted text.
-std::string quote(std::string_view s) {
-  std::string out;
-  for (char c : s.substr(0, kQuoteMax)) out += (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) > 0x7e) ? '?' : c;
-  if (s.size() > kQuoteMax) out += "...";
-  return out;
-}
-
 // A JSON value for a message: strings quoted as they are, anything else as (cut) JSON text.
 std::string show(const Json& j) {
-  if (j.is_string()) return quote(j.get_ref<const std::string&>());
-  return quote(j.dump(-1, ' ', false, Json::error_handler_t::replace));
+  if (j.is_string()) return printable_ascii(j.get_ref<const std::string&>());
+  return printable_ascii(j.dump(-1, ' ', false, Json::error_handler_t::replace));
 }
 
 Json parse_reply(std::string_view body, std::string_view what, std::string_view url) {
   try {
     return parse_json(body, what);
   } catch (const Error& e) {
-    fail(Errc::registry, "{}: the registry's reply is not valid JSON ({})", url, quote(e.what()));
+    fail(Errc::registry, "{}: the registry's reply is not valid JSON ({})", url, printable_ascii(e.what()));
   }
 }
 
@@ -62,13 +38,13 @@ Descriptor read_descriptor(const Json& d, std::string_view field, std::string_vi
   const std::string path = std::string(field) + ".";
   std::string mt = string_field(d, "mediaType", path, url).value_or("");
   if (mt != media_type)
-    fail(Errc::input, "{}: not a decodepack bundle: {}.mediaType is '{}', expected '{}'", url, field, quote(mt),
+    fail(Errc::input, "{}: not a decodepack bundle: {}.mediaType is '{}', expected '{}'", url, field, printable_ascii(mt),
          media_type);
   Descriptor out;
   std::optional<std::string> digest = string_field(d, "digest", path, url);
   if (!digest) fail(Errc::registry, "{}: field {}.digest is missing", url, field);
   if (!is_sha256_digest(*digest))
-    fail(Errc::registry, "{}: field {}.digest '{}' is not sha256:<64 lowercase hex digits>", url, field, quote(*digest));
+    fail(Errc::registry, "{}: field {}.digest '{}' is not sha256:<64 lowercase hex digits>", url, field, printable_ascii(*digest));
   out.digest = std::move(*digest);
   auto size = d.find("size");
   if (size == d.end()) fail(Errc::registry, "{}: field {}.size is missing", url, field);
@@ -91,15 +67,15 @@ BundleArtifact parse_bundle_manifest(std::string_view body, std::string_view con
   if (!j.is_object()) fail(Errc::registry, "{}: the manifest is {}, expected a JSON object", url, json_type_name(j));
 
   std::string media = string_field(j, "mediaType", "", url).value_or("");
-  if (media.empty()) media = std::string(trim(content_type.substr(0, content_type.find(';'))));
+  if (media.empty()) media = std::string(trim_space(content_type.substr(0, content_type.find(';'))));
   if (media != kOciManifestMediaType)
-    fail(Errc::input, "{}: not an OCI image manifest: mediaType '{}', expected '{}'", url, quote(media),
+    fail(Errc::input, "{}: not an OCI image manifest: mediaType '{}', expected '{}'", url, printable_ascii(media),
          kOciManifestMediaType);
   if (auto v = j.find("schemaVersion"); v != j.end() && !(v->is_number_integer() && v->get<int64_t>() == 2))
     fail(Errc::registry, "{}: field schemaVersion is {} ({}), expected the integer 2", url, json_type_name(*v), show(*v));
   const std::string artifact = string_field(j, "artifactType", "", url).value_or("");
   if (artifact != kBundleArtifactType)
-    fail(Errc::input, "{}: not a decodepack bundle: artifactType '{}', expected '{}'", url, quote(artifact),
+    fail(Errc::input, "{}: not a decodepack bundle: artifactType '{}', expected '{}'", url, printable_ascii(artifact),
          kBundleArtifactType);
 
   BundleArtifact a;
@@ -121,7 +97,7 @@ BundleArtifact parse_bundle_manifest(std::string_view body, std::string_view con
       fail(Errc::registry, "{}: field annotations is {}, expected an object of strings", url, json_type_name(*ann));
     for (const auto& [k, v] : ann->items()) {
       if (!v.is_string())
-        fail(Errc::registry, "{}: field annotations.{} is {} ({}), expected a string", url, quote(k),
+        fail(Errc::registry, "{}: field annotations.{} is {} ({}), expected a string", url, printable_ascii(k),
              json_type_name(v), show(v));
       a.annotations[k] = v.get<std::string>();
     }
@@ -155,7 +131,7 @@ std::string describe_registry_errors(std::string_view body) {
       if (!out.empty()) return out;
     }
   }
-  return fmt::format("\"{}\"", quote(trim(body)));
+  return fmt::format("\"{}\"", printable_ascii(trim_space(body)));
 }
 
 std::string parse_token_reply(std::string_view body, std::string_view url) {
@@ -172,10 +148,10 @@ std::string parse_token_reply(std::string_view body, std::string_view url) {
 }
 
 std::optional<AuthChallenge> parse_auth_challenge(std::string_view header) {
-  std::string_view s = trim(header);
+  std::string_view s = trim_space(header);
   size_t sp = s.find(' ');
   AuthChallenge ch;
-  ch.scheme = to_lower(s.substr(0, sp));
+  ch.scheme = ascii_lower(s.substr(0, sp));
   if (ch.scheme.empty() || ch.scheme.find_first_of(",=\"") != std::string::npos) return std::nullopt;
   if (sp == std::string_view::npos) return ch;
   s = s.substr(sp + 1);
@@ -184,7 +160,7 @@ std::optional<AuthChallenge> parse_auth_challenge(std::string_view header) {
     if (s.empty()) break;
     size_t eq = s.find('=');
     if (eq == std::string_view::npos) break;
-    std::string_view key = trim(s.substr(0, eq));
+    std::string_view key = trim_space(s.substr(0, eq));
     if (key.find(' ') != std::string_view::npos) break;  // the next challenge begins: only the first is used
     s.remove_prefix(eq + 1);
     std::string value;
@@ -207,10 +183,10 @@ std::optional<AuthChallenge> parse_auth_challenge(std::string_view header) {
       if (!closed) return std::nullopt;
     } else {
       size_t comma = s.find(',');
-      value = std::string(trim(s.substr(0, comma)));
+      value = std::string(trim_space(s.substr(0, comma)));
       s = comma == std::string_view::npos ? std::string_view() : s.substr(comma);
     }
-    ch.params[to_lower(key)] = std::move(value);
+    ch.params[ascii_lower(key)] = std::move(value);
   }
   return ch;
 }

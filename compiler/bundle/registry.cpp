@@ -21,6 +21,7 @@
 #include "bundle/bundle.h"
 #include "bundle/verify.h"
 #include "common/error.h"
+#include "common/text.h"
 #include "common/fs.h"
 #include "common/hash.h"
 #include "common/json.h"
@@ -42,28 +43,6 @@ constexpr std::string_view kRefForms =
 
 // ---------------------------------------------------------------------------------------------------
 // Text helpers
-
-char lower(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c; }
-
-std::string to_lower(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) c = lower(c);
-  return out;
-}
-
-std::string_view trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r' || s.back() == '\n')) s.remove_suffix(1);
-  return s;
-}
-
-// Untrusted text for a message: printable ASCII, at most 200 characters.
-std::string printable(std::string_view s) {
-  std::string out;
-  for (char c : s.substr(0, 200)) out += (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) > 0x7e) ? '?' : c;
-  if (s.size() > 200) out += "...";
-  return out;
-}
 
 bool is_digit(char c) { return c >= '0' && c <= '9'; }
 bool is_lower_alnum(char c) { return (c >= 'a' && c <= 'z') || is_digit(c); }
@@ -161,7 +140,7 @@ std::string host_problem(std::string_view h) {
     if (!rest.empty() && rest.front() != ':') return "unexpected text after ']' in the host";
     has_port_sep = !rest.empty();
     if (name.empty() || !std::all_of(name.begin(), name.end(), [](char c) {
-          return is_digit(c) || (lower(c) >= 'a' && lower(c) <= 'f') || c == ':' || c == '.';
+          return is_digit(c) || (ascii_lower(c) >= 'a' && ascii_lower(c) <= 'f') || c == ':' || c == '.';
         }))
       return fmt::format("'{}' is not an IPv6 address", name);
   } else {
@@ -172,7 +151,7 @@ std::string host_problem(std::string_view h) {
       size_t dot = name.find('.', start);
       std::string_view label = name.substr(start, dot == std::string_view::npos ? std::string_view::npos : dot - start);
       bool ok = !label.empty() && label.front() != '-' && label.back() != '-' &&
-                std::all_of(label.begin(), label.end(), [](char c) { return is_lower_alnum(lower(c)) || c == '-'; });
+                std::all_of(label.begin(), label.end(), [](char c) { return is_lower_alnum(ascii_lower(c)) || c == '-'; });
       if (!ok) return fmt::format("host '{}' is not a valid host name", name);
       if (dot == std::string_view::npos) break;
       start = dot + 1;
@@ -242,14 +221,14 @@ size_t on_header(char* p, size_t size, size_t n, void* ud) {
     t->headers_too_large = true;
     return 0;  // makes curl stop
   }
-  std::string_view line = trim(std::string_view(p, size * n));
+  std::string_view line = trim_space(std::string_view(p, size * n));
   // Each response (redirects, 100 Continue) starts with a status line: only the last one counts.
   if (line.substr(0, 5) == "HTTP/") {
     size_t sp = line.find(' ');
     t->resp->status = sp == std::string_view::npos ? 0 : std::atol(std::string(line.substr(sp + 1, 3)).c_str());
     t->resp->headers.clear();
   } else if (size_t colon = line.find(':'); colon != std::string_view::npos) {
-    t->resp->headers.emplace(to_lower(trim(line.substr(0, colon))), std::string(trim(line.substr(colon + 1))));
+    t->resp->headers.emplace(ascii_lower(trim_space(line.substr(0, colon))), std::string(trim_space(line.substr(colon + 1))));
   }
   return size * n;
 }
@@ -525,10 +504,10 @@ class Client {
     bool https = realm.compare(0, 8, "https://") == 0;
     if (!https && !(allow_http_ && realm.compare(0, 7, "http://") == 0))
       fail(Errc::registry, "{}: the registry's token service '{}' is not an https URL (plain HTTP is used only for "
-                           "loopback registries or with --insecure)", ref_.str(), printable(realm));
+                           "loopback registries or with --insecure)", ref_.str(), printable_ascii(realm));
     if (std::any_of(realm.begin(), realm.end(), [](char c) { return static_cast<unsigned char>(c) <= 0x20 || c == 0x7f; }))
       fail(Errc::registry, "{}: the registry's token service '{}' is not a URL (it contains spaces or control "
-                           "characters)", ref_.str(), printable(realm));
+                           "characters)", ref_.str(), printable_ascii(realm));
     std::string url = realm;
     char sep = realm.find('?') == std::string::npos ? '?' : '&';
     for (const char* key : {"service", "scope"}) {
@@ -608,7 +587,7 @@ std::string Reference::str() const {
 }
 
 bool Reference::is_loopback() const {
-  std::string name = to_lower(split_host(host).first);
+  std::string name = ascii_lower(split_host(host).first);
   if (name == "localhost" || name == "::1" || name == "0:0:0:0:0:0:0:1") return true;
   // 127.0.0.0/8: four numeric octets, the first 127.
   if (name.rfind("127.", 0) != 0) return false;
@@ -702,13 +681,13 @@ Credentials find_credentials(std::string_view host) {
   Json j = load_json_file(config);
   if (!j.is_object() || !j.contains("auths")) return c;
   if (!j["auths"].is_object()) fail(Errc::input, "{}: field auths is not an object", config.string());
-  std::string want = to_lower(host);
+  std::string want = ascii_lower(host);
   for (const auto& [key, entry] : j["auths"].items()) {
     // Keys are "host[:port]", sometimes written as a URL ("https://host/v1/").
     std::string_view k = key;
     if (size_t scheme = k.find("://"); scheme != std::string_view::npos) k = k.substr(scheme + 3);
     k = k.substr(0, k.find('/'));
-    if (to_lower(k) != want || !entry.is_object()) continue;
+    if (ascii_lower(k) != want || !entry.is_object()) continue;
     if (entry.contains("auth") && entry["auth"].is_string() && !entry["auth"].get<std::string>().empty()) {
       std::optional<std::string> decoded = base64_decode(entry["auth"].get<std::string>());
       size_t colon = decoded ? decoded->find(':') : std::string::npos;
@@ -839,7 +818,7 @@ PullResult pull(const Reference& ref, const fs::path& out_dpk, const PullOptions
          result.manifest_digest);
   if (auto d = m.headers.find("docker-content-digest"); d != m.headers.end() && d->second != result.manifest_digest)
     fail(Errc::verify, "{}: manifest digest mismatch: the registry says {}, its bytes hash to {}", ref.str(),
-         printable(d->second), result.manifest_digest);
+         printable_ascii(d->second), result.manifest_digest);
 
   // 2. Is it a decodepack bundle?
   auto ct = m.headers.find("content-type");
