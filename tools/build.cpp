@@ -55,7 +55,7 @@ void add_build(CLI::App& app, Action& action) {
                {"planned_only", r.planned_only}, {"weights_fingerprinted", r.fingerprinted},
                {"fingerprints", r.fingerprints},
                {"cache", {{"hits", r.cache.hits}, {"misses", r.cache.misses}, {"corrupt", r.cache.corrupt}}},
-               {"seconds", r.seconds}};
+               {"seconds", r.seconds}, {"warnings", r.warnings}};
         std::printf("%s\n", j.dump(2).c_str());
       } else {
         std::printf("built %s\n  digest   %s\n  kernels  %zu compiled (cache: %llu hits, %llu misses, %llu corrupt)\n"

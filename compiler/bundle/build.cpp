@@ -215,7 +215,10 @@ BuildResult build_bundle(const BuildOptions& o) {
     const backend::CompiledKernel& ck = report.kernels[i];
     const plan::KernelInstance& pk = *planned[i];
     for (const std::string& n : ck.notes) log(fmt::format("note: {}: {}", ck.key, n));
-    for (const std::string& w : ck.warnings) log(fmt::format("warning: {}: {}", ck.key, w));
+    for (const std::string& w : ck.warnings) {  // each names its kernel key already
+      log(fmt::format("warning: {}", w));
+      res.warnings.push_back(w);
+    }
     format::KernelEntry e;
     e.key = ck.key;
     e.name = ck.name;

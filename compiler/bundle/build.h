@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "backend/cache.h"
 #include "backend/toolchain.h"
@@ -46,6 +47,9 @@ struct BuildResult {
   size_t fingerprints = 0;
   backend::CacheStats cache;
   double seconds = 0;
+  // The compiler's warnings about the kernels (e.g. register spills), each "<kernel key>: <warning>";
+  // also logged ("warning: ...") as the build runs.
+  std::vector<std::string> warnings;
 };
 
 BuildResult build_bundle(const BuildOptions& o);
