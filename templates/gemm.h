@@ -82,8 +82,10 @@ __device__ __forceinline__ float dp_gated_act(float gate, float up, float beta, 
 //   acc[m][t] += sum over this lane's vectors v of w[m][8v .. 8v+7] . x[t][8v .. 8v+7]
 // for v = v0 + lane + 32*i, i < kIters, v < v_end. x[t] == nullptr masks activation row t (no loads,
 // no FMAs; acc[.][t] unchanged). The weight loads of kUnroll iterations are issued before any of them
-// is used, so each lane keeps M*kUnroll 16-byte loads in flight.
-template <int T, int M, int kIters>
+// is used, so each lane keeps M*kUnroll 16-byte loads in flight. kWait: the caller's entry point left the
+// programmatic-dependent-launch wait to here (weights_before_wait in the compiler): it comes after the
+// first weight loads are issued and before the first activation load.
+template <int T, int M, int kIters, bool kWait = false>
 __device__ __forceinline__ void dp_dot_rows(const dp_bf16* const (&w)[M],  // M rows, each [K] bf16
                                             const dp_bf16* const (&x)[T],  // T rows, each [K] bf16, or null
                                             int v0, int v_end, int lane,
@@ -103,22 +105,27 @@ __device__ __forceinline__ void dp_dot_rows(const dp_bf16* const (&w)[M],  // M 
         }
       }
     }
+    if (kWait && i0 == 0) dp_grid_dependency_wait();  // weights in flight; activations only after it
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
       const int v = v0 + lane + DP_GROUP * (i0 + j);
       if (i0 + j >= kIters || v >= v_end) continue;
-      float wf[M][8];  // [M, 8] fp32
+      float xf[T][8];  // [T, 8] fp32 activation vectors (masked rows are never read)
 #pragma unroll
-      for (int m = 0; m < M; ++m) dp_unpack8_bf16(wv[j][m], wf[m]);
+      for (int t = 0; t < T; ++t)
+        if (x[t]) dp_unpack8_bf16(dp_load16(x[t] + 8 * v), xf[t]);
+      // One weight row at a time, so that only its 8 values are unpacked while the loads of the others
+      // stay packed: 16-byte loads of many rows can be in flight without unpacking them all at once.
 #pragma unroll
-      for (int t = 0; t < T; ++t) {
-        if (!x[t]) continue;
-        float xf[8];  // [8] fp32
-        dp_unpack8_bf16(dp_load16(x[t] + 8 * v), xf);
+      for (int m = 0; m < M; ++m) {
+        float wf[8];  // [8] fp32
+        dp_unpack8_bf16(wv[j][m], wf);
 #pragma unroll
-        for (int m = 0; m < M; ++m)
+        for (int t = 0; t < T; ++t) {
+          if (!x[t]) continue;
 #pragma unroll
-          for (int k = 0; k < 8; ++k) acc[m][t] += wf[m][k] * xf[k];
+          for (int k = 0; k < 8; ++k) acc[m][t] += wf[k] * xf[t][k];
+        }
       }
     }
   }
@@ -170,7 +177,8 @@ __device__ __forceinline__ void dp_mma_16816(float (&c)[4], dp_u32 a0, dp_u32 a1
 // g, activations 2q, 2q+1; c[2], c[3] = row g+8, the same activations.
 //   wrow(m): pointer to weight row m (0 <= m < 16*MT) of the slot, [K] bf16
 //   xrow(t): pointer to activation row t (0 <= t < 8*NT), [K] bf16, or null (a zero row)
-template <int K, int MT, int NT, typename WRow, typename XRow>
+// kWait: as dp_dot_rows' (the dependency wait after the first chunks' weight loads are issued).
+template <int K, int MT, int NT, bool kWait = false, typename WRow, typename XRow>
 __device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_end, float (&acc)[MT][NT][4]) {
   constexpr int kUnroll = (NT <= 2 ? 8 : 4) / MT > 0 ? (NT <= 2 ? 8 : 4) / MT : 1;  // chunks of loads in flight
   const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
@@ -189,6 +197,18 @@ __device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_
   for (int cb = c0; cb < c_end; cb += kUnroll) {
     dp_u32x4 wv[kUnroll][MT][2];  // weight vectors in flight
     dp_u32x4 xv[kUnroll][NT];     // activation vectors
+    auto load_x = [&](int u) {
+      const int c = cb + u;
+      const bool in = c < c_end && 32 * c + 8 * q < K;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (in && xp[nt]) {
+          xv[u][nt] = dp_load16(xp[nt] + 32 * c);
+        } else {
+          xv[u][nt].x = xv[u][nt].y = xv[u][nt].z = xv[u][nt].w = 0u;
+        }
+      }
+    };
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int c = cb + u;
@@ -203,14 +223,12 @@ __device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_
             wv[u][mt][h].x = wv[u][mt][h].y = wv[u][mt][h].z = wv[u][mt][h].w = 0u;
           }
         }
+      if (!kWait) load_x(u);  // interleaved with the weights where the entry point has waited already
+    }
+    if (kWait) {
+      if (cb == c0) dp_grid_dependency_wait();  // weights in flight; activations only after the wait
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        if (in && xp[nt]) {
-          xv[u][nt] = dp_load16(xp[nt] + 32 * c);
-        } else {
-          xv[u][nt].x = xv[u][nt].y = xv[u][nt].z = xv[u][nt].w = 0u;
-        }
-      }
+      for (int u = 0; u < kUnroll; ++u) load_x(u);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
@@ -227,6 +245,21 @@ __device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_
 }
 #endif
 
+// Rows the lane-FMA loop walks at a time (dp_dot_rows' M): one activation row leaves each lane nothing
+// to do but stream weights, so it takes as many rows at once as keep about DP_FMA_LOADS 16-byte loads
+// in flight per lane (a warp's slot is then walked in fewer dependent bursts); from two rows, 2 rows.
+#ifndef DP_FMA_LOADS
+#define DP_FMA_LOADS 16
+#endif
+template <int T, int RS, int kIters>
+__host__ __device__ constexpr int dp_fma_rows() {
+  if (T != 1) return 2;
+  const int unroll = kIters < 4 ? kIters : 4;  // dp_dot_rows' loads per row in flight
+  int rows = 4;
+  while (rows * 2 <= RS && rows * 2 * unroll <= DP_FMA_LOADS) rows *= 2;
+  return rows;
+}
+
 // Block-level dot products: every weight row of the block with every activation row, left in shared
 // memory: out_smem[(slot*16*MT + m)*T + t] = wrow(slot, m) . x[t]  (fp32), valid after the call (it ends
 // with a barrier). The group's slot is group / S and its K-slice group % S; the S slices are summed in
@@ -237,7 +270,7 @@ __device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_
 // NVIDIA with T >= 2: tensor cores (dp_mma_rows). T == 1, and AMD: the lane-FMA loop (dp_dot_rows),
 // kFmaRows rows at a time (each lane streams 16-byte vectors of whole row slices: measured faster than
 // the tensor-core tile's 64-byte row pieces when one activation row leaves nothing to multiply).
-template <int T, int K, int MT, int S, typename WRow, typename XRow>
+template <int T, int K, int MT, int S, bool kWait = false, typename WRow, typename XRow>
 __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
                                              float* partial,     // smem [8, 16*MT, T] fp32
                                              float* out_smem) {  // smem [RB, T] fp32
@@ -261,7 +294,7 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
-    dp_mma_rows<K, MT, NT>([&](int m) { return wrow(slot, m); }, [&](int t) { return t < T ? xrow(t) : nullptr; },
+    dp_mma_rows<K, MT, NT, kWait>([&](int m) { return wrow(slot, m); }, [&](int t) { return t < T ? xrow(t) : nullptr; },
                            c0, c_end, acc);
     const int g = lane / 4, q = lane % 4;
 #pragma unroll
@@ -275,8 +308,8 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
         }
 #endif
   } else {
-    constexpr int kFmaRows = T == 1 ? 4 : 2;
     constexpr int kIters = (G::kSliceChunks * 4 + DP_GROUP - 1) / DP_GROUP;
+    constexpr int kFmaRows = dp_fma_rows<T, RS, kIters>();
     const int v0 = slice * G::kSliceChunks * 4;
     const int v_end = (v0 + G::kSliceChunks * 4 < G::kVecs) ? v0 + G::kSliceChunks * 4 : G::kVecs;
     const dp_bf16* xr[T];
@@ -291,7 +324,7 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
       for (int m = 0; m < kFmaRows; ++m)
 #pragma unroll
         for (int t = 0; t < T; ++t) acc[m][t] = 0.0f;
-      dp_dot_rows<T, kFmaRows, kIters>(w, xr, v0, v_end, lane, acc);
+      dp_dot_rows<T, kFmaRows, kIters, kWait>(w, xr, v0, v_end, lane, acc);
       dp_group_reduce<T, kFmaRows>(acc);
       if (lane == 0) {
 #pragma unroll
@@ -301,6 +334,9 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
       }
     }
   }
+  // Every thread past the dependency wait before anything this block computed is stored (a group whose
+  // K-slice was empty never reached the one in the loops above).
+  if (kWait) dp_grid_dependency_wait();
   __syncthreads();
   // Fixed-order sum of the S K-slices of every (row, t).
   for (int i = (int)threadIdx.x; i < G::kRows * T; i += DP_GEMM_THREADS) {
@@ -365,7 +401,9 @@ __device__ __forceinline__ void dp_gemm(const dp_bf16* __restrict__ x,  // [T, K
   const int row0 = b * G::kRows;
 
   // Rows past the matrix re-read row 0 and are dropped.
-  dp_block_dot<T, K, MT, S>(
+  // The entry point leaves the dependency wait to dp_block_dot (weights_before_wait): nothing above
+  // reads what an earlier kernel writes.
+  dp_block_dot<T, K, MT, S, true>(
       [&](int slot, int m) {
         const int r = row0 + slot * G::kSlotRows + m;
         return wseg + (dp_u64)(r < n_seg ? r : 0) * K;

@@ -35,6 +35,18 @@ __device__ __forceinline__ void dp_add_rmsnorm(const dp_bf16* hidden,           
   dp_bf16* o = out + (dp_u64)row * H;                                    // [H] bf16
   dp_bf16* ro = residual_out + (dp_u64)row * H;                          // [H] bf16
 
+  // The weight does not depend on the row: where registers allow (up to 2 vectors a thread; at 4,
+  // H = 7168, 8 bytes spill), its loads are issued first, before the dependency wait, so that they
+  // are in flight during the previous kernel's tail and not one more round trip after the block sum.
+  constexpr bool kEarlyWeight = kPer <= 2;
+  dp_u32x4 wv[kPer];  // [kPer] 16-byte bf16 weight vectors
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int v = (int)threadIdx.x + i * kThreads;
+    if (kEarlyWeight && v < kVecs) wv[i] = dp_load16(weight + 8 * v);
+  }
+  dp_grid_dependency_wait();  // the entry point left it to here (weights_before_wait); rows only after it
+
   float x[kPer][8];  // [kPer, 8] fp32: this thread's slice of the row, kept in registers
   float sumsq = 0.0f;
 #pragma unroll
@@ -63,7 +75,7 @@ __device__ __forceinline__ void dp_add_rmsnorm(const dp_bf16* hidden,           
     const int v = (int)threadIdx.x + i * kThreads;
     if (v < kVecs) {
       float w[8];
-      dp_unpack8_bf16(dp_load16(weight + 8 * v), w);
+      dp_unpack8_bf16(kEarlyWeight ? wv[i] : dp_load16(weight + 8 * v), w);
       float y[8];
 #pragma unroll
       for (int k = 0; k < 8; ++k) y[k] = dp_bf16_to_f32(dp_f32_to_bf16(x[i][k] * scale)) * w[k];

@@ -46,7 +46,11 @@ What it does
      and that spare slots and blocks, slot 0 / block 0 and every cache row outside the step's writes are
      unchanged (the rows the step writes, slot 0 and block 0 start as NaN).
 
-Tolerances: relative error ||a-b|| / ||b|| (float64) below 1e-2 for every bf16 path; NaN fails. KDA state
+Tolerances: relative error ||a-b|| / ||b|| (float64) below 1e-2 for every bf16 path; NaN fails. Where HF
+itself is further than 1e-2 from the fp64 reference (wider geometries: up to 1.5e-2 at the first layer,
+its bf16 MoE sum and rounded beta), a layer's out, residual_out and FFN output are gated against the
+fp64 reference instead: decodepack no further from it than HF, and within 1e-2 wherever HF is; the
+comparisons with HF's values are then printed as information. KDA state
 (fp32): the state carried in is identical on both sides (copied), so a difference comes only from this
 step's update, computed on both sides from bf16 inputs (q, k, v, gate, beta) rounded differently. The bound
 is max(1e-4, 4 * 2^-8 * ||S_after - S_before|| / ||S_after||): four bf16 unit roundoffs of the part of the
@@ -64,7 +68,8 @@ Known differences between HF 5.17 and vLLM/decodepack (rounding-level; the fp64 
   - RMSNorm: HF rounds the normalised value to bf16 before the weight multiply.
 
 Usage
-  hf_crosscheck.py BUNDLE --make-checkpoint DIR [--build-bundle DECODEPACK [--deploy JSON] [--cache-dir D]]
+  hf_crosscheck.py BUNDLE --make-checkpoint DIR [--geometry tiny|wide]
+                   [--build-bundle DECODEPACK [--deploy JSON] [--cache-dir D]]
                    [--lengths 5,1,17,70,3] [--seed 0] [--json OUT]
   hf_crosscheck.py --hf-only [--model DIR] [--device cpu|cuda] ...   HF half + fp64 reference (no GPU)
   hf_crosscheck.py BUNDLE --host-only [--device cpu] ...   + a host-only decodepack session: binding and
@@ -86,6 +91,9 @@ import tarfile
 
 SKIP = 77
 BF16_PATH_TOL = 1e-2
+# HF's own relative error against the fp64 reference, per (layer, "out" | "attn_res" | "ffn"): filled by
+# the HF half, read by the gates of the decodepack half (hf_bound, hf_within_tol).
+HF_REF_ERR = {}
 STATE_TOL_FLOOR = 1e-4
 BF16_UNIT = 2.0 ** -8
 # Decode tokens are redrawn (up to TIE_TRIES times) until no MoE layer's top-k selection is within
@@ -123,6 +131,8 @@ def parse_args():
                     help="use (writing it first when DIR has no config.json) a checkpoint made by transformers' "
                          "save_pretrained in a geometry the kernels support (hf_make_checkpoint.py), instead of "
                          "--model; the HF fixture's KDA head dim 32 / kv_lora_rank 32 get no layer programs")
+    ap.add_argument("--geometry", choices=("tiny", "wide"), default="tiny",
+                    help="--make-checkpoint's geometry when it writes one (hf_make_checkpoint.py)")
     ap.add_argument("--build-bundle", metavar="DECODEPACK",
                     help="(re)build BUNDLE with this decodepack CLI from the checkpoint first, so that bundle and "
                          "library are of one build")
@@ -156,6 +166,18 @@ def rel_err(a, b):
     nb = torch.linalg.vector_norm(b).item()
     d = torch.linalg.vector_norm(a - b).item()
     return d / nb if nb > 0 else d
+
+
+def hf_within_tol(l, k):
+    """Whether HF's own value of (layer l, quantity k) is within the bf16-path tolerance of fp64."""
+    e = HF_REF_ERR.get((l, k))
+    return e is None or (isinstance(e, float) and e <= BF16_PATH_TOL)
+
+
+def hf_bound(l, k):
+    """decodepack's bound against fp64 for (layer l, quantity k): 1e-2, or HF's own error where larger."""
+    e = HF_REF_ERR.get((l, k))
+    return max(BF16_PATH_TOL, e) if isinstance(e, float) and not math.isnan(e) else BF16_PATH_TOL
 
 
 class Report:
@@ -537,6 +559,8 @@ def reference_checks(model, reqs, rep, kv_eps_hf):
         share_a = rel_err(x_in, res2)           # ||attention's contribution|| / ||residual after it||
         share_f = torch.linalg.vector_norm(torch.stack(got["ffn"])).item() / \
             torch.linalg.vector_norm(torch.stack(got["out"])).item()
+        for k in ("out", "attn_res", "ffn"):
+            HF_REF_ERR[(l, k)] = rel_err(torch.stack(got[k]), torch.stack(want[k]))
         rep.add("L%d %s: HF layer out vs fp64 ref" % (l, kind), rel_err(torch.stack(got["out"]),
                 torch.stack(want["out"])), BF16_PATH_TOL, gate=False)
         rep.add("L%d %s: HF residual after attention vs fp64 ref (attention ~%.0f%% of it)" % (
@@ -1112,7 +1136,10 @@ def run_decodepack(args, model, reqs, rep):
                 continue
             out, res_out = outs[l]
             got = out[:n].double() + res_out[:n].double()
-            rep.add(what, rel_err(got, torch.stack([r.layer_out[l] for r in reqs])), BF16_PATH_TOL)
+            # Chained, layer l's inputs carry every earlier layer's difference: gated while HF is within
+            # 1e-2 of fp64 at every layer up to l.
+            hf_ok = all(hf_within_tol(j, "out") for j in range(l + 1)) if tag == "chained" else hf_within_tol(l, "out")
+            rep.add(what, rel_err(got, torch.stack([r.layer_out[l] for r in reqs])), BF16_PATH_TOL, gate=hf_ok)
             # The two halves on their own: a mixer or FFN error is not diluted by the residual stream.
             # Gating where the inputs are HF's own (isolated); information in the chained run, whose
             # inputs carry the earlier layers' rounding.
@@ -1126,21 +1153,30 @@ def run_decodepack(args, model, reqs, rep):
                     res_out[0, :6].float().tolist(), reqs[0].attn_res[l][:6].float().tolist(),
                     reqs[0].layer_in[l][:6].float().tolist()))
             rep.add("%s L%d: residual_out vs HF residual after attention" % (tag, l),
-                    rel_err(res_out[:n], torch.stack([r.attn_res[l] for r in reqs])), BF16_PATH_TOL, gate=gate)
+                    rel_err(res_out[:n], torch.stack([r.attn_res[l] for r in reqs])), BF16_PATH_TOL,
+                    gate=gate and hf_within_tol(l, "attn_res"))
             rep.add("%s L%d: out vs HF FFN output" % (tag, l),
-                    rel_err(out[:n], torch.stack([r.ffn_out[l] for r in reqs])), BF16_PATH_TOL, gate=gate)
+                    rel_err(out[:n], torch.stack([r.ffn_out[l] for r in reqs])), BF16_PATH_TOL,
+                    gate=gate and hf_within_tol(l, "ffn"))
             if tag == "isolated":
                 refs = [ref_layer(model, l, r.layer_in[l], r, cfg.rms_norm_eps) for r in reqs]
-                rep.add("%s L%d: decodepack layer out vs fp64 ref" % (tag, l),
-                        rel_err(got, torch.stack([x[0] for x in refs])), BF16_PATH_TOL, gate=False)
-                rep.add("%s L%d: decodepack residual_out vs fp64 ref" % (tag, l),
-                        rel_err(res_out[:n], torch.stack([x[1]["attn_res"] for x in refs])), BF16_PATH_TOL, gate=False)
-                rep.add("%s L%d: decodepack out (FFN) vs fp64 ref" % (tag, l),
-                        rel_err(out[:n], torch.stack([x[1]["ffn"] for x in refs])), BF16_PATH_TOL, gate=False)
+                # Gated where HF is further than 1e-2 from fp64 (then the comparisons with HF above are
+                # information): no further from fp64 than HF, and within 1e-2 wherever HF is.
+                rep.add("%s L%d: decodepack layer out vs fp64 ref (bound: 1e-2 or HF's own error)" % (tag, l),
+                        rel_err(got, torch.stack([x[0] for x in refs])), hf_bound(l, "out"),
+                        gate=not hf_within_tol(l, "out"))
+                rep.add("%s L%d: decodepack residual_out vs fp64 ref (bound: 1e-2 or HF's own error)" % (tag, l),
+                        rel_err(res_out[:n], torch.stack([x[1]["attn_res"] for x in refs])), hf_bound(l, "attn_res"),
+                        gate=not hf_within_tol(l, "attn_res"))
+                rep.add("%s L%d: decodepack out (FFN) vs fp64 ref (bound: 1e-2 or HF's own error)" % (tag, l),
+                        rel_err(out[:n], torch.stack([x[1]["ffn"] for x in refs])), hf_bound(l, "ffn"),
+                        gate=not hf_within_tol(l, "ffn"))
+        hf_ok = tag != "chained" or all(hf_within_tol(j, "out") for j in range(info["num_layers"]))
         rep.add("%s final norm: out vs HF norm out" % tag,
-                rel_err(fn_out[:n], torch.stack([r.norm_out for r in reqs])), BF16_PATH_TOL)
+                rel_err(fn_out[:n], torch.stack([r.norm_out for r in reqs])), BF16_PATH_TOL, gate=hf_ok)
         rep.add("%s final norm: residual_out vs HF last layer out" % tag,
-                rel_err(fn_res[:n], torch.stack([r.layer_out[info["num_layers"] - 1] for r in reqs])), BF16_PATH_TOL)
+                rel_err(fn_res[:n], torch.stack([r.layer_out[info["num_layers"] - 1] for r in reqs])), BF16_PATH_TOL,
+                gate=hf_ok)
         if missing:
             rep.note("%s: layers %s did not launch (the host's layer, here HF's output, stood in); their "
                      "caches are not checked" % (tag, sorted(missing)))
@@ -1169,8 +1205,8 @@ def main():
         if not os.path.isfile(os.path.join(args.make_checkpoint, "config.json")):
             sys.path.insert(0, HERE)
             import hf_make_checkpoint
-            hf_make_checkpoint.make(args.make_checkpoint, 0)
-            print("wrote an HF checkpoint in the kernels' geometry to %s" % args.make_checkpoint)
+            hf_make_checkpoint.make(args.make_checkpoint, 0, args.geometry)
+            print("wrote an HF checkpoint in the kernels' %s geometry to %s" % (args.geometry, args.make_checkpoint))
         args.model = args.make_checkpoint
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         die("no checkpoint at %s" % args.model)

@@ -17,7 +17,12 @@ e_score_correction_bias to U(-0.05, 0.05) instead of 0 (so the bias changes whic
 while the weights stay the unbiased scores). Cast to bfloat16 and saved (original Moonshot tensor
 layout, as save_pretrained writes it: see tests/fixtures/hf-kimi-linear/NOTES.md).
 
-Usage: hf_make_checkpoint.py OUT_DIR [--seed 0]      (needs torch and transformers 5.17)
+--geometry wide: the same layer kinds four times wider where the kernels' parameters allow, so that the
+kernels run with the block counts, K-slices and row tiles of real models rather than the tiny ones: hidden
+1024, KDA 8 heads of 128, MLA 8 heads (kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128), 32 experts top-4
+of width 256 plus 1 shared, dense width 2048; about 150 MB in bf16.
+
+Usage: hf_make_checkpoint.py OUT_DIR [--seed 0] [--geometry tiny|wide]   (needs torch and transformers 5.17)
 """
 
 import argparse
@@ -60,14 +65,28 @@ GEOMETRY = {
 }
 
 
-def make(out_dir, seed=0):
+# The wide geometry: GEOMETRY with these changes.
+WIDE = {
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "moe_intermediate_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "num_experts": 32,
+    "linear_num_heads": 8,
+}
+GEOMETRIES = {"tiny": GEOMETRY, "wide": dict(GEOMETRY, **WIDE)}
+
+
+def make(out_dir, seed=0, geometry="tiny"):
     import torch
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
     torch.manual_seed(seed)
-    config = KimiLinearConfig(**GEOMETRY)
-    for k in ("hidden_size", "kv_lora_rank", "linear_head_dim", "linear_num_heads"):
-        if getattr(config, k) != GEOMETRY[k]:
-            raise SystemExit("KimiLinearConfig did not take %s=%r (got %r)" % (k, GEOMETRY[k], getattr(config, k)))
+    geo = GEOMETRIES[geometry]
+    config = KimiLinearConfig(**geo)
+    for k in ("hidden_size", "kv_lora_rank", "linear_head_dim", "linear_num_heads", "num_experts"):
+        if getattr(config, k) != geo[k]:
+            raise SystemExit("KimiLinearConfig did not take %s=%r (got %r)" % (k, geo[k], getattr(config, k)))
     model = KimiLinearForCausalLM(config)
     g = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
@@ -87,8 +106,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny")
     args = ap.parse_args()
-    make(args.out_dir, args.seed)
+    make(args.out_dir, args.seed, args.geometry)
     print("wrote %s" % args.out_dir)
     return 0
 
