@@ -82,10 +82,8 @@ __device__ __forceinline__ float dp_gated_act(float gate, float up, float beta, 
 //   acc[m][t] += sum over this lane's vectors v of w[m][8v .. 8v+7] . x[t][8v .. 8v+7]
 // for v = v0 + lane + 32*i, i < kIters, v < v_end. x[t] == nullptr masks activation row t (no loads,
 // no FMAs; acc[.][t] unchanged). The weight loads of kUnroll iterations are issued before any of them
-// is used, so each lane keeps M*kUnroll 16-byte loads in flight. kWait: the caller's entry point left the
-// programmatic-dependent-launch wait to here (weights_before_wait in the compiler): it comes after the
-// first weight loads are issued and before the first activation load.
-template <int T, int M, int kIters, bool kWait = false>
+// is used, so each lane keeps M*kUnroll 16-byte loads in flight.
+template <int T, int M, int kIters>
 __device__ __forceinline__ void dp_dot_rows(const dp_bf16* const (&w)[M],  // M rows, each [K] bf16
                                             const dp_bf16* const (&x)[T],  // T rows, each [K] bf16, or null
                                             int v0, int v_end, int lane,
@@ -105,7 +103,6 @@ __device__ __forceinline__ void dp_dot_rows(const dp_bf16* const (&w)[M],  // M 
         }
       }
     }
-    if (kWait && i0 == 0) dp_grid_dependency_wait();  // weights in flight; activations only after it
 #pragma unroll
     for (int j = 0; j < kUnroll; ++j) {
       const int v = v0 + lane + DP_GROUP * (i0 + j);
@@ -177,8 +174,7 @@ __device__ __forceinline__ void dp_mma_16816(float (&c)[4], dp_u32 a0, dp_u32 a1
 // g, activations 2q, 2q+1; c[2], c[3] = row g+8, the same activations.
 //   wrow(m): pointer to weight row m (0 <= m < 16*MT) of the slot, [K] bf16
 //   xrow(t): pointer to activation row t (0 <= t < 8*NT), [K] bf16, or null (a zero row)
-// kWait: as dp_dot_rows' (the dependency wait after the first chunks' weight loads are issued).
-template <int K, int MT, int NT, bool kWait = false, typename WRow, typename XRow>
+template <int K, int MT, int NT, typename WRow, typename XRow>
 __device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_end, float (&acc)[MT][NT][4]) {
   constexpr int kUnroll = (NT <= 2 ? 8 : 4) / MT > 0 ? (NT <= 2 ? 8 : 4) / MT : 1;  // chunks of loads in flight
   const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
@@ -197,18 +193,6 @@ __device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_
   for (int cb = c0; cb < c_end; cb += kUnroll) {
     dp_u32x4 wv[kUnroll][MT][2];  // weight vectors in flight
     dp_u32x4 xv[kUnroll][NT];     // activation vectors
-    auto load_x = [&](int u) {
-      const int c = cb + u;
-      const bool in = c < c_end && 32 * c + 8 * q < K;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        if (in && xp[nt]) {
-          xv[u][nt] = dp_load16(xp[nt] + 32 * c);
-        } else {
-          xv[u][nt].x = xv[u][nt].y = xv[u][nt].z = xv[u][nt].w = 0u;
-        }
-      }
-    };
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int c = cb + u;
@@ -223,12 +207,14 @@ __device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_
             wv[u][mt][h].x = wv[u][mt][h].y = wv[u][mt][h].z = wv[u][mt][h].w = 0u;
           }
         }
-      if (!kWait) load_x(u);  // interleaved with the weights where the entry point has waited already
-    }
-    if (kWait) {
-      if (cb == c0) dp_grid_dependency_wait();  // weights in flight; activations only after the wait
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) load_x(u);
+      for (int nt = 0; nt < NT; ++nt) {
+        if (in && xp[nt]) {
+          xv[u][nt] = dp_load16(xp[nt] + 32 * c);
+        } else {
+          xv[u][nt].x = xv[u][nt].y = xv[u][nt].z = xv[u][nt].w = 0u;
+        }
+      }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
@@ -247,7 +233,8 @@ __device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_
 
 // Rows the lane-FMA loop walks at a time (dp_dot_rows' M): one activation row leaves each lane nothing
 // to do but stream weights, so it takes as many rows at once as keep about DP_FMA_LOADS 16-byte loads
-// in flight per lane (a warp's slot is then walked in fewer dependent bursts); from two rows, 2 rows.
+// in flight per lane (a warp's slot is then walked in fewer dependent bursts; 32 loads, one block per
+// SM, measured slower); from two rows, 2 rows.
 #ifndef DP_FMA_LOADS
 #define DP_FMA_LOADS 16
 #endif
@@ -270,7 +257,7 @@ __host__ __device__ constexpr int dp_fma_rows() {
 // NVIDIA with T >= 2: tensor cores (dp_mma_rows). T == 1, and AMD: the lane-FMA loop (dp_dot_rows),
 // kFmaRows rows at a time (each lane streams 16-byte vectors of whole row slices: measured faster than
 // the tensor-core tile's 64-byte row pieces when one activation row leaves nothing to multiply).
-template <int T, int K, int MT, int S, bool kWait = false, typename WRow, typename XRow>
+template <int T, int K, int MT, int S, typename WRow, typename XRow>
 __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
                                              float* partial,     // smem [8, 16*MT, T] fp32
                                              float* out_smem) {  // smem [RB, T] fp32
@@ -294,7 +281,7 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
-    dp_mma_rows<K, MT, NT, kWait>([&](int m) { return wrow(slot, m); }, [&](int t) { return t < T ? xrow(t) : nullptr; },
+    dp_mma_rows<K, MT, NT>([&](int m) { return wrow(slot, m); }, [&](int t) { return t < T ? xrow(t) : nullptr; },
                            c0, c_end, acc);
     const int g = lane / 4, q = lane % 4;
 #pragma unroll
@@ -324,7 +311,7 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
       for (int m = 0; m < kFmaRows; ++m)
 #pragma unroll
         for (int t = 0; t < T; ++t) acc[m][t] = 0.0f;
-      dp_dot_rows<T, kFmaRows, kIters, kWait>(w, xr, v0, v_end, lane, acc);
+      dp_dot_rows<T, kFmaRows, kIters>(w, xr, v0, v_end, lane, acc);
       dp_group_reduce<T, kFmaRows>(acc);
       if (lane == 0) {
 #pragma unroll
@@ -334,9 +321,6 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
       }
     }
   }
-  // Every thread past the dependency wait before anything this block computed is stored (a group whose
-  // K-slice was empty never reached the one in the loops above).
-  if (kWait) dp_grid_dependency_wait();
   __syncthreads();
   // Fixed-order sum of the S K-slices of every (row, t).
   for (int i = (int)threadIdx.x; i < G::kRows * T; i += DP_GEMM_THREADS) {
@@ -401,9 +385,7 @@ __device__ __forceinline__ void dp_gemm(const dp_bf16* __restrict__ x,  // [T, K
   const int row0 = b * G::kRows;
 
   // Rows past the matrix re-read row 0 and are dropped.
-  // The entry point leaves the dependency wait to dp_block_dot (weights_before_wait): nothing above
-  // reads what an earlier kernel writes.
-  dp_block_dot<T, K, MT, S, true>(
+  dp_block_dot<T, K, MT, S>(
       [&](int slot, int m) {
         const int r = row0 + slot * G::kSlotRows + m;
         return wseg + (dp_u64)(r < n_seg ? r : 0) * K;

@@ -174,7 +174,7 @@ struct dp_gate_up_geometry {
   static constexpr int kFeatures = G::kSlots * kSlotFeatures;  // RB
 };
 
-template <int T, int D, int MT, int S, int kAct, bool kWait = false, typename XRow>
+template <int T, int D, int MT, int S, int kAct, typename XRow>
 __device__ __forceinline__ void dp_gate_up_tile(XRow xrow,                       // row t of [D] bf16, or null
                                                 const dp_bf16* __restrict__ wg,  // [Irows, D] bf16 gate rows
                                                 const dp_bf16* __restrict__ wu,  // [Irows, D] bf16 up rows
@@ -183,7 +183,7 @@ __device__ __forceinline__ void dp_gate_up_tile(XRow xrow,                      
                                                 float* act_out) {                // smem [RB, T] fp32
   typedef dp_gate_up_geometry<T, D, MT, S> F;
   typedef typename F::G G;
-  dp_block_dot<T, D, MT, S, kWait>(
+  dp_block_dot<T, D, MT, S>(
       [&](int slot, int m) {
         const int f = row0 + slot * F::kSlotFeatures + 8 * (m / 16) + m % 8;  // feature of row m
         const dp_u64 off = (dp_u64)(f < Irows ? f : 0) * D;  // features past the matrix re-read row 0
@@ -338,9 +338,8 @@ __device__ __forceinline__ void dp_mlp_up(const dp_bf16* __restrict__ x,       /
   __shared__ float result[G::kRows * T];                        // [2*RB, T] fp32
   __shared__ float act[RB * T];                                 // [RB, T] fp32
   const int row0 = (int)blockIdx.x * RB;
-  // The entry point leaves the dependency wait to dp_block_dot (weights_before_wait).
-  dp_gate_up_tile<T, D, MT, S, kAct, true>([&](int t) { return x + (dp_u64)t * D; }, w_gate, w_up, I, row0, act_beta,
-                                           act_lbeta, partial, result, act);
+  dp_gate_up_tile<T, D, MT, S, kAct>([&](int t) { return x + (dp_u64)t * D; }, w_gate, w_up, I, row0, act_beta,
+                                     act_lbeta, partial, result, act);
   for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
     const int t = i % T, r = row0 + i / T;
     if (r < I) h[(dp_u64)t * I + r] = dp_f32_to_bf16(act[i]);

@@ -36,8 +36,8 @@ __device__ __forceinline__ void dp_add_rmsnorm(const dp_bf16* hidden,           
   dp_bf16* ro = residual_out + (dp_u64)row * H;                          // [H] bf16
 
   // The weight does not depend on the row: where registers allow (up to 2 vectors a thread; at 4,
-  // H = 7168, 8 bytes spill), its loads are issued first, before the dependency wait, so that they
-  // are in flight during the previous kernel's tail and not one more round trip after the block sum.
+  // H = 7168, 8 bytes spill), its loads are issued with the row's, not one more round trip after the
+  // block sum.
   constexpr bool kEarlyWeight = kPer <= 2;
   dp_u32x4 wv[kPer];  // [kPer] 16-byte bf16 weight vectors
 #pragma unroll
@@ -45,7 +45,6 @@ __device__ __forceinline__ void dp_add_rmsnorm(const dp_bf16* hidden,           
     const int v = (int)threadIdx.x + i * kThreads;
     if (kEarlyWeight && v < kVecs) wv[i] = dp_load16(weight + 8 * v);
   }
-  dp_grid_dependency_wait();  // the entry point left it to here (weights_before_wait); rows only after it
 
   float x[kPer][8];  // [kPer, 8] fp32: this thread's slice of the row, kept in registers
   float sumsq = 0.0f;

@@ -205,11 +205,9 @@ __device__ __forceinline__ void dp_prefetch_l2(const void* p, dp_u32 bytes /* <=
 // next kernel of the stream be scheduled once every block of this one has started, and waits until
 // the previous kernel has finished and its writes are visible before this one reads anything, so a
 // kernel launched with the attribute behaves as in plain stream order, minus the launch gap. Without
-// the attribute (and on AMD) both are no-ops. Ops that read bound weights first (gemm, mlp_up,
-// rmsnorm) start with the trigger alone and call dp_grid_dependency_wait() themselves once their
-// first weight loads are in flight (registers; an L2 prefetch of the block's weights before the wait
-// was measured slower on the H200: the prefetch requests cost more than the overlap won;
-// bench/NOTES.md). Every thread must pass the wait before it reads or writes activations.
+// the attribute (and on AMD) both are no-ops.
+// (Waiting later, after an L2 prefetch of the block's weights, was measured slower on the H200: the
+// prefetch requests cost more than the overlap won; bench/NOTES.md.)
 #if DP_VENDOR_NVIDIA && __CUDA_ARCH__ >= 900
 #define DP_GRID_DEPENDENCY_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
 __device__ __forceinline__ void dp_grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }

@@ -44,10 +44,6 @@ struct OpSpec {
   std::function<uint32_t(const Params&)> block_threads;
   // The launch-bounds macro of the entry point (vendor.h, or the op header's own).
   const char* bounds = "DP_LAUNCH_BOUNDS";
-  // Whether the device function waits for the previous kernel itself, after issuing its first weight
-  // loads (which no kernel writes), instead of the entry point waiting first: under programmatic
-  // dependent launch those loads are then in flight during the previous kernel's tail.
-  bool weights_before_wait = false;
 };
 
 // rmsnorm block size: enough threads that each holds at most a few 16-byte vectors of the row in
@@ -238,7 +234,6 @@ const std::vector<OpSpec>& ops() {
           },
           [](const Params&) { return kGemmThreads; },
           "DP_KERNEL_BOUNDS",
-          true,
       },
       {
           // KDA recurrent step: conv + gates + L2 norm + gated delta rule + gated RMSNorm, all heads.
@@ -504,7 +499,6 @@ const std::vector<OpSpec>& ops() {
           },
           [](const Params&) { return kGemmThreads; },
           "DP_KERNEL_BOUNDS",
-          true,
       },
       {
           // MLA: kv_a_layernorm + latent-cache write, absorbed query q_nope . W_UK_T (+ q_pe).
@@ -837,8 +831,6 @@ const std::vector<OpSpec>& ops() {
             return s;
           },
           [](const Params& p) { return rmsnorm_threads(p.at("H")); },
-          "DP_LAUNCH_BOUNDS",
-          true,
       },
   };
   return table;
@@ -971,10 +963,7 @@ std::string generate_source(const KernelInstance& k) {
   }
   std::string call_args;
   for (const KernelParam& p : sig.params) call_args += fmt::format("{}{}", call_args.empty() ? "" : ", ", p.name);
-  if (op.weights_before_wait)
-    s += "  DP_GRID_DEPENDENCY_TRIGGER();  // programmatic dependent launch; the op waits after its weight loads\n";
-  else
-    s += "  DP_GRID_DEPENDENCY_ENTRY();  // programmatic dependent launch (vendor.h)\n";
+  s += "  DP_GRID_DEPENDENCY_ENTRY();  // programmatic dependent launch (vendor.h)\n";
   s += fmt::format("  {}<{}>({});\n}}\n", op.device_fn, targs, call_args);
   return s;
 }
