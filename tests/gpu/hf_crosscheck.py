@@ -46,7 +46,11 @@ What it does
      and that spare slots and blocks, slot 0 / block 0 and every cache row outside the step's writes are
      unchanged (the rows the step writes, slot 0 and block 0 start as NaN).
 
-Tolerances: relative error ||a-b|| / ||b|| (float64) below 1e-2 for every bf16 path; NaN fails. Where HF
+Tolerances: relative error ||a-b|| / ||b|| (float64) below 1e-2 for every bf16 path; NaN fails. The
+chained run's layer outputs and final norm are gated against the fp64 chain (the reference applied layer
+after layer from the embedding): decodepack no further from it than HF, and within 1e-2 wherever HF is
+(the two chains each carry their own rounding, so their difference from each other, printed, can reach
+the sum). Where HF
 itself is further than 1e-2 from the fp64 reference (wider geometries: up to 1.5e-2 at the first layer,
 its bf16 MoE sum and rounded beta), a layer's out, residual_out and FFN output are gated against the
 fp64 reference instead: decodepack no further from it than HF, and within 1e-2 wherever HF is; the
@@ -1103,6 +1107,16 @@ def run_decodepack(args, model, reqs, rep):
             return "NO KERNEL" if e.code == dp.ERR_NO_KERNEL else e.code_name
 
     zeros = torch.zeros(W, H, dtype=torch.bfloat16, device=device)
+    # The fp64 chain: the reference applied layer after layer from the embedding (prefill caches as
+    # HF's), the yardstick of the chained run, whose inputs carry each side's own earlier rounding.
+    fnorm = model.model.norm
+    chain_out, chain_norm = [[] for _ in range(info["num_layers"])], []
+    for r in reqs:
+        x = f64(r.layer_in[0])
+        for l in range(info["num_layers"]):
+            x = ref_layer(model, l, x, r, cfg.rms_norm_eps)[0]
+            chain_out[l].append(x)
+        chain_norm.append(ref_rms(x, f64(fnorm.weight), fnorm.variance_epsilon))
     for tag in ("chained", "isolated"):
         fill_caches(caches, model, reqs, lay, manifest, "nan", args.seed)
         before = {k: v.clone() for k, v in caches.items()}
@@ -1136,10 +1150,18 @@ def run_decodepack(args, model, reqs, rep):
                 continue
             out, res_out = outs[l]
             got = out[:n].double() + res_out[:n].double()
-            # Chained, layer l's inputs carry every earlier layer's difference: gated while HF is within
-            # 1e-2 of fp64 at every layer up to l.
-            hf_ok = all(hf_within_tol(j, "out") for j in range(l + 1)) if tag == "chained" else hf_within_tol(l, "out")
-            rep.add(what, rel_err(got, torch.stack([r.layer_out[l] for r in reqs])), BF16_PATH_TOL, gate=hf_ok)
+            if tag == "chained":
+                # Both chains carry their own earlier rounding, so the two can differ by the sum of their
+                # errors: gated against the fp64 chain (no further from it than HF, within 1e-2 wherever
+                # HF is); the difference from HF is information.
+                rep.add(what, rel_err(got, torch.stack([r.layer_out[l] for r in reqs])), BF16_PATH_TOL, gate=False)
+                hf_err = rel_err(torch.stack([f64(r.layer_out[l]) for r in reqs]), torch.stack(chain_out[l]))
+                rep.add("chained L%d: HF layer out vs fp64 chain" % l, hf_err, BF16_PATH_TOL, gate=False)
+                rep.add("chained L%d: decodepack layer out vs fp64 chain (bound: 1e-2 or HF's own error)" % l,
+                        rel_err(got, torch.stack(chain_out[l])), max(BF16_PATH_TOL, hf_err))
+            else:
+                rep.add(what, rel_err(got, torch.stack([r.layer_out[l] for r in reqs])), BF16_PATH_TOL,
+                        gate=hf_within_tol(l, "out"))
             # The two halves on their own: a mixer or FFN error is not diluted by the residual stream.
             # Gating where the inputs are HF's own (isolated); information in the chained run, whose
             # inputs carry the earlier layers' rounding.
@@ -1171,7 +1193,12 @@ def run_decodepack(args, model, reqs, rep):
                 rep.add("%s L%d: decodepack out (FFN) vs fp64 ref (bound: 1e-2 or HF's own error)" % (tag, l),
                         rel_err(out[:n], torch.stack([x[1]["ffn"] for x in refs])), hf_bound(l, "ffn"),
                         gate=not hf_within_tol(l, "ffn"))
-        hf_ok = tag != "chained" or all(hf_within_tol(j, "out") for j in range(info["num_layers"]))
+        hf_ok = tag != "chained"
+        if tag == "chained":
+            hf_err = rel_err(torch.stack([f64(r.norm_out) for r in reqs]), torch.stack(chain_norm))
+            rep.add("chained final norm: HF out vs fp64 chain", hf_err, BF16_PATH_TOL, gate=False)
+            rep.add("chained final norm: decodepack out vs fp64 chain (bound: 1e-2 or HF's own error)",
+                    rel_err(fn_out[:n], torch.stack(chain_norm)), max(BF16_PATH_TOL, hf_err))
         rep.add("%s final norm: out vs HF norm out" % tag,
                 rel_err(fn_out[:n], torch.stack([r.norm_out for r in reqs])), BF16_PATH_TOL, gate=hf_ok)
         rep.add("%s final norm: residual_out vs HF last layer out" % tag,
