@@ -107,21 +107,40 @@ __device__ __forceinline__ void dp_dot_rows(const dp_bf16* const (&w)[M],  // M 
     for (int j = 0; j < kUnroll; ++j) {
       const int v = v0 + lane + DP_GROUP * (i0 + j);
       if (i0 + j >= kIters || v >= v_end) continue;
-      float xf[T][8];  // [T, 8] fp32 activation vectors (masked rows are never read)
+      if constexpr (T == 1) {
+        // One activation row (many weight rows, dp_fma_rows): the weight rows are unpacked one at a
+        // time, so that the loads of the others stay packed in their registers. (Written for any T, as
+        // measured on the H200; several rows take the branch below.)
+        float xf[T][8];  // [T, 8] fp32 activation vector (a masked row is never read)
 #pragma unroll
-      for (int t = 0; t < T; ++t)
-        if (x[t]) dp_unpack8_bf16(dp_load16(x[t] + 8 * v), xf[t]);
-      // One weight row at a time, so that only its 8 values are unpacked while the loads of the others
-      // stay packed: 16-byte loads of many rows can be in flight without unpacking them all at once.
+        for (int t = 0; t < T; ++t)
+          if (x[t]) dp_unpack8_bf16(dp_load16(x[t] + 8 * v), xf[t]);
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        float wf[8];  // [8] fp32
-        dp_unpack8_bf16(wv[j][m], wf);
+        for (int m = 0; m < M; ++m) {
+          float wf[8];  // [8] fp32
+          dp_unpack8_bf16(wv[j][m], wf);
+#pragma unroll
+          for (int t = 0; t < T; ++t) {
+            if (!x[t]) continue;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc[m][t] += wf[k] * xf[t][k];
+          }
+        }
+      } else {
+        // Several activation rows (few weight rows): the weight rows unpacked once, each activation
+        // row loaded and used in turn (all of them at once spill at 16 rows on gfx942).
+        float wf[M][8];  // [M, 8] fp32
+#pragma unroll
+        for (int m = 0; m < M; ++m) dp_unpack8_bf16(wv[j][m], wf[m]);
 #pragma unroll
         for (int t = 0; t < T; ++t) {
           if (!x[t]) continue;
+          float xf[8];  // [8] fp32
+          dp_unpack8_bf16(dp_load16(x[t] + 8 * v), xf);
 #pragma unroll
-          for (int k = 0; k < 8; ++k) acc[m][t] += wf[k] * xf[t][k];
+          for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc[m][t] += wf[m][k] * xf[k];
         }
       }
     }
