@@ -99,7 +99,13 @@ void add_bench(CLI::App& app, Action& action) {
   cmd->add_option("--baseline", *baseline,
                   "A baseline's JSON (bench/baseline.py --json) to draw beside decodepack's in --chart");
   cmd->add_flag("--no-kernels", *no_kernels, "Skip the per-kernel breakdown");
-  cmd->add_flag("--no-prefetch", *no_prefetch, "Launch no L2 weight prefetch (DP_SESSION_NO_PREFETCH)");
+  cmd->add_option("--prefetch", o->prefetch,
+                  "L2 weight prefetch: on (the bundle's tables), off (DP_SESSION_NO_PREFETCH), or sweep (on, and per "
+                  "width the whole step with prefetch off, each point alone and the next_attention tables capped, "
+                  "timed side by side)")
+      ->check(CLI::IsMember({"on", "off", "sweep"}))
+      ->capture_default_str();
+  cmd->add_flag("--no-prefetch", *no_prefetch, "Same as --prefetch off");
   cmd->add_option("--seed", o->run.seed, "Seed of the inputs, caches and random weights")->capture_default_str();
   cmd->add_flag("--random-weights", o->run.random_weights, "Random weights even when --model holds safetensors");
   cmd->add_option("--device", o->run.device, "CUDA device ordinal")->capture_default_str();
@@ -111,7 +117,10 @@ void add_bench(CLI::App& app, Action& action) {
   cmd->callback([o, json_out, chart_out, baseline, no_prefetch, no_kernels, &action] {
     action = [o, json_out, chart_out, baseline, no_prefetch, no_kernels] {
       if (!baseline->empty() && chart_out->empty()) fail(Errc::usage, "--baseline {}: only used with --chart", *baseline);
-      o->run.prefetch = !*no_prefetch;
+      if (*no_prefetch) {
+        if (o->prefetch == "sweep") fail(Errc::usage, "--no-prefetch with --prefetch sweep: choose one");
+        o->prefetch = "off";
+      }
       o->kernels = !*no_kernels;
       o->run.log = [](const std::string& s) { std::fprintf(stderr, "decodepack: bench: %s\n", s.c_str()); };
       std::string json_path = *json_out;

@@ -1,6 +1,9 @@
 #include "bench_harness.h"
 
 #include <algorithm>
+#include <array>
+#include <bit>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <set>
@@ -21,6 +24,13 @@ constexpr int kFloorKernels = 64;
 constexpr int kFloorReps = 10;
 constexpr int kWarmup = 3;
 constexpr size_t kMaxKernelsPerLayer = 64;
+// Events of the prefetch launches in the sequence: 2 per point (before, after), after the kernels'.
+constexpr size_t kPrefetchEvents = kMaxKernelsPerLayer + 1;
+constexpr int kPrefetchPoints = 4;  // dp_prefetch_point
+constexpr const char* kPointNames[kPrefetchPoints] = {"oproj_down", "attention_moe", "next_attention", "attention_oproj"};
+// next_attention caps the sweep tries below the bundle's (bytes per table).
+constexpr uint64_t kSweepCaps[] = {uint64_t{2} << 20, uint64_t{4} << 20, uint64_t{8} << 20, uint64_t{16} << 20};
+constexpr int kSweepRounds = 5;
 
 // What the launch observer does around each kernel of one layer (dp_session_set_launch_observer).
 //   isolated: before kernel i an L2 flush (a read stream over a few times the L2) and event 2i, after
@@ -39,12 +49,29 @@ struct Observer {
   size_t flush_bytes = 0;
   unsigned blocks = 0;
   std::vector<std::string> names;  // kernel names by program index, as the runtime reported them
+  int last_done = -1;              // the last kernel launched (sequence mode)
+  std::array<int, kPrefetchPoints> prefetch_after{-1, -1, -1, -1};  // per point launched: the kernel before it
+  std::array<bool, kPrefetchPoints> prefetch_seen{};
   std::string error;               // the first failure inside the callback (it must not throw)
 
   static void call(void* user, int32_t layer, int32_t index, const char* kernel, int32_t after, dp_stream stream) {
     auto* o = static_cast<Observer*>(user);
     if (o->mode == Mode::off || layer != o->layer || !o->error.empty()) return;
     try {
+      if (index < 0) {  // a prefetch launch, on the side stream: events around it (sequence mode only)
+        const int point = -1 - index;
+        if (o->mode != Mode::sequence || point >= kPrefetchPoints) return;
+        const auto s = static_cast<cuda::CUstream>(stream);
+        const size_t e = kPrefetchEvents + 2 * static_cast<size_t>(point) + (after ? 1 : 0);
+        if (!after) o->prefetch_after[static_cast<size_t>(point)] = o->last_done;
+        o->prefetch_seen[static_cast<size_t>(point)] = true;
+        if (o->capturing)
+          o->d->check(o->d->EventRecordWithFlags((*o->events)[e], s, cuda::CU_EVENT_RECORD_EXTERNAL),
+                      "cuEventRecordWithFlags", "an event node around a prefetch launch, during capture");
+        else
+          o->d->check(o->d->EventRecord((*o->events)[e], s), "cuEventRecord");
+        return;
+      }
       const size_t i = static_cast<size_t>(index);
       if (i >= kMaxKernelsPerLayer) fail(Errc::internal, "layer {} launches more than {} kernels", layer, kMaxKernelsPerLayer);
       if (o->names.size() <= i) o->names.resize(i + 1);
@@ -58,6 +85,7 @@ struct Observer {
           o->d->check(o->d->EventRecord((*o->events)[2 * i + 1], s), "cuEventRecord");
         }
       } else if (after) {
+        o->last_done = index;
         if (o->capturing)
           o->d->check(o->d->EventRecordWithFlags((*o->events)[i + 1], s, cuda::CU_EVENT_RECORD_EXTERNAL),
                       "cuEventRecordWithFlags", "an event node after a kernel, during capture");
@@ -84,6 +112,8 @@ class Bench {
   void measure_ceiling();
   void measure_launch_floor();
   void measure_width(int width);
+  void sweep_prefetch(int width, const dp_step* step);
+  uint64_t prefetch_bytes(int point, int width, uint64_t cap, int layer) const;
   bench::StepTraffic traffic(int layer) const;
   bench::KernelBreakdown breakdown(const std::string& cls, int layer, int width, double layer_us);
   double ceiling() const { return res_.ceiling.bytes_per_s(); }
@@ -111,6 +141,9 @@ bench::BenchResult Bench::run() {
   if (o_.run.context < 1) fail(Errc::usage, "--context {}: expected >= 1 cached token per request", o_.run.context);
   for (int w : o_.widths)
     if (w < 1) fail(Errc::usage, "--widths: {} is not a batch width (expected integers >= 1)", w);
+  if (o_.prefetch != "on" && o_.prefetch != "off" && o_.prefetch != "sweep")
+    fail(Errc::usage, "--prefetch {}: expected on, off or sweep", o_.prefetch);
+  ro_.prefetch = o_.prefetch != "off";
   ro_.check = true;  // the correctness gate
   ro_.graph = true;
   ro_.width = 0;
@@ -140,7 +173,8 @@ bench::BenchResult Bench::run() {
   res_.weights = rr_.weights;
   res_.context = o_.run.context;
   res_.replays = o_.replays;
-  res_.prefetch = o_.run.prefetch;
+  res_.prefetch = ro_.prefetch;
+  res_.prefetch_mode = o_.prefetch;
 
   h_->open_device_and_weights();
   res_.device = rr_.device;
@@ -317,6 +351,7 @@ void Bench::measure_width(int width) {
   }
   res_.steps.push_back(sr);
   full.reset();
+  if (o_.prefetch == "sweep" && sr.status == "ok") sweep_prefetch(width, step);
 
   for (const auto& [cls, layers] : missing) {
     bench::ClassResult c;
@@ -438,6 +473,14 @@ bench::KernelBreakdown Bench::breakdown(const std::string& cls, int layer, int w
   k.layer = layer;
   k.layer_us = layer_us;
   ob.mode = Observer::Mode::sequence;
+  std::vector<std::vector<double>> ends(n);                                          // event 0 -> after kernel i
+  std::array<std::array<std::vector<double>, 2>, kPrefetchPoints> spans;            // event 0 -> prefetch start, end
+  auto record_timeline = [&] {
+    for (size_t i = 0; i < n; ++i) ends[i].push_back(events_->us(0, i + 1));
+    for (size_t p = 0; p < kPrefetchPoints; ++p)
+      if (ob.prefetch_seen[p])
+        for (size_t e = 0; e < 2; ++e) spans[p][e].push_back(events_->us(0, kPrefetchEvents + 2 * p + e));
+  };
   try {
     const dp_step* captured = h.plan(DP_GRAPH_FULL);
     ob.capturing = true;
@@ -445,7 +488,10 @@ bench::KernelBreakdown Bench::breakdown(const std::string& cls, int layer, int w
       kernels_->read(s, flush_->ptr(), flush_->bytes(), sink_->ptr(), blocks_);
       d.check(d.EventRecordWithFlags((*events_)[0], s, cuda::CU_EVENT_RECORD_EXTERNAL), "cuEventRecordWithFlags",
               "an event node before the layer, during capture");
+      ob.last_done = -1;
+      if (ro_.prefetch) h.fork_prefetch(layer);
       h.launch_layer(captured, layer);
+      if (ro_.prefetch) h.join_prefetch();
       raise("capturing the layer with an event node after each kernel");
     });
     ob.capturing = false;
@@ -453,6 +499,7 @@ bench::KernelBreakdown Bench::breakdown(const std::string& cls, int layer, int w
       d.check(d.GraphLaunch(g->exec, s), "cuGraphLaunch");
       d.check(d.StreamSynchronize(s), "cuStreamSynchronize", "the layer's graph with event nodes");
       for (size_t i = 0; i < n; ++i) seq[i].push_back(events_->us(i, i + 1));
+      record_timeline();
     }
     k.sequence_mode = "graph";
   } catch (const Error& e) {
@@ -461,13 +508,21 @@ bench::KernelBreakdown Bench::breakdown(const std::string& cls, int layer, int w
     for (auto& v : seq) v.clear();
     res_.notes.push_back(fmt::format("width {}, layer {}: event nodes in a graph failed ({}); the in-sequence times "
                                      "come from the stream", width, layer, e.what()));
+    for (auto& v : ends) v.clear();
+    for (auto& sp : spans)
+      for (auto& v : sp) v.clear();
+    ob.prefetch_seen = {};
     for (int r = 0; r < o_.kernel_reps; ++r) {
       for (int i = 0; i < 4; ++i) kernels_->read(s, flush_->ptr(), flush_->bytes(), sink_->ptr(), blocks_);
       d.check(d.EventRecord((*events_)[0], s), "cuEventRecord");
+      ob.last_done = -1;
+      if (ro_.prefetch) h.fork_prefetch(layer);
       h.launch_layer(eager, layer);
+      if (ro_.prefetch) h.join_prefetch();
       raise("timing the layer's sequence on the stream");
       d.check(d.StreamSynchronize(s), "cuStreamSynchronize", "the layer's sequence on the stream");
       for (size_t i = 0; i < n; ++i) seq[i].push_back(events_->us(i, i + 1));
+      record_timeline();
     }
     k.sequence_mode = "stream";
   }
@@ -485,11 +540,114 @@ bench::KernelBreakdown Bench::breakdown(const std::string& cls, int layer, int w
     l.gap_us = l.sequence_us.median - l.isolated_us.median;
     l.bytes = bench::kernel_bytes(h.model(), layer, prog->steps[i], elems_, t);
     l.share = bench::share_of(l.bytes.total(), l.isolated_us.median, ceiling());
+    l.end_us = bench::Summary::of(ends[i]).median;
     k.sum_isolated_us += l.isolated_us.median;
     k.sum_sequence_us += l.sequence_us.median;
     k.launches.push_back(std::move(l));
   }
+  for (int p = 0; p < kPrefetchPoints; ++p) {
+    const auto& sp = spans[static_cast<size_t>(p)];
+    if (sp[0].empty()) continue;
+    bench::PrefetchSpan x;
+    x.point = kPointNames[p];
+    x.after = ob.prefetch_after[static_cast<size_t>(p)];
+    x.bytes = prefetch_bytes(p, width, UINT64_MAX, layer);
+    x.start_us = bench::Summary::of(sp[0]).median;
+    x.end_us = bench::Summary::of(sp[1]).median;
+    k.prefetch.push_back(x);
+  }
   return k;
+}
+
+// What the tables of `point` at `width` pull (each capped at `cap` bytes), in one layer (>= 0) or the step.
+uint64_t Bench::prefetch_bytes(int point, int width, uint64_t cap, int layer) const {
+  uint64_t total = 0;
+  for (const format::PrefetchEntry& e : h_->manifest().prefetch) {
+    if (e.point != kPointNames[point] || (layer >= 0 && e.layer != layer)) continue;
+    if (std::find(e.widths.begin(), e.widths.end(), width) == e.widths.end()) continue;
+    uint64_t t = 0;
+    for (const format::PrefetchRangeEntry& r : e.ranges) t += r.bytes;
+    total += std::min(t, cap) / 16 * 16;
+  }
+  return total;
+}
+
+// The whole step with prefetch off, with the bundle's tables, with each point alone and with the
+// next_attention tables capped: one graph each, replayed round robin so that drift (clocks, heat)
+// spreads over all of them alike.
+void Bench::sweep_prefetch(int width, const dp_step* step) {
+  Harness& h = *h_;
+  const Driver& d = h.driver();
+  const cuda::CUstream s = h.stream();
+  struct Variant {
+    bench::PrefetchVariant v;
+    unsigned mask = 0;
+    uint64_t cap = UINT64_MAX;
+    std::unique_ptr<Graph> g;
+    std::vector<double> us;
+  };
+  std::vector<Variant> vs;
+  unsigned all = 0;
+  for (int p = 0; p < kPrefetchPoints; ++p)
+    if (prefetch_bytes(p, width, UINT64_MAX, -1) > 0) all |= 1u << p;
+  auto add = [&](std::string name, unsigned mask, uint64_t cap) {
+    Variant x;
+    x.v.width = width;
+    x.v.name = std::move(name);
+    x.mask = mask;
+    x.cap = cap;
+    x.v.next_attention_cap = cap == UINT64_MAX ? -1 : static_cast<int64_t>(cap);
+    for (int p = 0; p < kPrefetchPoints; ++p)
+      if (mask & (1u << p)) {
+        x.v.points.push_back(kPointNames[p]);
+        x.v.bytes += prefetch_bytes(p, width, p == DP_PREFETCH_NEXT_ATTENTION ? cap : UINT64_MAX, -1);
+      }
+    vs.push_back(std::move(x));
+  };
+  add("off", 0, UINT64_MAX);
+  if (all == 0) {
+    res_.notes.push_back(fmt::format("width {}: the bundle has no prefetch table at this width; the sweep times "
+                                     "prefetch off only", width));
+  } else {
+    add("defaults", all, UINT64_MAX);
+    if (std::popcount(all) > 1)
+      for (int p = 0; p < kPrefetchPoints; ++p)
+        if (all & (1u << p)) add(fmt::format("{} only", kPointNames[p]), 1u << p, UINT64_MAX);
+    if (all & (1u << DP_PREFETCH_NEXT_ATTENTION)) {
+      uint64_t largest = 0;  // the largest next_attention table
+      for (const format::PrefetchEntry& e : h.manifest().prefetch)
+        if (e.point == kPointNames[DP_PREFETCH_NEXT_ATTENTION] &&
+            std::find(e.widths.begin(), e.widths.end(), width) != e.widths.end()) {
+          uint64_t t = 0;
+          for (const format::PrefetchRangeEntry& r : e.ranges) t += r.bytes;
+          largest = std::max(largest, t);
+        }
+      for (uint64_t cap : kSweepCaps)
+        if (cap < largest) add(fmt::format("next_attention <= {} MiB", cap >> 20), all, cap);
+    }
+  }
+  log(fmt::format("width {}: prefetch sweep, {} variants side by side", width, vs.size()));
+  for (Variant& x : vs) {
+    rt(dp_prefetch_set_cap(h.session(), DP_PREFETCH_NEXT_ATTENTION, width, x.cap), "capping the next_attention tables");
+    h.set_prefetch_points(x.mask);
+    x.g = h.capture([&] { h.enqueue_step(step); });
+  }
+  h.set_prefetch_points(0xF);
+  rt(dp_prefetch_set_cap(h.session(), DP_PREFETCH_NEXT_ATTENTION, width, UINT64_MAX), "restoring the next_attention tables");
+  const int per_round = std::max(2, o_.replays / kSweepRounds);
+  for (int r = 0; r < kSweepRounds; ++r)
+    for (Variant& x : vs) {
+      std::vector<double> us = time_graph(d, s, *x.g, per_round, r == 0 ? kWarmup : 1, *events_);
+      x.us.insert(x.us.end(), us.begin(), us.end());
+    }
+  rt(dp_after_step(h.session()), "after the prefetch sweep");
+  const double off = bench::Summary::of(vs.front().us).median;
+  for (Variant& x : vs) {
+    x.v.us = bench::Summary::of(x.us);
+    x.v.vs_off = x.v.us.median > 0 ? off / x.v.us.median - 1 : 0;
+    x.g.reset();
+    res_.prefetch_variants.push_back(std::move(x.v));
+  }
 }
 
 }  // namespace

@@ -37,6 +37,10 @@ struct BenchOptions {
   int kernel_reps = 20;    // repetitions of the per-kernel measurements
   double ceiling_gib = 4;  // bytes the ceiling stream reads
   bool kernels = true;     // the per-kernel breakdown
+  // on: the bundle's prefetch tables; off: none (DP_SESSION_NO_PREFETCH); sweep: the bundle's tables,
+  // and per width the whole step with prefetch off, each point alone and the next_attention tables
+  // capped, timed side by side.
+  std::string prefetch = "on";
   // Called with the results so far after each width (e.g. to rewrite --json, so that a run stopped
   // early keeps what it measured).
   std::function<void(const bench::BenchResult&)> progress;

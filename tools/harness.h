@@ -140,6 +140,11 @@ class Harness {
   void enqueue_layers(const dp_step* step, const std::vector<int>& layers, bool final_norm);
   // One layer's launch alone (no prefetch): for per-kernel timing.
   void launch_layer(const dp_step* step, int layer);
+  // The prefetch points enqueue_layers forks (bit p: dp_prefetch_point p; default all), and the forks
+  // of one layer and the join, for drivers that launch layers one by one.
+  void set_prefetch_points(unsigned mask) { prefetch_points_ = mask; }
+  void fork_prefetch(int layer);
+  void join_prefetch();
   // Fresh inputs and metadata, and poison in the outputs and write-only cache rows (devices and mirrors).
   void upload_step_inputs(Rng& rng);
   // Compares the last step with the CPU reference, layer by layer (on up to check_threads threads);
@@ -191,6 +196,7 @@ class Harness {
   CacheLayouts layouts_;
   int num_layers_ = 0, q_ = 1, tp_ = 1;
   int width_ = 0;
+  unsigned prefetch_points_ = 0xF;
   int64_t hidden_ = 0;
   std::string kv_dtype_;
   std::vector<std::string> mixers_;

@@ -706,10 +706,9 @@ void Harness::enqueue_step(const dp_step* step) {
 void Harness::enqueue_layers(const dp_step* step, const std::vector<int>& layers, bool final_norm) {
   dp_stream s = stream_->s;
   for (int l : layers) {
-    // Prefetch points of the layer (the session has a table where it is worth it); one join closes
-    // the side stream at the end of the step.
-    for (int32_t point : {DP_PREFETCH_NEXT_ATTENTION, DP_PREFETCH_OPROJ_DOWN, DP_PREFETCH_ATTENTION_MOE})
-      rt(dp_prefetch_fork(sh_.s, point, l, width_, s, nullptr), fmt::format("prefetch fork, layer {}", l));
+    // Prefetch points of the layer (the session has a table where it is worth it, and starts each
+    // inside the layer's launch); one join closes the side stream at the end of the step.
+    fork_prefetch(l);
     const dp_layer_io io = layer_io(l);
     rt(dp_launch_layer(sh_.s, step, l, &io, s), fmt::format("launching layer {} ({})", l, res_.layer_classes[l]));
   }
@@ -722,8 +721,17 @@ void Harness::enqueue_layers(const dp_step* step, const std::vector<int>& layers
     n.residual_out = final_residual_;
     rt(dp_launch_final_norm(sh_.s, step, &n, s), "launching the final norm");
   }
-  rt(dp_prefetch_join(sh_.s, s), "prefetch join");
+  join_prefetch();
 }
+
+void Harness::fork_prefetch(int layer) {
+  for (int32_t point : {DP_PREFETCH_OPROJ_DOWN, DP_PREFETCH_ATTENTION_MOE, DP_PREFETCH_NEXT_ATTENTION,
+                        DP_PREFETCH_ATTENTION_OPROJ})
+    if (prefetch_points_ & (1u << point))
+      rt(dp_prefetch_fork(sh_.s, point, layer, width_, stream_->s, nullptr), fmt::format("prefetch fork, layer {}", layer));
+}
+
+void Harness::join_prefetch() { rt(dp_prefetch_join(sh_.s, stream_->s), "prefetch join"); }
 
 void Harness::launch_layer(const dp_step* step, int layer) {
   const dp_layer_io io = layer_io(layer);

@@ -102,7 +102,12 @@ Json to_json(const BenchResult& r) {
                           {"sequence_us", to_json(l.sequence_us)},
                           {"gap_us", num(l.gap_us)},
                           {"bytes", to_json(l.bytes)},
-                          {"share", num(l.share)}});
+                          {"share", num(l.share)},
+                          {"end_us", num(l.end_us)}});
+    Json spans = Json::array();
+    for (const PrefetchSpan& p : k.prefetch)
+      spans.push_back({{"point", p.point}, {"after", p.after}, {"bytes", p.bytes}, {"start_us", num(p.start_us)},
+                       {"end_us", num(p.end_us)}});
     kernels.push_back({{"class", k.cls},
                        {"width", k.width},
                        {"layer", k.layer},
@@ -112,8 +117,18 @@ Json to_json(const BenchResult& r) {
                        {"layer_us", num(k.layer_us)},
                        {"sum_isolated_us", num(k.sum_isolated_us)},
                        {"sum_sequence_us", num(k.sum_sequence_us)},
-                       {"launches", launches}});
+                       {"launches", launches},
+                       {"prefetch", spans}});
   }
+  Json variants = Json::array();
+  for (const PrefetchVariant& v : r.prefetch_variants)
+    variants.push_back({{"width", v.width},
+                        {"name", v.name},
+                        {"points", v.points},
+                        {"next_attention_cap", v.next_attention_cap},
+                        {"bytes", v.bytes},
+                        {"us", to_json(v.us)},
+                        {"vs_off", num(v.vs_off)}});
   return Json{{"format", kResultFormat},
               {"format_version", kResultFormatVersion},
               {"implementation", r.implementation},
@@ -127,6 +142,7 @@ Json to_json(const BenchResult& r) {
               {"context", r.context},
               {"replays", r.replays},
               {"prefetch", r.prefetch},
+              {"prefetch_mode", r.prefetch_mode},
               {"l2_bytes", r.l2_bytes},
               {"sms", r.sms},
               {"ceiling",
@@ -143,6 +159,7 @@ Json to_json(const BenchResult& r) {
               {"classes", classes},
               {"steps", steps},
               {"kernels", kernels},
+              {"prefetch_variants", variants},
               {"notes", r.notes}};
 }
 
@@ -155,7 +172,7 @@ std::string to_text(const BenchResult& r) {
   line(fmt::format("device         {}, target {}, {} SMs, L2 {:.1f} MB", r.device, r.target, r.sms,
                    mb(static_cast<uint64_t>(r.l2_bytes))));
   line(fmt::format("context        {} tokens per request; {} graph replays per figure; L2 prefetch {}", r.context,
-                   r.replays, r.prefetch ? "on" : "off"));
+                   r.replays, r.prefetch_mode));
   line(fmt::format("ceiling        {:.3f} TB/s ({}, {:.2f} GiB; median of {}, p10-p90 {:.3f}-{:.3f} TB/s)",
                    r.ceiling.bytes_per_s() / 1e12, r.ceiling.method,
                    static_cast<double>(r.ceiling.bytes) / double(1ull << 30), r.ceiling.us.n,
@@ -209,11 +226,24 @@ std::string to_text(const BenchResult& r) {
     line(fmt::format("kernels of layer {} ({}), width {}: alone (L2 flushed) and in sequence ({}); layer {:.1f} us "
                      "per layer in the class graph, sum alone {:.1f} us, sum in sequence {:.1f} us",
                      k.layer, k.cls, k.width, k.sequence_mode, k.layer_us, k.sum_isolated_us, k.sum_sequence_us));
-    line(fmt::format("  {:>2} {:<44} {:>9} {:>9} {:>8} {:>9} {:>7}", "#", "kernel", "us alone", "in seq", "gap", "MB",
-                     "share"));
+    line(fmt::format("  {:>2} {:<44} {:>9} {:>9} {:>8} {:>9} {:>7} {:>8}", "#", "kernel", "us alone", "in seq", "gap",
+                     "MB", "share", "ends at"));
     for (const KernelLaunch& l : k.launches)
-      line(fmt::format("  {:>2} {:<44} {:>9.1f} {:>9.1f} {:>8.1f} {:>9.3f} {:>7}", l.index, l.kernel.substr(0, 44),
-                       l.isolated_us.median, l.sequence_us.median, l.gap_us, mb(l.bytes.total()), pct(l.share)));
+      line(fmt::format("  {:>2} {:<44} {:>9.1f} {:>9.1f} {:>8.1f} {:>9.3f} {:>7} {:>8.1f}", l.index,
+                       l.kernel.substr(0, 44), l.isolated_us.median, l.sequence_us.median, l.gap_us,
+                       mb(l.bytes.total()), pct(l.share), l.end_us));
+    for (const PrefetchSpan& p : k.prefetch)
+      line(fmt::format("  prefetch {} ({:.2f} MB, after kernel {}): side stream from {:.1f} to {:.1f} us ({:.2f} TB/s)",
+                       p.point, mb(p.bytes), p.after, p.start_us, p.end_us,
+                       p.end_us > p.start_us ? static_cast<double>(p.bytes) / (p.end_us - p.start_us) / 1e6 : 0.0));
+  }
+  if (!r.prefetch_variants.empty()) {
+    line("");
+    line(fmt::format("{:<34} {:>5} {:>10} {:>9} {:>9} {:>10} {:>8}", "prefetch (whole step)", "width", "us", "p10", "p90",
+                     "MB pulled", "vs off"));
+    for (const PrefetchVariant& v : r.prefetch_variants)
+      line(fmt::format("{:<34} {:>5} {:>10.1f} {:>9.1f} {:>9.1f} {:>10.2f} {:>+7.1f}%", v.name.substr(0, 34), v.width,
+                       v.us.median, v.us.p10, v.us.p90, mb(v.bytes), 100 * v.vs_off));
   }
   for (const std::string& n : r.notes) line("note: " + n);
   return o;

@@ -76,6 +76,16 @@ struct KernelLaunch {
   double gap_us = 0;      // sequence - isolated (medians): idle between dependent launches, estimated
   Bytes bytes;            // what its arguments name (bench/bytes.h kernel_bytes)
   double share = 0;       // bytes / isolated time (median) / ceiling
+  double end_us = 0;      // in the sequence: from the event before the layer to the event after it (median)
+};
+
+// A prefetch launch in the layer's sequence (the timeline): side-stream events before and after the
+// prefetch kernel, from the main stream's event before the layer (medians).
+struct PrefetchSpan {
+  std::string point;
+  int after = -1;         // the layer kernel it starts after (-1: before the first)
+  uint64_t bytes = 0;     // what its table pulls
+  double start_us = 0, end_us = 0;
 };
 
 // The launches of one layer (the first of its class) at one width.
@@ -90,6 +100,19 @@ struct KernelBreakdown {
   double layer_us = 0;          // the class's µs per layer (uninstrumented graph), for comparison
   double sum_isolated_us = 0;   // sum of the launches' isolated medians
   double sum_sequence_us = 0;   // sum of the launches' in-sequence medians (instrumented)
+  std::vector<PrefetchSpan> prefetch;  // the layer's prefetch launches in the sequence (prefetch on)
+};
+
+// A whole-step variant of the prefetch comparison (`bench --prefetch sweep`): which points forked,
+// with which next_attention cap, timed side by side with the others at the same width.
+struct PrefetchVariant {
+  int width = 0;
+  std::string name;                 // "off", "defaults", "next_attention only", "next_attention 8 MiB", ...
+  std::vector<std::string> points;  // the points forked
+  int64_t next_attention_cap = -1;  // bytes per table; -1: the bundle's
+  uint64_t bytes = 0;               // what the step's prefetch launches pull (tables as capped)
+  Summary us;
+  double vs_off = 0;                // off median / this median - 1: > 0 is faster than prefetch off
 };
 
 // The correctness gate of one width: the same comparisons as `run --check`, on one graph replay.
@@ -107,6 +130,7 @@ struct BenchResult {
   int64_t context = 0;
   int replays = 0;
   bool prefetch = true;
+  std::string prefetch_mode = "on";  // on | off | sweep
   int64_t l2_bytes = 0;
   int sms = 0;
   Ceiling ceiling;
@@ -116,6 +140,7 @@ struct BenchResult {
   std::vector<ClassResult> classes;
   std::vector<StepResult> steps;
   std::vector<KernelBreakdown> kernels;
+  std::vector<PrefetchVariant> prefetch_variants;  // --prefetch sweep
   std::vector<std::string> notes;
 };
 

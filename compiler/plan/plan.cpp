@@ -255,8 +255,29 @@ Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deplo
         return v;
       };
       auto range = [&](size_t i, uint64_t bytes) { return PrefetchRange{i, m.weights[i].name, bytes}; };
+      // Widths that share a cap share a table.
+      std::map<int64_t, std::vector<int64_t>> by_cap;
+      for (int64_t w : d.widths)
+        if (int64_t cap = d.prefetch_cap(w); cap > 0) by_cap[cap].push_back(w);
+      auto capped = [&](const char* point, int layer, bool critical, const std::vector<size_t>& weights) {
+        for (const auto& [cap, ws] : by_cap) {
+          PrefetchTable t{point, layer, ws, critical, 32, {}};
+          uint64_t left = static_cast<uint64_t>(cap);
+          for (size_t i : weights) {
+            uint64_t b = std::min<uint64_t>(all[i].bytes, left) / 16 * 16;
+            if (b) t.ranges.push_back(range(i, b));
+            left -= b;
+            if (left < 16) break;
+          }
+          if (!t.ranges.empty()) rp.prefetch.push_back(std::move(t));
+        }
+      };
       for (size_t pos = 0; pos < m.layers.size(); ++pos) {
         const model::LayerSpec& l = m.layers[pos];
+        // While the attention core runs (it reads the caches, far below the HBM limit at small widths),
+        // the o-projection that follows it.
+        if (size_t o = weight_by_key(m, l, "self_attn.o_proj.weight"); o != SIZE_MAX)
+          capped("attention_oproj", l.index, true, {o});
         if (l.ffn == Ffn::dense) continue;
         std::vector<size_t> front{weight_by_key(m, l, "block_sparse_moe.gate.weight")};
         if (l.ffn == Ffn::latent_moe) front.push_back(weight_by_key(m, l, "block_sparse_moe.routed_expert_down_proj.weight"));
@@ -277,23 +298,7 @@ Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deplo
             rp.prefetch.push_back(std::move(t));
           }
         }
-        if (pos + 1 < m.layers.size()) {
-          // Widths that share a cap share a table.
-          std::map<int64_t, std::vector<int64_t>> by_cap;
-          for (int64_t w : d.widths)
-            if (int64_t cap = d.prefetch_cap(w); cap > 0) by_cap[cap].push_back(w);
-          for (const auto& [cap, ws] : by_cap) {
-            PrefetchTable t{"next_attention", l.index, ws, false, 32, {}};
-            uint64_t left = static_cast<uint64_t>(cap);
-            for (size_t i : attention_weights(m, m.layers[pos + 1])) {
-              uint64_t b = std::min<uint64_t>(all[i].bytes, left) / 16 * 16;
-              if (b) t.ranges.push_back(range(i, b));
-              left -= b;
-              if (left < 16) break;
-            }
-            rp.prefetch.push_back(std::move(t));
-          }
-        }
+        if (pos + 1 < m.layers.size()) capped("next_attention", l.index, false, attention_weights(m, m.layers[pos + 1]));
       }
     }
     plan.ranks.push_back(std::move(rp));

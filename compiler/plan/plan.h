@@ -67,7 +67,7 @@ struct PrefetchRange {
 
 // One prefetch table: at `point` of `layer`, for these widths, pull these ranges into L2.
 struct PrefetchTable {
-  std::string point;             // "oproj_down" | "attention_moe" | "next_attention"
+  std::string point;             // "attention_oproj" | "oproj_down" | "attention_moe" | "next_attention"
   int layer = 0;
   std::vector<int64_t> widths;
   bool critical = false;         // highest stream priority, largest shared-memory carveout

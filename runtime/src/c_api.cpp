@@ -552,6 +552,12 @@ dp_status* dp_prefetch_join(dp_session* s, dp_stream stream) {
   return guarded(__func__, [&](const char* fn) -> Status { return s ? s->prefetch_join(stream) : null_arg(fn, "session"); });
 }
 
+dp_status* dp_prefetch_set_cap(dp_session* s, int32_t point, int32_t width, uint64_t bytes) {
+  return guarded(__func__, [&](const char* fn) -> Status {
+    return s ? s->prefetch_set_cap(point, width, bytes) : null_arg(fn, "session");
+  });
+}
+
 // ---- Sparse-attention indexer prefill ------------------------------------------------------------------
 
 void dp_indexer_cache_init(dp_indexer_cache* c) {

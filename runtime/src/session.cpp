@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include "src/planner.h"
+#include "src/prefetch_points.h"
 #include "src/targets.h"
 #include "src/validity.h"
 
@@ -31,12 +32,6 @@ const char* kv_kind_name(int32_t kind) {
   }
 }
 
-int32_t point_id(const std::string& p) {
-  if (p == "oproj_down") return DP_PREFETCH_OPROJ_DOWN;
-  if (p == "attention_moe") return DP_PREFETCH_ATTENTION_MOE;
-  if (p == "next_attention") return DP_PREFETCH_NEXT_ATTENTION;
-  return -1;
-}
 
 // Whether the bundle's kernels for `target` take programmatic dependent launch: NVIDIA sm_90 and later,
 // built by a compiler of format 1.3 or later (whose entry points wait for the previous kernel before
@@ -171,6 +166,7 @@ dp_session::~dp_session() {
       if (side_stream) device->destroy_stream(side_stream);
       for (void* m : modules) device->unload_module(m);
       if (prefetch_tables) device->free(prefetch_tables);
+      for (uint64_t t : capped_tables) device->free(t);
       if (workspace) device->free(workspace);
       if (flag_host && flag_host != &host_flag_storage) device->free_mapped(flag_host);
     }
@@ -541,6 +537,16 @@ Status dp_session::load_program_step(const format::ProgramEntry& prog, size_t st
   return ok();
 }
 
+namespace {
+
+std::vector<std::string> ops_of(const std::vector<LoadedKernel>& program) {
+  std::vector<std::string> ops;
+  for (const LoadedKernel& k : program) ops.push_back(k.entry->op);
+  return ops;
+}
+
+}  // namespace
+
 Status dp_session::build_prefetch_tables() {
   const format::Manifest& m = bundle->manifest();
   if (m.prefetch.empty()) return ok();
@@ -548,15 +554,16 @@ Status dp_session::build_prefetch_tables() {
   if (!pk) return error(DP_ERR_FORMAT, "{}: prefetch tables but no prefetch kernel for {}", bundle->reader.label(), target);
   LoadedKernel base;
   DP_RETURN_IF_ERROR(load_kernel(*pk, -1, &base));
+  prefetch_call_slots = base.call_slots;
 
   std::vector<uint64_t> host;  // every table, {addr, bytes} pairs
   std::vector<std::pair<size_t, size_t>> spans;  // (first entry, count) per manifest table
   std::map<std::pair<int32_t, int32_t>, size_t> event_of;
   for (const format::PrefetchEntry& p : m.prefetch) {
-    const int32_t point = point_id(p.point);
+    const int32_t point = prefetch_point_id(p.point);
     if (point < 0)
       return error(DP_ERR_NOT_SUPPORTED, "{}: prefetch table at point \"{}\" of layer {}: libdecodepack {} knows the points "
-                   "oproj_down, attention_moe, next_attention", bundle->reader.label(), p.point, p.layer, dp_version_string());
+                   "oproj_down, attention_moe, next_attention, attention_oproj", bundle->reader.label(), p.point, p.layer, dp_version_string());
     const size_t first = host.size() / 2;
     for (const format::PrefetchRangeEntry& r : p.ranges) {
       auto it = weights->by_name.find(r.weight);
@@ -594,11 +601,19 @@ Status dp_session::build_prefetch_tables() {
       if (s.source == ParamSource::prefetch_count) put<uint32_t>(t.kernel.block.data(), s.offset, t.count);
     }
     t.kernel.call_slots.clear();
-    const int32_t point = point_id(p.point);
+    t.host.assign(host.begin() + static_cast<std::ptrdiff_t>(2 * spans[i].first),
+                  host.begin() + static_cast<std::ptrdiff_t>(2 * (spans[i].first + spans[i].second)));
+    const int32_t point = prefetch_point_id(p.point);
     t.event = event_of.at({point, p.layer});
     if (t.count == 0) continue;  // nothing to pull on this rank: fork reports "not launched"
-    prefetch.push_back(t);
-    for (int64_t w : p.widths) prefetch_index[{point, p.layer, static_cast<int32_t>(w)}] = prefetch.size() - 1;
+    prefetch.push_back(std::move(t));
+    for (int64_t w : p.widths) {
+      int32_t after = -1;
+      for (size_t wi = 0; wi < bundle->deploy.widths.size(); ++wi)
+        if (bundle->deploy.widths[wi] == w && steps[wi]->program[p.layer])
+          after = prefetch_start_after(point, *steps[wi]->program[p.layer], ops_of(layer_programs[wi][p.layer]));
+      prefetch_index[{point, p.layer, static_cast<int32_t>(w)}] = PrefetchSlot{prefetch.size() - 1, after};
+    }
   }
   events.assign(event_of.size(), nullptr);
   for (void*& e : events) DP_RETURN_IF_ERROR(device->create_event(&e));
@@ -858,6 +873,7 @@ Status dp_session::launch_final_norm(const dp_step* step, const dp_final_norm_io
   // Without a residual the sum is `hidden` alone: the kernel then writes hidden to residual_out.
   DeviceScope scope(device.get());
   DP_RETURN_IF_ERROR(scope.status());
+  DP_RETURN_IF_ERROR(fire_prefetch(nullptr));
   if (observer) observer(observer_user, -1, 0, k.entry->name.c_str(), 0, stream);
   Status st = launch_packed(*device, k, stream, programmatic, [&](ParamSource src) -> uint64_t {
     switch (src) {
@@ -918,55 +934,134 @@ Status dp_session::launch_layer(const dp_step* step, int32_t layer, const dp_lay
     }
   };
   const std::vector<LoadedKernel>& program = layer_programs[step->index][layer];
+  // Forks of other layers start now; this layer's start after the kernel they overlap.
+  DP_RETURN_IF_ERROR(fire_prefetch([&](const ArmedPrefetch& a) { return a.layer != layer || a.after < 0; }));
   for (size_t i = 0; i < program.size(); ++i) {
     if (observer) observer(observer_user, layer, static_cast<int32_t>(i), program[i].entry->name.c_str(), 0, stream);
     Status st = launch_packed(*device, program[i], stream, programmatic, value_of);
     if (observer) observer(observer_user, layer, static_cast<int32_t>(i), program[i].entry->name.c_str(), 1, stream);
     DP_RETURN_IF_ERROR(std::move(st));
+    if (!armed.empty())
+      DP_RETURN_IF_ERROR(fire_prefetch([&](const ArmedPrefetch& a) { return a.after <= static_cast<int32_t>(i); }));
   }
-  return ok();
+  return fire_prefetch(nullptr);
 }
 
 // ---- Prefetch -----------------------------------------------------------------------------------------
 
 Status dp_session::prefetch_fork(int32_t point, int32_t layer, int32_t width, dp_stream stream, int32_t* launched) {
   if (launched) *launched = 0;
-  if (point < DP_PREFETCH_OPROJ_DOWN || point > DP_PREFETCH_NEXT_ATTENTION)
-    return error(DP_ERR_INVALID_ARGUMENT, "dp_prefetch_fork: point {}, expected a dp_prefetch_point (0..2)", point);
+  if (point < DP_PREFETCH_OPROJ_DOWN || point > DP_PREFETCH_ATTENTION_OPROJ)
+    return error(DP_ERR_INVALID_ARGUMENT, "dp_prefetch_fork: point {}, expected a dp_prefetch_point (0..3)", point);
   if (!device) return error(DP_ERR_NO_DEVICE, "{}: dp_prefetch_fork on a host-only session", label());
   if (!loaded) return error(DP_ERR_STATE, "{}: dp_prefetch_fork before dp_session_load_kernels", label());
   if (options.flags & DP_SESSION_NO_PREFETCH) return ok();
   const auto it = prefetch_index.find({point, layer, width});
-  if (it == prefetch_index.end()) return ok();
-  const PrefetchTable& t = prefetch[it->second];
-  DeviceScope scope(device.get());
-  DP_RETURN_IF_ERROR(scope.status());
-  // The prefetch may start only once the work it overlaps was issued: the side stream waits on an
-  // event recorded on the host's stream (under capture this also pulls the side stream into the graph).
-  DP_RETURN_IF_ERROR(device->record(events[t.event], stream));
-  DP_RETURN_IF_ERROR(device->wait(side_stream, events[t.event]));
-  LaunchSpec l;
-  l.function = t.kernel.function;
-  l.grid[0] = static_cast<uint32_t>(t.entry->grid);
-  std::copy(t.kernel.entry->block, t.kernel.entry->block + 3, l.block);
-  l.stream = side_stream;
-  l.params = const_cast<uint8_t*>(t.kernel.block.data());
-  l.param_bytes = t.kernel.block.size();
-  l.high_priority = t.entry->critical;
-  l.max_carveout = t.entry->critical;
-  prefetch_pending = true;  // the side stream now depends on `stream`: join must close it even if the launch failed
-  DP_RETURN_IF_ERROR(device->launch(l, t.kernel.entry->key.c_str()));
+  if (it == prefetch_index.end() || it->second.off) return ok();
+  // Armed, not launched: the layer's launch starts it after the kernel it overlaps (fire_after), and the
+  // next launch of another layer, the final norm or join starts it where the host did not launch this
+  // layer next. A second fork of the same point and layer replaces the first.
+  std::erase_if(armed, [&](const ArmedPrefetch& a) { return a.point == point && a.layer == layer; });
+  armed.push_back(ArmedPrefetch{it->second.table, point, layer, it->second.after, stream});
   if (launched) *launched = 1;
+  return ok();
+}
+
+Status dp_session::fire_prefetch(const std::function<bool(const ArmedPrefetch&)>& fire) {
+  for (size_t i = 0; i < armed.size();) {
+    if (fire && !fire(armed[i])) {
+      ++i;
+      continue;
+    }
+    const ArmedPrefetch a = armed[i];
+    armed.erase(armed.begin() + static_cast<std::ptrdiff_t>(i));
+    const PrefetchTable& t = prefetch[a.table];
+    // The prefetch may start only once the work it overlaps was issued: the side stream waits on an
+    // event recorded on the host's stream (under capture this also pulls the side stream into the graph).
+    DP_RETURN_IF_ERROR(device->record(events[t.event], a.stream));
+    DP_RETURN_IF_ERROR(device->wait(side_stream, events[t.event]));
+    LaunchSpec l;
+    l.function = t.kernel.function;
+    l.grid[0] = static_cast<uint32_t>(t.entry->grid);
+    std::copy(t.kernel.entry->block, t.kernel.entry->block + 3, l.block);
+    l.stream = side_stream;
+    l.params = const_cast<uint8_t*>(t.kernel.block.data());
+    l.param_bytes = t.kernel.block.size();
+    l.high_priority = t.entry->critical;
+    l.max_carveout = t.entry->critical;
+    prefetch_pending = true;  // the side stream now depends on the host's stream: join must close it
+    const char* name = t.kernel.entry->name.c_str();
+    if (observer) observer(observer_user, a.layer, -1 - a.point, name, 0, side_stream);
+    Status st = device->launch(l, t.kernel.entry->key.c_str());
+    if (observer) observer(observer_user, a.layer, -1 - a.point, name, 1, side_stream);
+    DP_RETURN_IF_ERROR(std::move(st));
+  }
   return ok();
 }
 
 Status dp_session::prefetch_join(dp_stream stream) {
   if (!device) return error(DP_ERR_NO_DEVICE, "{}: dp_prefetch_join on a host-only session", label());
-  if (!prefetch_pending) return ok();
+  if (armed.empty() && !prefetch_pending) return ok();
   DeviceScope scope(device.get());
   DP_RETURN_IF_ERROR(scope.status());
+  DP_RETURN_IF_ERROR(fire_prefetch(nullptr));
   DP_RETURN_IF_ERROR(device->record(join_event, side_stream));
   DP_RETURN_IF_ERROR(device->wait(stream, join_event));
   prefetch_pending = false;
+  return ok();
+}
+
+Status dp_session::prefetch_set_cap(int32_t point, int32_t width, uint64_t bytes) {
+  if (point < DP_PREFETCH_OPROJ_DOWN || point > DP_PREFETCH_ATTENTION_OPROJ)
+    return error(DP_ERR_INVALID_ARGUMENT, "dp_prefetch_set_cap: point {}, expected a dp_prefetch_point (0..3)", point);
+  if (!device) return error(DP_ERR_NO_DEVICE, "{}: dp_prefetch_set_cap on a host-only session", label());
+  if (!loaded) return error(DP_ERR_STATE, "{}: dp_prefetch_set_cap before dp_session_load_kernels", label());
+  if (!armed.empty() || prefetch_pending)
+    return error(DP_ERR_STATE, "{}: dp_prefetch_set_cap between a fork and its join", label());
+  DeviceScope scope(device.get());
+  DP_RETURN_IF_ERROR(scope.status());
+  for (auto it = prefetch_index.begin(); it != prefetch_index.end();) {
+    const auto& [key, slot] = *it;
+    if (key[0] != point || key[2] != width) {
+      ++it;
+      continue;
+    }
+    it->second.off = bytes == 0;
+    if (bytes == 0) {  // off at this width
+      ++it;
+      continue;
+    }
+    // The table's leading `bytes`, in table order, from the table as the bundle made it (a cap above
+    // it restores it). The clipped table gets its own device buffer.
+    const PrefetchTable& base = prefetch[slot.table];
+    std::vector<uint64_t> host;
+    uint64_t left = bytes;
+    for (size_t r = 0; r + 1 < base.host.size() && left >= kAlign; r += 2) {
+      const uint64_t b = std::min(base.host[r + 1], left) / kAlign * kAlign;
+      host.push_back(base.host[r]);
+      host.push_back(b);
+      left -= b;
+    }
+    PrefetchTable t = base;
+    t.host = base.host;  // keep the whole table for later caps
+    t.count = static_cast<uint32_t>(host.size() / 2);
+    if (t.count == 0) {  // a cap under 16 bytes
+      it->second.off = true;
+      ++it;
+      continue;
+    }
+    uint64_t dev = 0;
+    DP_RETURN_IF_ERROR(device->alloc(host.size() * sizeof(uint64_t), "a capped prefetch range table", &dev));
+    capped_tables.push_back(dev);
+    DP_RETURN_IF_ERROR(device->upload(dev, host.data(), host.size() * sizeof(uint64_t), "a capped prefetch range table"));
+    t.device_table = dev;
+    for (const ParamSlot& s : prefetch_call_slots) {
+      if (s.source == ParamSource::prefetch_table) put<uint64_t>(t.kernel.block.data(), s.offset, t.device_table);
+      if (s.source == ParamSource::prefetch_count) put<uint32_t>(t.kernel.block.data(), s.offset, t.count);
+    }
+    prefetch.push_back(std::move(t));
+    it->second.table = prefetch.size() - 1;
+    ++it;
+  }
   return ok();
 }

@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -60,6 +61,22 @@ struct PrefetchTable {
   uint32_t count = 0;
   LoadedKernel kernel;        // the prefetch kernel with table/count packed
   size_t event = 0;           // index into Session::events_ ((point, layer) pair)
+  std::vector<uint64_t> host; // the table as uploaded, {addr, bytes} pairs (dp_prefetch_set_cap clips it)
+};
+
+// Where a (point, layer, width) table fires: after the launch of program step `after` of that layer
+// (-1: before its first kernel).
+struct PrefetchSlot {
+  size_t table = 0;  // into Session::prefetch
+  int32_t after = -1;
+  bool off = false;  // dp_prefetch_set_cap(..., 0)
+};
+
+// A fork waiting for its layer's launch (or the next launch or join, whichever comes first).
+struct ArmedPrefetch {
+  size_t table = 0;
+  int32_t point = 0, layer = 0, after = -1;
+  dp_stream stream = nullptr;
 };
 
 }  // namespace dp::rt
@@ -95,7 +112,10 @@ struct dp_session {
   std::vector<dp::rt::LoadedKernel> final_norm;        // per width index (function null: none in the bundle)
   std::vector<std::vector<std::vector<dp::rt::LoadedKernel>>> layer_programs;  // [width][layer][kernel]
   std::vector<dp::rt::PrefetchTable> prefetch;
-  std::map<std::array<int32_t, 3>, size_t> prefetch_index;  // (point, layer, width) -> prefetch[]
+  std::map<std::array<int32_t, 3>, dp::rt::PrefetchSlot> prefetch_index;  // (point, layer, width)
+  std::vector<dp::rt::ArmedPrefetch> armed;                 // forks not launched yet, in fork order
+  std::vector<uint64_t> capped_tables;                      // device buffers of dp_prefetch_set_cap
+  std::vector<dp::rt::ParamSlot> prefetch_call_slots;       // where the prefetch kernel takes table and count
   std::vector<void*> events;                               // per (point, layer)
   void* side_stream = nullptr;
   void* join_event = nullptr;
@@ -127,6 +147,7 @@ struct dp_session {
   dp::rt::Status launch_final_norm(const dp_step* step, const dp_final_norm_io& io, dp_stream stream);
   dp::rt::Status prefetch_fork(int32_t point, int32_t layer, int32_t width, dp_stream stream, int32_t* launched);
   dp::rt::Status prefetch_join(dp_stream stream);
+  dp::rt::Status prefetch_set_cap(int32_t point, int32_t width, uint64_t bytes);
 
   // Sparse-attention indexer prefill (src/indexer.cpp). Its kernels load with the others in load_kernels,
   // or on first use when the host calls the indexer before that (they need no weights).
@@ -152,6 +173,8 @@ struct dp_session {
                                    dp::rt::LoadedKernel* out);
   size_t layer_weight(int32_t layer, const std::string& key) const;
   dp::rt::Status build_prefetch_tables();
+  // Launches the armed forks that `fire` selects (all of them when it is null), in fork order.
+  dp::rt::Status fire_prefetch(const std::function<bool(const dp::rt::ArmedPrefetch&)>& fire);
   const dp::format::KernelEntry* find_kernel(const std::string& role, int32_t width) const;
   dp::rt::Status indexer_launch(const char* op, uint32_t grid_x, uint32_t grid_y,
                                 std::initializer_list<std::pair<const char*, uint64_t>> args, dp_stream stream);

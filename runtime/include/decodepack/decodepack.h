@@ -127,7 +127,7 @@ extern "C" {
  * (manifests/bundle-format.md). A bundle outside that range is refused with DP_ERR_FORMAT_VERSION before
  * any other field is read, the message giving both versions and the supported range. */
 #define DP_BUNDLE_FORMAT_MAJOR 1
-#define DP_BUNDLE_FORMAT_MINOR 3
+#define DP_BUNDLE_FORMAT_MINOR 4
 
 /* The loaded library's version as MAJOR * 10000 + MINOR * 100 + PATCH. This signature never changes. */
 DP_API uint32_t dp_version(void);
@@ -634,8 +634,9 @@ DP_API dp_status* dp_launch_final_norm(dp_session* session, const dp_step* step,
  * the launch failed). `layer` is the decoder layer (-1: the final norm), `index` the kernel's position
  * in the layer's program (0-based), `kernel` its name (valid during the call). The callback may enqueue
  * work on `stream` (record an event, launch a kernel of its own), also during stream capture; it must
- * not call this session's functions. A NULL `fn` turns the observer off (the default): a launch then
- * costs one pointer test more. Serving hosts have no use for it. */
+ * not call this session's functions. Prefetch launches are reported too, with index = -1 - point
+ * (dp_prefetch_point) and `stream` the session's side stream. A NULL `fn` turns the observer off (the
+ * default): a launch then costs one pointer test more. Serving hosts have no use for it. */
 typedef void (*dp_launch_observer_fn)(void* user, int32_t layer, int32_t index, const char* kernel, int32_t after,
                                       dp_stream stream);
 DP_API dp_status* dp_session_set_launch_observer(dp_session* session, dp_launch_observer_fn fn, void* user);
@@ -643,23 +644,38 @@ DP_API dp_status* dp_session_set_launch_observer(dp_session* session, dp_launch_
 /* ---- L2 weight prefetch --------------------------------------------------------------------------- *
  *
  * At fixed points of a layer the session launches a small kernel on its own side stream that pulls the
- * byte ranges of the weights the next kernels read into L2, so they start warm. fork records an event
- * on `stream` that the side stream waits on (the prefetch starts only after the work it overlaps), then
- * launches the prefetch kernel on the side stream; critical tables (the MoE front) launch with the
- * greatest stream priority and a 100% shared-memory carveout (cuLaunchKernelEx attributes). join makes
- * `stream` wait for the side stream, so a captured graph always rejoins it: call it once at the end of
- * every step in which fork launched, in the same capture. */
+ * byte ranges of the weights the next kernels read into L2, so they start warm. The host forks a point
+ * before it launches the layer; the fork is armed, and dp_launch_layer of that layer starts it right
+ * after the kernel the point names (below): it records an event on `stream` there that the side stream
+ * waits on (the prefetch starts once that kernel finished, and overlaps the kernels after it), then
+ * launches the prefetch kernel on the side stream. A fork whose layer is not the next one launched
+ * starts at the next dp_launch_layer, dp_launch_final_norm or dp_prefetch_join, whichever comes first.
+ * Critical tables (the MoE front) launch with the greatest stream priority and a 100% shared-memory
+ * carveout (cuLaunchKernelEx attributes). join makes `stream` wait for the side stream, so a captured
+ * graph always rejoins it: call it once at the end of every step in which fork launched, in the same
+ * capture. */
 typedef enum dp_prefetch_point {
   DP_PREFETCH_OPROJ_DOWN = 0,     /* after the o-projection: the MoE front (router [+ latent down]) */
-  DP_PREFETCH_ATTENTION_MOE = 1,  /* TP 8: after the attention input projection: front + shared expert */
-  DP_PREFETCH_NEXT_ATTENTION = 2  /* once the routed experts run: the next layer's attention weights */
+  DP_PREFETCH_ATTENTION_MOE = 1,  /* TP 8: after the attention input projection (KDA) or the attention
+                                     core (MLA): front + shared expert */
+  DP_PREFETCH_NEXT_ATTENTION = 2, /* after the routed experts' first kernel: the next layer's attention
+                                     weights */
+  DP_PREFETCH_ATTENTION_OPROJ = 3 /* after the kernel before the attention core (format 1.4 bundles): the
+                                     layer's o-projection, pulled while the core reads the caches */
 } dp_prefetch_point;
 
-/* *launched (may be NULL) is 1 when a table exists for (point, layer, width) and was launched, 0 when
- * there is none (prefetch is not worth it there) or the session has DP_SESSION_NO_PREFETCH. */
+/* *launched (may be NULL) is 1 when a table exists for (point, layer, width) and the fork will launch
+ * it (see above), 0 when there is none (prefetch is not worth it there, or it was capped to 0) or the
+ * session has DP_SESSION_NO_PREFETCH. */
 DP_API dp_status* dp_prefetch_fork(dp_session* session, int32_t point, int32_t layer, int32_t width,
                                    dp_stream stream, int32_t* launched);
 DP_API dp_status* dp_prefetch_join(dp_session* session, dp_stream stream);
+/* Limits every table of `point` at `width` to its first `bytes` (in table order, 16-byte units) from now
+ * on; 0 turns the point off at that width, and a cap at or above a table's size restores it. For
+ * measuring and tuning without a rebuild (`decodepack bench --prefetch sweep`); the bundle's tables
+ * (deploy `prefetch`) are the defaults. Not between a fork and its join, nor during a capture (it
+ * allocates device memory for the clipped tables). */
+DP_API dp_status* dp_prefetch_set_cap(dp_session* session, int32_t point, int32_t width, uint64_t bytes);
 
 /* ---- Sparse-attention indexer prefill ------------------------------------------------------------- *
  *

@@ -63,7 +63,7 @@ DEVICE_NONE = -1
 MIXER_KDA, MIXER_MLA = 1, 2
 KV_KDA_STATE, KV_CONV_Q, KV_CONV_K, KV_CONV_V, KV_MLA_LATENT = 1, 2, 3, 4, 5
 GRAPH_NONE, GRAPH_PIECEWISE, GRAPH_FULL = 0, 1, 2
-PREFETCH_OPROJ_DOWN, PREFETCH_ATTENTION_MOE, PREFETCH_NEXT_ATTENTION = 0, 1, 2
+PREFETCH_OPROJ_DOWN, PREFETCH_ATTENTION_MOE, PREFETCH_NEXT_ATTENTION, PREFETCH_ATTENTION_OPROJ = 0, 1, 2, 3
 SESSION_NO_PREFETCH = 0x1
 FLAG_WAIT_TIMEOUT, FLAG_PEER_ABORT = 0x1, 0x2
 NULL_BLOCK_ID, PAD_SLOT_ID = 0, -1
@@ -230,6 +230,7 @@ def _declare(lib):
         "dp_launch_final_norm": (S, [_p, _p, ctypes.POINTER(_FinalNormIo), _p]),
         "dp_prefetch_fork": (S, [_p, _i32, _i32, _i32, _p, ctypes.POINTER(_i32)]),
         "dp_prefetch_join": (S, [_p, _p]),
+        "dp_prefetch_set_cap": (S, [_p, _i32, _i32, _u64]),
         "dp_indexer_cache_init": (None, [ctypes.POINTER(_IndexerCache)]),
         "dp_indexer_write_keys": (S, [_p, ctypes.POINTER(_IndexerCache), _u64, _u64, _i64, _p]),
         "dp_indexer_batch_desc_init": (None, [ctypes.POINTER(_IndexerBatchDesc)]),
@@ -683,6 +684,10 @@ class Session(_Handle):
 
     def prefetch_join(self, stream=None):
         _check(_lib().dp_prefetch_join(self._h, _stream(stream)))
+
+    def prefetch_set_cap(self, point, width, nbytes):
+        """Limits the point's tables at `width` to their first `nbytes` (0: off); see dp_prefetch_set_cap."""
+        _check(_lib().dp_prefetch_set_cap(self._h, point, width, nbytes))
 
     # Sparse-attention indexer prefill (decodepack.h "Sparse-attention indexer prefill")
     @staticmethod

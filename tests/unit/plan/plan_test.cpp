@@ -1,3 +1,4 @@
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -198,8 +199,16 @@ TEST(Plan, StepBytesCountRoutedExpertsAsTheWorstCase) {
 TEST(Plan, PrefetchTablesFollowTheWidthRules) {
   model::Model m = model::load_model("kimi-linear-48b-a3b");
   Plan p = make_plan(m, deploy_of(base_deploy()), "deploy.json");
-  int oproj = 0, next = 0;
+  int oproj = 0, next = 0, attention_oproj = 0;
   for (const PrefetchTable& t : p.ranks[0].prefetch) {
+    if (t.point == "attention_oproj") {
+      ++attention_oproj;
+      EXPECT_TRUE(t.critical);
+      EXPECT_EQ(t.widths, (std::vector<int64_t>{1, 2, 3, 4, 5, 6, 7, 8}));
+      ASSERT_EQ(t.ranges.size(), 1u);
+      EXPECT_EQ(t.ranges[0].name, fmt::format("model.layers.{}.self_attn.o_proj.weight", t.layer));
+      EXPECT_EQ(t.bytes(), 4096u * 2304 * 2);  // the whole o-projection: under the 24 MiB cap
+    }
     if (t.point == "oproj_down") {
       ++oproj;
       EXPECT_TRUE(t.critical);
@@ -215,6 +224,7 @@ TEST(Plan, PrefetchTablesFollowTheWidthRules) {
   }
   EXPECT_EQ(oproj, 26);
   EXPECT_EQ(next, 25);  // every MoE layer but the last
+  EXPECT_EQ(attention_oproj, 27);  // every layer, dense or MoE
 }
 
 TEST(Plan, DeployThatDoesNotFitTheModelIsRefused) {

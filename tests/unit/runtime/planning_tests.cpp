@@ -371,8 +371,10 @@ TEST_F(PlanningTest, LaunchesOnAHostOnlySession) {
   int32_t launched = 5;
   DP_EXPECT_STATUS(dp_prefetch_fork(s_, DP_PREFETCH_NEXT_ATTENTION, 1, 2, nullptr, &launched), DP_ERR_NO_DEVICE);
   EXPECT_EQ(launched, 0);
-  DP_EXPECT_STATUS(dp_prefetch_fork(s_, 3, 1, 2, nullptr, &launched), DP_ERR_INVALID_ARGUMENT, "point 3");
+  DP_EXPECT_STATUS(dp_prefetch_fork(s_, 4, 1, 2, nullptr, &launched), DP_ERR_INVALID_ARGUMENT, "point 4");
   DP_EXPECT_STATUS(dp_prefetch_join(s_, nullptr), DP_ERR_NO_DEVICE);
+  DP_EXPECT_STATUS(dp_prefetch_set_cap(s_, DP_PREFETCH_ATTENTION_OPROJ, 2, 1 << 20), DP_ERR_NO_DEVICE, "host-only");
+  DP_EXPECT_STATUS(dp_prefetch_set_cap(s_, -1, 2, 0), DP_ERR_INVALID_ARGUMENT, "point -1");
 
   // A step of another session is refused.
   dp_session* other = nullptr;
