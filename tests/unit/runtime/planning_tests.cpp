@@ -559,6 +559,7 @@ TEST_F(LayerProgramTest, DeployBlockOutsideTheDeployReadersBoundsIsRefused) {
   const std::vector<Case> cases = {
       {"num_speculative_tokens", 8, "num_speculative_tokens"},
       {"tensor_parallel", 16, "tensor_parallel"},
+      {"widths", {65}, "deploy.widths holds 65, expected widths 1..64"},
   };
   const nlohmann::json original = m_;
   for (const Case& c : cases) {
