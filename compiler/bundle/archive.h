@@ -6,14 +6,16 @@
 // order or output path. Empty directories are not recorded (a bundle is its files). The archive ends
 // with the two zero blocks of the end-of-archive marker and no further padding.
 //
-// Reading: the readers open only a regular file (a FIFO is refused, not waited on), stream member data,
-// read at most format::kMaxBundleFiles entries and format::kMaxArchiveTrailingBytes of zeros after the
-// end-of-archive marker, and accept only what a bundle may contain (regular files and directories with
-// relative, normalised paths, each named once). They check the structure completely, so a truncated,
-// padded-with-garbage or hostile archive is refused with a message that names the file and the entry
-// instead of yielding a partial bundle. Every failure is a dp::Error: Errc::io when the file cannot be
-// read or written, Errc::verify when its contents are not a valid bundle archive, Errc::input when the
-// directory to be archived holds something a bundle cannot (a link, a device, a path ustar cannot store).
+// Reading: the readers open only a regular file (a FIFO is refused, not waited on) and check its whole
+// structure with the format's one archive walk (runtime/format/ustar.h, the runtime's reader walks it
+// too), before any member is read: at most format::kMaxBundleFiles entries and
+// format::kMaxArchiveTrailingBytes of zeros after the end-of-archive marker, only what a bundle may
+// contain (regular files and directories with paths format::bundle_path_problem accepts, each named
+// once). So a truncated, padded-with-garbage or hostile archive is refused with a message that names the
+// file and the entry instead of yielding a partial bundle. Every failure is a dp::Error: Errc::io when
+// the file cannot be read or written, Errc::verify when its contents are not a valid bundle archive,
+// Errc::input when the directory to be archived holds something a bundle cannot (a link, a device, a
+// path the readers refuse or ustar cannot store) or a member is larger than asked for.
 //
 // Example:
 //   dp::bundle::write_archive("out/.staging", "tiny.dpk");
@@ -28,14 +30,14 @@
 #include <vector>
 
 #include "format/untrusted.h"
+#include "format/ustar.h"
 
 namespace dp::bundle {
 
-// ustar's limits: a path is a name of at most 100 bytes, optionally preceded by a prefix of at most 155
-// bytes joined at a '/'; a size is 11 octal digits.
-inline constexpr size_t kUstarNameMax = 100;
-inline constexpr size_t kUstarPrefixMax = 155;
-inline constexpr uint64_t kUstarSizeMax = 077777777777ULL;  // 8 GiB - 1
+// ustar's limits (runtime/format/ustar.h).
+using format::kUstarNameMax;
+using format::kUstarPrefixMax;
+using format::kUstarSizeMax;
 
 // Archives every regular file under `dir` into `out_file` (see above). The archive is written under a
 // temporary name in out_file's directory and renamed into place, so `out_file` is either the previous

@@ -74,7 +74,7 @@ std::optional<std::vector<std::string>> bundle_own_files(const std::filesystem::
     if (j.contains("files") && j["files"].is_array())
       for (const Json& f : j["files"])
         if (f.is_object() && f.contains("path") && f["path"].is_string() &&
-            is_safe_relative_path(f["path"].get<std::string>()))
+            format::bundle_path_problem(f["path"].get<std::string>()).empty())
           own.push_back(f["path"].get<std::string>());
     return own;
   } catch (const std::exception&) {

@@ -466,7 +466,7 @@ Deploy parse_deploy(const Json& j, const std::string& where) {
     if (d.tensor_parallel % d.dcp.size != 0)
       fail(Errc::input, "{}: dcp.size {} does not divide tensor_parallel {} (valid: {})", where, d.dcp.size,
            d.tensor_parallel, join(divisors(d.tensor_parallel)));
-    d.dcp.interleave = o.integer("interleave", 1, 1, kMaxBlockSize);
+    d.dcp.interleave = o.integer("interleave", 1, 1, format::kMaxDcpInterleave);
     if (d.kv_cache.block_size % d.dcp.interleave != 0)
       fail(Errc::input, "{}: dcp.interleave {} does not divide kv_cache.block_size {} (valid: {})", where,
            d.dcp.interleave, d.kv_cache.block_size, join(divisors(d.kv_cache.block_size)));

@@ -160,10 +160,9 @@ struct Deploy {
 using format::kMaxWidth;
 using format::kMaxSpeculativeTokens;
 using format::kMaxBlockSize;
+using format::kMaxIndexerLimit;
+using format::kMaxIndexerKeys;
 inline constexpr int64_t kMaxPrefetchCapBytes = int64_t{1} << 30;  // more than any GPU's L2
-inline constexpr int64_t kMaxIndexerLimit = (int64_t{1} << 31) - 1;  // kernels index keys with int32
-// Keys per chunk: the staged pages round the keys up to a multiple of 64, which must stay an int32.
-inline constexpr int64_t kMaxIndexerKeys = kMaxIndexerLimit / 64 * 64;  // 2147483584
 
 // ---- Reading and writing ---------------------------------------------------------------------------
 

@@ -1,7 +1,5 @@
 #include "format/bundle_reader.h"
 
-#include <archive.h>
-#include <archive_entry.h>
 #include <openssl/evp.h>
 #include <unistd.h>
 
@@ -46,143 +44,25 @@ struct BundleReader::Source {
 
 namespace {
 
-constexpr uint64_t kBlock = 512;        // tar's unit: headers and data padding
 constexpr size_t kChunk = size_t{1} << 20;  // read size: no file is read whole unless asked for
 
 [[noreturn]] void integrity(const std::string& msg) { throw FormatError(FormatError::Kind::integrity, msg); }
 [[noreturn]] void schema(const std::string& msg) { throw FormatError(FormatError::Kind::schema, msg); }
 
-// Why `p` may not be a member path (bundle-format.md §1), or "" if it may.
-std::string path_problem(const std::string& p) {
-  if (p.empty()) return "empty path";
-  if (p.front() == '/') return "absolute path";
-  if (p.find('\\') != std::string::npos) return "backslash in path";
-  size_t start = 0;
-  while (true) {
-    const size_t end = p.find('/', start);
-    const std::string part = p.substr(start, end == std::string::npos ? std::string::npos : end - start);
-    if (part.empty()) return "empty path component";
-    if (part == ".") return "'.' path component";
-    if (part == "..") return "'..' path component";
-    if (end == std::string::npos) return {};
-    start = end + 1;
-  }
-}
-
-// Reads exactly n bytes at `offset` of `fd`; false if the file ends first.
-bool pread_all(int fd, uint8_t* out, size_t n, uint64_t offset, const std::string& label) {
-  while (n > 0) {
-    const ssize_t r = ::pread(fd, out, n, static_cast<off_t>(offset));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) throw BundleIoError(fmt::format("{}: read failed at byte {}: {}", label, offset, std::strerror(errno)));
-    if (r == 0) return false;
-    out += r, n -= static_cast<size_t>(r), offset += static_cast<uint64_t>(r);
-  }
-  return true;
-}
-
-struct ArchiveDeleter {
-  void operator()(struct archive* a) const { archive_read_free(a); }  // leaves the descriptor open
-};
-
-// Walks the ustar archive open on `src.fd` (of `size` bytes) header by header and records its regular
-// members in src.files; returns manifest.json's entry (size 0 and offset 0 when absent). Member data is
-// contiguous 512 bytes after its header (no extended headers are allowed), so the walk tracks where each
-// header must be and can say exactly what is missing when the file is cut short; data is skipped, never
-// read.
-BundleReader::Source::Member walk_archive(BundleReader::Source& src, uint64_t size, bool* has_manifest) {
-  const std::string& label = src.label;
-  if (size < kBlock)
-    integrity(fmt::format("{}: truncated archive: the first header needs {} bytes, {} present", label, kBlock, size));
-  std::unique_ptr<struct archive, ArchiveDeleter> a(archive_read_new());
-  if (!a) throw std::bad_alloc();
-  archive_read_support_format_tar(a.get());  // uncompressed tar only: anything else is not a .dpk
-  if (archive_read_open_fd(a.get(), src.fd, kChunk) != ARCHIVE_OK)
-    schema(fmt::format("{}: not a tar archive: {}", label, archive_error_string(a.get())));
-
+// Records the regular members of the archive open on `src.fd` (of `size` bytes) in src.files; returns
+// manifest.json's entry (size 0 and offset 0 when absent). Data is skipped, never read.
+BundleReader::Source::Member walk_bundle_archive(BundleReader::Source& src, uint64_t size, bool* has_manifest) {
   BundleReader::Source::Member manifest;
-  std::map<std::string, bool> seen;  // path -> is a directory (explicit or implied by a member below it)
-  uint64_t next_header = 0, entries = 0;
-  std::string last;
-  auto after = [&] { return last.empty() ? std::string("at the start") : "after entry " + last; };
-  while (true) {
-    struct archive_entry* e = nullptr;
-    const int r = archive_read_next_header(a.get(), &e);
-    const uint64_t at = next_header;
-    if (r == ARCHIVE_EOF) {
-      // libarchive accepts a missing end-of-archive marker; for a bundle it means a cut-off file.
-      if (at + 2 * kBlock > size)
-        integrity(fmt::format("{}: truncated archive: the end-of-archive marker {} needs {} bytes at byte {}, {} "
-                              "present", label, after(), 2 * kBlock, at, at > size ? 0 : size - at));
-      if (size - at > 2 * kBlock + kMaxArchiveTrailingBytes)
-        integrity(fmt::format("{}: corrupt archive: {} bytes from the end-of-archive marker at byte {} to the end of "
-                              "the file, expected at most {} (the marker and up to {} bytes of zero padding)", label,
-                              size - at, at, 2 * kBlock + kMaxArchiveTrailingBytes, kMaxArchiveTrailingBytes));
-      std::vector<uint8_t> tail(static_cast<size_t>(size - at));
-      if (!pread_all(src.fd, tail.data(), tail.size(), at, label))
-        integrity(fmt::format("{}: truncated archive: the file shrank while being read", label));
-      auto nz = std::find_if(tail.begin(), tail.end(), [](uint8_t b) { return b != 0; });
-      if (nz != tail.end())
-        integrity(fmt::format("{}: corrupt archive: non-zero byte at {} in or after the end-of-archive marker "
-                              "(expected only zeros from byte {})", label, at + (nz - tail.begin()), at));
-      return manifest;
+  walk_archive(src.fd, size, src.label, [&](const ArchiveMember& m) {
+    if (m.dir) return;
+    if (m.path == kManifestFile) {
+      manifest = {m.offset, m.size};
+      *has_manifest = true;
+    } else {
+      src.files.emplace(m.path, BundleReader::Source::Member{m.offset, m.size});
     }
-    if (r != ARCHIVE_OK) {
-      if (at + kBlock > size)
-        integrity(fmt::format("{}: truncated archive: the header {} needs {} bytes at byte {}, {} present", label,
-                              after(), kBlock, at, size - at));
-      if (last.empty()) schema(fmt::format("{}: not a ustar archive: {}", label, archive_error_string(a.get())));
-      integrity(fmt::format("{}: corrupt archive: header {} at byte {}: {}", label, after(), at,
-                            archive_error_string(a.get())));
-    }
-    const char* raw = archive_entry_pathname(e);
-    std::string path = raw ? raw : "";
-    if (archive_format(a.get()) != ARCHIVE_FORMAT_TAR_USTAR)
-      integrity(fmt::format("{}: entry {}: written as {}, expected plain ustar without extended headers", label,
-                            excerpt(path), archive_format_name(a.get())));
-    if (archive_entry_hardlink(e))
-      integrity(fmt::format("{}: entry {}: is a hard link; a bundle holds only regular files", label, excerpt(path)));
-    const auto type = archive_entry_filetype(e);
-    if (type != AE_IFREG && type != AE_IFDIR)
-      integrity(fmt::format("{}: entry {}: is a {}; a bundle holds only regular files", label, excerpt(path),
-                            type == AE_IFLNK ? "symbolic link" : "device, fifo or socket"));
-    const bool dir = type == AE_IFDIR;
-    if (dir && !path.empty() && path.back() == '/') path.pop_back();
-    if (std::string why = path_problem(path); !why.empty())
-      integrity(fmt::format("{}: entry '{}': refused: {}", label, excerpt(path), why));
-    if (++entries > kMaxBundleFiles)
-      schema(fmt::format("{}: entry {}: more than {} entries, expected at most {} (a bundle holds a few hundred files)",
-                         label, excerpt(path), kMaxBundleFiles, kMaxBundleFiles));
-    for (size_t s = path.find('/'); s != std::string::npos; s = path.find('/', s + 1)) {
-      auto [it, fresh] = seen.emplace(path.substr(0, s), true);
-      if (!fresh && !it->second)
-        integrity(fmt::format("{}: entry {}: its parent {} is a file", label, excerpt(path), excerpt(it->first)));
-    }
-    if (auto it = seen.find(path); it != seen.end() && !(dir && it->second))
-      integrity(fmt::format("{}: entry {}: duplicate entry (the name appears twice)", label, excerpt(path)));
-    seen[path] = dir;
-
-    const uint64_t len = dir ? 0 : static_cast<uint64_t>(archive_entry_size(e));
-    const uint64_t data_at = at + kBlock;
-    const uint64_t padded = (len + kBlock - 1) / kBlock * kBlock;
-    if (static_cast<uint64_t>(archive_read_header_position(a.get())) != at)
-      integrity(fmt::format("{}: entry {}: header at byte {}, expected {} (extended headers are not allowed)", label,
-                            excerpt(path), archive_read_header_position(a.get()), at));
-    if (data_at + padded > size)
-      integrity(fmt::format("{}: truncated archive: entry {} needs {} bytes ({} of data, padded to {}) at byte {}, "
-                            "{} present", label, excerpt(path), padded, len, kBlock, data_at, size - data_at));
-    if (!dir) {
-      if (path == kManifestFile) {
-        manifest = {data_at, len};
-        *has_manifest = true;
-      } else {
-        src.files.emplace(path, BundleReader::Source::Member{data_at, len});
-      }
-    }
-    archive_read_data_skip(a.get());  // a seek on a regular file: the data is not read
-    next_header = data_at + padded;
-    last = path;
-  }
+  });
+  return manifest;
 }
 
 // Lists a directory bundle's files (regular files only) into src.files, manifest.json included.
@@ -247,14 +127,7 @@ void BundleReader::Source::read(const std::string& rel, const Member& m,
                                 const std::function<void(const uint8_t*, size_t)>& sink) const {
   std::vector<uint8_t> buf(static_cast<size_t>(std::min<uint64_t>(kChunk, std::max<uint64_t>(m.size, 1))));
   if (archive) {
-    for (uint64_t done = 0; done < m.size;) {
-      const size_t n = static_cast<size_t>(std::min<uint64_t>(buf.size(), m.size - done));
-      if (!pread_all(fd, buf.data(), n, m.offset + done, label))
-        integrity(fmt::format("{}: file {}: the archive ends after {} of its {} bytes (it changed since it was opened)",
-                              label, rel, done, m.size));
-      sink(buf.data(), n);
-      done += n;
-    }
+    read_member(fd, ArchiveMember{rel, false, m.size, m.offset}, label, sink);
     return;
   }
   const fs::path p = root / rel;
@@ -324,15 +197,14 @@ BundleReader BundleReader::open(const fs::path& path) {
     b.archive_ = true;
     src->archive = true;
     bool has_manifest = false;
-    const Source::Member m = walk_archive(*src, size, &has_manifest);
+    const Source::Member m = walk_bundle_archive(*src, size, &has_manifest);
     if (!has_manifest) schema(fmt::format("{}: not a bundle: no {} member", b.label_, kManifestFile));
     where = b.label_ + ":" + kManifestFile;
     if (m.size > kMaxManifestBytes)
       schema(fmt::format("{}: {} bytes, expected at most {}", where, m.size, kMaxManifestBytes));
-    b.manifest_bytes_.resize(static_cast<size_t>(m.size));
-    if (!pread_all(src->fd, reinterpret_cast<uint8_t*>(b.manifest_bytes_.data()), b.manifest_bytes_.size(), m.offset,
-                   b.label_))
-      integrity(fmt::format("{}: the archive ends inside the member (it changed while being read)", where));
+    b.manifest_bytes_.reserve(static_cast<size_t>(m.size));
+    read_member(src->fd, ArchiveMember{kManifestFile, false, m.size, m.offset}, b.label_,
+                [&](const uint8_t* p, size_t n) { b.manifest_bytes_.append(reinterpret_cast<const char*>(p), n); });
   }
   b.src_ = std::move(src);
   b.digest_ = "sha256:" + sha256_hex({reinterpret_cast<const uint8_t*>(b.manifest_bytes_.data()),

@@ -12,7 +12,7 @@
 //
 // open() checks the container and the manifest: for an archive, the structure rules of §1.2 (plain
 // ustar, only regular files and directories, safe unique paths, data and padding present, the
-// end-of-archive marker present and only zeros after it); for a directory, only regular files (no
+// end-of-archive marker present and only zeros after it: format/ustar.h's walk_archive); for a directory, only regular files (no
 // links, devices, FIFOs); then manifest.json's format name and version (before any other field) and its
 // schema (format::from_json). verify() checks what the manifest promises about the files: every listed
 // file is present with its size and sha256, and no other file is present.
@@ -39,19 +39,12 @@
 
 #include "format/manifest.h"
 #include "format/untrusted.h"
+#include "format/ustar.h"  // kMaxBundleFiles, kMaxArchiveTrailingBytes, BundleIoError, the archive walk
 
 namespace dp::format {
 
-// Limits of what a reader accepts, far above real bundles (kimi-k3 at TP 8: a few hundred files of at
-// most a few MB) and far below what would exhaust memory or time.
-inline constexpr uint64_t kMaxBundleFiles = 65536;                     // files and directories
-inline constexpr uint64_t kMaxArchiveTrailingBytes = uint64_t{1} << 20;  // zeros after the end marker
-inline constexpr uint64_t kMaxLoadedFileBytes = uint64_t{256} << 20;   // one file loaded by file()
-
-// The bundle (or one of its files) cannot be read: missing path, permission, read error.
-struct BundleIoError : FormatError {
-  explicit BundleIoError(std::string msg) : FormatError(Kind::integrity, std::move(msg)) {}
-};
+// Limit of what file() loads, far above a real code object (a few MB).
+inline constexpr uint64_t kMaxLoadedFileBytes = uint64_t{256} << 20;
 
 class BundleReader {
  public:

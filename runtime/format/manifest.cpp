@@ -1,5 +1,6 @@
 #include "format/manifest.h"
 #include "format/untrusted.h"
+#include "format/ustar.h"
 
 #include <algorithm>
 #include <cmath>
@@ -117,19 +118,6 @@ const std::set<std::string> kKinds = {"final_norm", "prefetch", "layer", "indexe
 
 bool is_hex64(const std::string& s) {
   return s.size() == 64 && std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
-}
-
-bool safe_path(const std::string& p) {
-  if (p.empty() || p.front() == '/' || p.back() == '/' || p.find('\\') != std::string::npos) return false;
-  size_t start = 0;
-  while (start <= p.size()) {
-    size_t end = p.find('/', start);
-    if (end == std::string::npos) end = p.size();
-    std::string part = p.substr(start, end - start);
-    if (part.empty() || part == "." || part == "..") return false;
-    start = end + 1;
-  }
-  return true;
 }
 
 const std::set<std::string> kIoFields = {"hidden",        "residual", "out",          "residual_out",
@@ -472,7 +460,8 @@ void validate(const Manifest& m, const std::string& where) {
     if (total > kMaxBundleBytes)
       bad(fmt::format("files[{}] ({}): the files up to here hold {} bytes, expected at most {} in all", i, f.path, total,
                       kMaxBundleBytes));
-    if (!safe_path(f.path)) bad(fmt::format("files[{}].path \"{}\" is not a safe relative path", i, f.path));
+    if (std::string why = bundle_path_problem(f.path); !why.empty())
+      bad(fmt::format("files[{}].path \"{}\" is not a safe relative path ({})", i, excerpt(f.path), why));
     if (f.path == kManifestFile) bad(fmt::format("files[{}] lists {} itself", i, kManifestFile));
     if (!is_hex64(f.sha256)) bad(fmt::format("files[{}] ({}): sha256 \"{}\" is not 64 hex digits", i, f.path, f.sha256));
     if (i > 0 && !(m.files[i - 1].path < f.path))

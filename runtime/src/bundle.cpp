@@ -96,9 +96,9 @@ Status derive(dp_bundle& b) {
   d.mla_rope_dim = f.integer(det, "mla.qk_rope_head_dim", 0, 1 << 20, st);
   if (m.indexer.heads > 0) {
     d.dcp_size = f.integer(m.deploy, "dcp.size", 1, format::kMaxDcpSize, st);
-    d.dcp_interleave = f.integer(m.deploy, "dcp.interleave", 1, 1 << 20, st);
-    d.indexer_max_keys = f.integer(m.deploy, "indexer.max_keys_per_chunk", 1, INT32_MAX, st);
-    d.indexer_max_requests = f.integer(m.deploy, "indexer.max_requests", 1, INT32_MAX, st);
+    d.dcp_interleave = f.integer(m.deploy, "dcp.interleave", 1, format::kMaxDcpInterleave, st);
+    d.indexer_max_keys = f.integer(m.deploy, "indexer.max_keys_per_chunk", 1, format::kMaxIndexerKeys, st);
+    d.indexer_max_requests = f.integer(m.deploy, "indexer.max_requests", 1, format::kMaxIndexerLimit, st);
   }
   DP_RETURN_IF_ERROR(st);
   if (d.block_size % d.dcp_interleave != 0)
@@ -120,6 +120,9 @@ Status derive(dp_bundle& b) {
   if (d.widths.empty()) return error(DP_ERR_FORMAT, "{}: deploy.widths is empty, expected at least one width", where);
   if (!std::is_sorted(d.widths.begin(), d.widths.end()) || std::count(d.widths.begin(), d.widths.end(), 0))
     return error(DP_ERR_FORMAT, "{}: deploy.widths is not sorted and positive", where);
+  if (d.widths.back() > format::kMaxWidth)
+    return error(DP_ERR_FORMAT, "{}: deploy.widths holds {}, expected widths 1..{}", where, d.widths.back(),
+                 format::kMaxWidth);
   for (const format::LayerEntry& l : m.layers) {
     if (l.mixer != "kda" && l.mixer != "mla")
       return error(DP_ERR_FORMAT, "{}: layers[{}].mixer \"{}\", expected \"kda\" or \"mla\"", where, l.index, format::excerpt(l.mixer));

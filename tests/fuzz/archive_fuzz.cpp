@@ -1,6 +1,7 @@
 // libFuzzer target: a .dpk archive as arbitrary bytes, through both archive readers: the compiler's
 // (dp::bundle::list_archive / read_archive_member, which push and pull use) and the runtime's
 // (dp::format::BundleReader: open, verify, then every file), which inspect, verify and libdecodepack use.
+// Both walk the archive with dp::format::walk_archive (runtime/format/ustar.h).
 //
 // Contract under test: every input is either accepted or refused with the reader's own error type
 // (dp::Error for the compiler's reader, dp::format::FormatError for the runtime's); anything else (another

@@ -293,7 +293,10 @@ def fingerprint(tensors, name, w):
     elif dtype == "F32" and w["dtype"] == "BF16":
         out = bytearray()
         for (u,) in struct.iter_unpack("<I", raw):
-            out += struct.pack("<H", ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFFFFFF) >> 16)
+            if (u & 0x7FFFFFFF) > 0x7F800000:  # NaN stays a quiet NaN, as the writer converts
+                out += struct.pack("<H", (u | 0x00400000) >> 16)
+            else:
+                out += struct.pack("<H", ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFFFFFF) >> 16)
         raw = bytes(out)
     else:
         assert dtype == w["dtype"] or {dtype, w["dtype"]} == {"U8", "F8_E8M0"}, (name, dtype, w["dtype"])

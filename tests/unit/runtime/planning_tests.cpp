@@ -561,6 +561,11 @@ TEST_F(LayerProgramTest, DeployBlockOutsideTheDeployReadersBoundsIsRefused) {
   const std::vector<Case> cases = {
       {"num_speculative_tokens", 8, "num_speculative_tokens"},
       {"tensor_parallel", 16, "tensor_parallel"},
+      {"widths", [&] {  // the built widths (kernels must name one) and one past the bound
+         nlohmann::json w = m_["deploy"]["widths"];
+         w.push_back(65);
+         return w;
+       }(), "deploy.widths holds 65, expected widths 1..64"},
   };
   const nlohmann::json original = m_;
   for (const Case& c : cases) {
