@@ -1,7 +1,6 @@
 #include "format/bundle_reader.h"
+#include "format/ustar.h"
 
-#include <archive.h>
-#include <archive_entry.h>
 #include <openssl/evp.h>
 #include <unistd.h>
 
@@ -81,44 +80,48 @@ bool pread_all(int fd, uint8_t* out, size_t n, uint64_t offset, const std::strin
   return true;
 }
 
-struct ArchiveDeleter {
-  void operator()(struct archive* a) const { archive_read_free(a); }  // leaves the descriptor open
-};
-
 // Walks the ustar archive open on `src.fd` (of `size` bytes) header by header and records its regular
 // members in src.files; returns manifest.json's entry (size 0 and offset 0 when absent). Member data is
 // contiguous 512 bytes after its header (no extended headers are allowed), so the walk tracks where each
 // header must be and can say exactly what is missing when the file is cut short; data is skipped, never
-// read.
+// read. Headers are parsed by format/ustar.h: the runtime links no archive library.
 BundleReader::Source::Member walk_archive(BundleReader::Source& src, uint64_t size, bool* has_manifest) {
   const std::string& label = src.label;
   if (size < kBlock)
     integrity(fmt::format("{}: truncated archive: the first header needs {} bytes, {} present", label, kBlock, size));
-  std::unique_ptr<struct archive, ArchiveDeleter> a(archive_read_new());
-  if (!a) throw std::bad_alloc();
-  archive_read_support_format_tar(a.get());  // uncompressed tar only: anything else is not a .dpk
-  if (archive_read_open_fd(a.get(), src.fd, kChunk) != ARCHIVE_OK)
-    schema(fmt::format("{}: not a tar archive: {}", label, archive_error_string(a.get())));
 
   BundleReader::Source::Member manifest;
   std::map<std::string, bool> seen;  // path -> is a directory (explicit or implied by a member below it)
-  uint64_t next_header = 0, entries = 0;
+  uint64_t at = 0, entries = 0;
   std::string last;
   auto after = [&] { return last.empty() ? std::string("at the start") : "after entry " + last; };
+  uint8_t block[kBlock];
   while (true) {
-    struct archive_entry* e = nullptr;
-    const int r = archive_read_next_header(a.get(), &e);
-    const uint64_t at = next_header;
-    if (r == ARCHIVE_EOF) {
-      // libarchive accepts a missing end-of-archive marker; for a bundle it means a cut-off file.
+    const uint64_t left = size - at;
+    bool end_marker = false;
+    if (left >= kBlock) {
+      if (!pread_all(src.fd, block, kBlock, at, label))
+        integrity(fmt::format("{}: truncated archive: the file shrank while being read", label));
+      end_marker = format::ustar::is_zero_block(block);
+    } else {
+      // Less than a block left: zeros are a cut end-of-archive marker, anything else a cut header.
+      if (!pread_all(src.fd, block, static_cast<size_t>(left), at, label))
+        integrity(fmt::format("{}: truncated archive: the file shrank while being read", label));
+      end_marker = std::all_of(block, block + left, [](uint8_t b) { return b == 0; });
+      if (!end_marker)
+        integrity(fmt::format("{}: truncated archive: the header {} needs {} bytes at byte {}, {} present", label,
+                              after(), kBlock, at, left));
+    }
+    if (end_marker) {
+      // The end-of-archive marker: two zero blocks, then at most kMaxArchiveTrailingBytes of zeros.
       if (at + 2 * kBlock > size)
         integrity(fmt::format("{}: truncated archive: the end-of-archive marker {} needs {} bytes at byte {}, {} "
-                              "present", label, after(), 2 * kBlock, at, at > size ? 0 : size - at));
-      if (size - at > 2 * kBlock + kMaxArchiveTrailingBytes)
+                              "present", label, after(), 2 * kBlock, at, left));
+      if (left > 2 * kBlock + kMaxArchiveTrailingBytes)
         integrity(fmt::format("{}: corrupt archive: {} bytes from the end-of-archive marker at byte {} to the end of "
                               "the file, expected at most {} (the marker and up to {} bytes of zero padding)", label,
-                              size - at, at, 2 * kBlock + kMaxArchiveTrailingBytes, kMaxArchiveTrailingBytes));
-      std::vector<uint8_t> tail(static_cast<size_t>(size - at));
+                              left, at, 2 * kBlock + kMaxArchiveTrailingBytes, kMaxArchiveTrailingBytes));
+      std::vector<uint8_t> tail(static_cast<size_t>(left));
       if (!pread_all(src.fd, tail.data(), tail.size(), at, label))
         integrity(fmt::format("{}: truncated archive: the file shrank while being read", label));
       auto nz = std::find_if(tail.begin(), tail.end(), [](uint8_t b) { return b != 0; });
@@ -127,26 +130,21 @@ BundleReader::Source::Member walk_archive(BundleReader::Source& src, uint64_t si
                               "(expected only zeros from byte {})", label, at + (nz - tail.begin()), at));
       return manifest;
     }
-    if (r != ARCHIVE_OK) {
-      if (at + kBlock > size)
-        integrity(fmt::format("{}: truncated archive: the header {} needs {} bytes at byte {}, {} present", label,
-                              after(), kBlock, at, size - at));
-      if (last.empty()) schema(fmt::format("{}: not a ustar archive: {}", label, archive_error_string(a.get())));
-      integrity(fmt::format("{}: corrupt archive: header {} at byte {}: {}", label, after(), at,
-                            archive_error_string(a.get())));
+    format::ustar::Header h;
+    if (std::string why = format::ustar::parse_header(block, &h); !why.empty()) {
+      if (last.empty()) schema(fmt::format("{}: not a ustar archive: {}", label, why));
+      integrity(fmt::format("{}: corrupt archive: header {} at byte {}: {}", label, after(), at, why));
     }
-    const char* raw = archive_entry_pathname(e);
-    std::string path = raw ? raw : "";
-    if (archive_format(a.get()) != ARCHIVE_FORMAT_TAR_USTAR)
+    std::string path = std::move(h.path);
+    if (h.type == format::ustar::Type::extended || !h.plain_ustar)
       integrity(fmt::format("{}: entry {}: written as {}, expected plain ustar without extended headers", label,
-                            excerpt(path), archive_format_name(a.get())));
-    if (archive_entry_hardlink(e))
+                            excerpt(path), h.plain_ustar ? "a " + format::ustar::type_name(h) : h.dialect));
+    if (h.type == format::ustar::Type::hard_link)
       integrity(fmt::format("{}: entry {}: is a hard link; a bundle holds only regular files", label, excerpt(path)));
-    const auto type = archive_entry_filetype(e);
-    if (type != AE_IFREG && type != AE_IFDIR)
+    if (h.type != format::ustar::Type::file && h.type != format::ustar::Type::directory)
       integrity(fmt::format("{}: entry {}: is a {}; a bundle holds only regular files", label, excerpt(path),
-                            type == AE_IFLNK ? "symbolic link" : "device, fifo or socket"));
-    const bool dir = type == AE_IFDIR;
+                            format::ustar::type_name(h)));
+    const bool dir = h.type == format::ustar::Type::directory;
     if (dir && !path.empty() && path.back() == '/') path.pop_back();
     if (std::string why = path_problem(path); !why.empty())
       integrity(fmt::format("{}: entry '{}': refused: {}", label, excerpt(path), why));
@@ -162,12 +160,9 @@ BundleReader::Source::Member walk_archive(BundleReader::Source& src, uint64_t si
       integrity(fmt::format("{}: entry {}: duplicate entry (the name appears twice)", label, excerpt(path)));
     seen[path] = dir;
 
-    const uint64_t len = dir ? 0 : static_cast<uint64_t>(archive_entry_size(e));
+    const uint64_t len = dir ? 0 : h.size;
     const uint64_t data_at = at + kBlock;
     const uint64_t padded = (len + kBlock - 1) / kBlock * kBlock;
-    if (static_cast<uint64_t>(archive_read_header_position(a.get())) != at)
-      integrity(fmt::format("{}: entry {}: header at byte {}, expected {} (extended headers are not allowed)", label,
-                            excerpt(path), archive_read_header_position(a.get()), at));
     if (data_at + padded > size)
       integrity(fmt::format("{}: truncated archive: entry {} needs {} bytes ({} of data, padded to {}) at byte {}, "
                             "{} present", label, excerpt(path), padded, len, kBlock, data_at, size - data_at));
@@ -179,8 +174,7 @@ BundleReader::Source::Member walk_archive(BundleReader::Source& src, uint64_t si
         src.files.emplace(path, BundleReader::Source::Member{data_at, len});
       }
     }
-    archive_read_data_skip(a.get());  // a seek on a regular file: the data is not read
-    next_header = data_at + padded;
+    at = data_at + padded;  // the data is skipped, never read
     last = path;
   }
 }
