@@ -68,6 +68,21 @@ unset(ENV{LD_LIBRARY_PATH})
 # 3. The Python binding, installed with pip from the installed tree's copy (offline: the interpreter's
 # own setuptools), then loading the installed library through DECODEPACK_LIBRARY and from beside the
 # package. No GPU driver here: device_count() is 0.
+# pip builds a wheel with setuptools' bdist_wheel, which needs the `wheel` package (Debian: python3-pip
+# brings python3-wheel); the configured interpreter may lack it, the system's then stands in.
+set(pip_python "")
+foreach(py ${PYTHON} /usr/bin/python3)
+  execute_process(COMMAND ${py} -c "import pip, setuptools, wheel" RESULT_VARIABLE rc OUTPUT_QUIET ERROR_QUIET)
+  if(rc EQUAL 0)
+    set(pip_python ${py})
+    break()
+  endif()
+endforeach()
+if(NOT pip_python)
+  message(FATAL_ERROR "no Python with pip, setuptools and wheel (tried ${PYTHON} /usr/bin/python3): install the "
+                      "Debian packages python3-pip and python3-setuptools (./dev.sh does)")
+endif()
+set(PYTHON ${pip_python})
 if(PYTHON)
   set(site ${WORK_DIR}/site)
   run(${PYTHON} -m pip install --quiet --no-index --no-build-isolation --no-deps --target ${site}
