@@ -132,7 +132,7 @@ BundleReader::Source::Member walk_archive(BundleReader::Source& src, uint64_t si
     }
     format::ustar::Header h;
     if (std::string why = format::ustar::parse_header(block, &h); !why.empty()) {
-      if (last.empty()) schema(fmt::format("{}: not a ustar archive: {}", label, why));
+      if (last.empty()) schema(fmt::format("{}: not a tar archive: {}", label, why));
       integrity(fmt::format("{}: corrupt archive: header {} at byte {}: {}", label, after(), at, why));
     }
     std::string path = std::move(h.path);

@@ -316,7 +316,7 @@ TEST_F(BundleReaderTest, DamagedHeaderIsNamedByPosition) {
   for (size_t i = 0; i < 512; ++i) sum += static_cast<unsigned char>(first[i]);
   std::snprintf(&first[148], 8, "%06o", sum);
   expect_format_error([&] { BundleReader::open(write("size.dpk", first)); }, FormatError::Kind::schema,
-                      {"not a ustar archive", "size field", "not an octal number"});
+                      {"not a tar archive", "size field", "not an octal number"});
 }
 
 TEST_F(BundleReaderTest, LongPathsUseTheUstarPrefix) {
