@@ -17,7 +17,7 @@ packages=(
   nlohmann-json3-dev libcli11-dev libfmt-dev libgtest-dev libgmock-dev
   libssl-dev libcurl4-openssl-dev libarchive-dev
   llvm-19-dev clang-19 lld-19 libclang-rt-19-dev
-  docker-registry python3-jsonschema
+  docker-registry python3-jsonschema python3-pip python3-setuptools
 )
 
 missing=()

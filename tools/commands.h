@@ -15,6 +15,7 @@ void add_plan(CLI::App& app, Action& action);
 void add_build(CLI::App& app, Action& action);
 void add_inspect(CLI::App& app, Action& action);
 void add_verify(CLI::App& app, Action& action);
+void add_pack(CLI::App& app, Action& action);
 void add_push(CLI::App& app, Action& action);
 void add_pull(CLI::App& app, Action& action);
 void add_run(CLI::App& app, Action& action);

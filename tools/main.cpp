@@ -52,6 +52,7 @@ int main(int argc, char** argv) {
   dp::tools::add_build(app, action);
   dp::tools::add_inspect(app, action);
   dp::tools::add_verify(app, action);
+  dp::tools::add_pack(app, action);
   dp::tools::add_push(app, action);
   dp::tools::add_pull(app, action);
   dp::tools::add_run(app, action);

@@ -1,16 +1,71 @@
 // decodepack push / pull: bundles to and from an OCI registry (distribution API).
+#include <unistd.h>
+
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <optional>
+#include <random>
 
 #include "bundle/bundle.h"
+#include "bundle/pack.h"
 #include "bundle/registry.h"
 #include "commands.h"
 #include "common/error.h"
 #include "common/json.h"
 
+namespace fs = std::filesystem;
+
 namespace dp::tools {
 
 namespace {
+
+std::string mib(uint64_t bytes) { return fmt::format("{:.1f} MiB", bytes / 1048576.0); }
+
+// Progress of layer transfers on stderr (stdout keeps only the result, so --json stays one object):
+// on a terminal one line redrawn in place; otherwise a plain line every 5 s and one when a blob is done.
+std::function<void(const bundle::TransferProgress&)> progress_printer() {
+  const bool tty = stderr_is_tty();
+  auto last_line = std::make_shared<std::chrono::steady_clock::time_point>();
+  return [tty, last_line](const bundle::TransferProgress& p) {
+    const double rate = p.seconds > 0 ? p.bytes / 1048576.0 / p.seconds : 0;
+    const std::string pct = p.total ? fmt::format("{:3.0f}%", 100.0 * p.bytes / p.total) : "";
+    if (p.finished) {
+      std::fprintf(stderr, "%s%s: %s in %.1f s (%.1f MiB/s)\n", tty ? "\r\033[K" : "", p.what.c_str(),
+                   mib(p.total).c_str(), p.seconds, rate);
+      return;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (!tty && now - *last_line < std::chrono::seconds(5)) return;
+    *last_line = now;
+    std::fprintf(stderr, "%s%s: %s of %s %s, %.1f MiB/s%s", tty ? "\r\033[K" : "", p.what.c_str(),
+                 mib(p.bytes).c_str(), mib(p.total).c_str(), pct.c_str(), rate, tty ? "" : "\n");
+    std::fflush(stderr);
+  };
+}
+
+// A directory of our own under the system's temporary directory, removed when the push ends.
+class TempDir {
+ public:
+  TempDir() {
+    std::random_device rd;
+    path_ = fs::temp_directory_path() / fmt::format("decodepack-push-{}-{:08x}", ::getpid(), rd());
+    std::error_code ec;
+    if (!fs::create_directory(path_, ec))
+      fail(Errc::io, "{}: cannot create a temporary directory: {}", path_.string(), ec ? ec.message() : "it exists");
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
 
 std::map<std::string, std::string> bundle_annotations(const bundle::Bundle& b) {
   const format::Manifest& m = b.manifest();
@@ -39,21 +94,29 @@ void add_transfer_options(CLI::App* cmd, bundle::TransferOptions& t) {
       ->capture_default_str()
       ->check(CLI::Range(0, 20));
   t.log = [](const std::string& s) { std::fprintf(stderr, "%s\n", s.c_str()); };
+  cmd->add_flag_callback("--no-progress", [&t] { t.progress = nullptr; }, "Print no transfer progress on stderr");
+  t.progress = progress_printer();
 }
 
 }  // namespace
 
 void add_push(CLI::App& app, Action& action) {
-  auto* cmd = app.add_subcommand("push", "Upload a .dpk bundle to an OCI registry (blobs only when missing)");
+  auto* cmd = app.add_subcommand("push", "Upload a bundle (.dpk, or a directory, packed first) to an OCI registry "
+                                          "(blobs only when missing)");
   struct Opts {
     std::string bundle, ref;
     bool json = false;
     bundle::PushOptions push;
   };
   auto o = std::make_shared<Opts>();
-  cmd->add_option("bundle", o->bundle, "Bundle archive (.dpk)")->required();
+  cmd->add_option("bundle", o->bundle, "Bundle archive (.dpk) or bundle directory (packed into a .dpk first)")->required();
   cmd->add_option("ref", o->ref, "host[:port]/repository:tag")->required();
   cmd->add_flag("--insecure", o->push.insecure, "Allow plain HTTP to a non-loopback registry");
+  cmd->add_option("--created", o->push.created, "org.opencontainers.image.created (RFC 3339); default: from "
+                                                "SOURCE_DATE_EPOCH when set, else none (a bundle records no time)");
+  cmd->add_option("--image-version", o->push.version, "org.opencontainers.image.version (default: none)");
+  cmd->add_option("--source", o->push.source, "org.opencontainers.image.source: URL the bundle was built from "
+                                              "(default: none)");
   add_transfer_options(cmd, o->push);
   cmd->add_flag("--json", o->json, "Print the result as JSON");
   cmd->footer("Credentials: DECODEPACK_REGISTRY_USER/DECODEPACK_REGISTRY_PASSWORD, DECODEPACK_REGISTRY_TOKEN, or a "
@@ -61,12 +124,25 @@ void add_push(CLI::App& app, Action& action) {
   cmd->callback([o, &action] {
     action = [o] {
       bundle::Bundle b = bundle::Bundle::open(o->bundle);
-      if (!b.is_archive())
-        fail(Errc::usage, "{}: push takes a .dpk archive; build one with `decodepack build ... -o FILE.dpk`", o->bundle);
       bundle::Reference ref = bundle::parse_reference(o->ref);
       bundle::PushOptions po = o->push;
-      po.title = std::filesystem::path(o->bundle).filename().string();
-      bundle::PushResult r = bundle::push(o->bundle, b.manifest_bytes(), bundle_annotations(b), ref, po);
+      fs::path dpk = o->bundle;
+      std::string name = fs::path(o->bundle).filename().string();
+      std::optional<TempDir> packed;
+      if (!b.is_archive()) {
+        // A directory is packed (verified, then archived exactly as `build -o X.dpk` would) into a
+        // temporary .dpk named after it; the layer is then the same blob as that archive's.
+        if (name.empty()) name = fs::path(o->bundle).parent_path().filename().string();  // "dir/"
+        name += ".dpk";
+        packed.emplace();
+        dpk = packed->path() / name;
+        bundle::pack_bundle(b, dpk, false);
+      }
+      po.title = name;
+      if (po.created.empty())
+        if (const char* epoch = std::getenv("SOURCE_DATE_EPOCH"); epoch && *epoch)
+          po.created = bundle::created_from_epoch(epoch, "SOURCE_DATE_EPOCH");
+      bundle::PushResult r = bundle::push(dpk, b.manifest_bytes(), bundle_annotations(b), ref, po);
       if (o->json) {
         Json j{{"ref", ref.str()}, {"manifest_digest", r.manifest_digest}, {"bundle_digest", b.digest()},
                {"uploaded_blobs", r.uploaded_blobs}, {"skipped_blobs", r.skipped_blobs}};

@@ -73,14 +73,23 @@ BundleArtifact parse_bundle_manifest(std::string_view body, std::string_view con
          kOciManifestMediaType);
   if (auto v = j.find("schemaVersion"); v != j.end() && !(v->is_number_integer() && v->get<int64_t>() == 2))
     fail(Errc::registry, "{}: field schemaVersion is {} ({}), expected the integer 2", url, json_type_name(*v), show(*v));
+  // OCI image-spec 1.1 (artifacts guidance; the distribution spec's referrers API does the same): a
+  // manifest without artifactType is typed by its config's mediaType. `oras push --config
+  // manifest.json:<config type>` without --artifact-type writes such a manifest.
   const std::string artifact = string_field(j, "artifactType", "", url).value_or("");
-  if (artifact != kBundleArtifactType)
-    fail(Errc::input, "{}: not a decodepack bundle: artifactType '{}', expected '{}'", url, printable_ascii(artifact),
-         kBundleArtifactType);
-
-  BundleArtifact a;
   auto config = j.find("config");
   if (config == j.end()) fail(Errc::registry, "{}: field config is missing", url);
+  if (artifact.empty() && config->is_object()) {  // not an object: read_descriptor() says so below
+    const std::string config_type = string_field(*config, "mediaType", "config.", url).value_or("");
+    if (config_type != kBundleConfigMediaType)
+      fail(Errc::input, "{}: not a decodepack bundle: no artifactType, and config.mediaType '{}' (which stands for it) "
+           "is not '{}'", url, printable_ascii(config_type), kBundleConfigMediaType);
+  } else if (artifact != kBundleArtifactType) {
+    fail(Errc::input, "{}: not a decodepack bundle: artifactType '{}', expected '{}' (or none, with config.mediaType "
+         "'{}')", url, printable_ascii(artifact), kBundleArtifactType, kBundleConfigMediaType);
+  }
+
+  BundleArtifact a;
   a.config = read_descriptor(*config, "config", kBundleConfigMediaType, url);
   if (a.config.size > kMaxSmallBody)
     fail(Errc::registry, "{}: field config.size is {} bytes; a bundle manifest of more than {} bytes is not read", url,

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -193,6 +194,7 @@ struct Request {
   // Called before a retry of a request whose `sink` has already received data; without it such a
   // request is not retried.
   std::function<void()> restart;
+  std::string progress;  // when set (and options.progress is), this transfer's bytes are reported under it
 };
 
 struct Response {
@@ -212,7 +214,29 @@ struct Transfer {
   size_t header_bytes = 0;
   bool headers_too_large = false;
   bool sink_used = false;
+  // Progress reports (Request::progress).
+  const std::function<void(const TransferProgress&)>* progress = nullptr;
+  std::chrono::steady_clock::time_point started, last_report;
+  uint64_t moved = 0;
 };
+
+constexpr auto kProgressInterval = std::chrono::milliseconds(250);
+
+int on_progress(void* ud, curl_off_t, curl_off_t dlnow, curl_off_t, curl_off_t ulnow) {
+  auto* t = static_cast<Transfer*>(ud);
+  const auto now = std::chrono::steady_clock::now();
+  t->moved = static_cast<uint64_t>(t->req->method == "PUT" ? ulnow : dlnow);
+  if (now - t->last_report < kProgressInterval) return 0;
+  t->last_report = now;
+  try {
+    (*t->progress)({t->req->progress, t->moved, t->req->blob_bytes,
+                    std::chrono::duration<double>(now - t->started).count(), false});
+  } catch (...) {
+    t->error = std::current_exception();
+    return 1;  // aborts the transfer
+  }
+  return 0;
+}
 
 size_t on_header(char* p, size_t size, size_t n, void* ud) {
   auto* t = static_cast<Transfer*>(ud);
@@ -433,6 +457,16 @@ class Client {
     std::unique_ptr<curl_slist, decltype(&curl_slist_free_all)> headers_guard(headers, curl_slist_free_all);
     curl_easy_setopt(curl_, CURLOPT_HTTPHEADER, headers);
 
+    const bool report = !r.progress.empty() && options_.progress;
+    if (report) {
+      t.progress = &options_.progress;
+      t.started = std::chrono::steady_clock::now();
+      t.last_report = t.started;
+      curl_easy_setopt(curl_, CURLOPT_NOPROGRESS, 0L);
+      curl_easy_setopt(curl_, CURLOPT_XFERINFOFUNCTION, on_progress);
+      curl_easy_setopt(curl_, CURLOPT_XFERINFODATA, &t);
+    }
+
     int fd = -1;
     if (r.method == "HEAD") {
       curl_easy_setopt(curl_, CURLOPT_NOBODY, 1L);
@@ -473,6 +507,9 @@ class Client {
       out.error = fmt::format("{}{}{}", curl_easy_strerror(out.rc), errbuf[0] ? ": " : "", errbuf);
     else
       curl_easy_getinfo(curl_, CURLINFO_RESPONSE_CODE, &out.resp.status);
+    if (report && out.rc == CURLE_OK && out.resp.status >= 200 && out.resp.status < 300)
+      options_.progress({r.progress, r.blob_bytes, r.blob_bytes,
+                         std::chrono::duration<double>(std::chrono::steady_clock::now() - t.started).count(), true});
     return out;
   }
 
@@ -656,6 +693,37 @@ std::string registry_base_url(const Reference& ref, bool insecure) {
   return (insecure || ref.is_loopback() ? "http://" : "https://") + ref.host;
 }
 
+std::string created_from_epoch(std::string_view seconds, std::string_view what) {
+  if (seconds.empty() || seconds.size() > 12 || !std::all_of(seconds.begin(), seconds.end(), is_digit))
+    fail(Errc::usage, "{} '{}' is not a number of seconds since 1970-01-01 (a non-negative integer)", what,
+         printable_ascii(seconds));
+  const time_t t = static_cast<time_t>(std::stoll(std::string(seconds)));
+  struct tm tm {};
+  if (!gmtime_r(&t, &tm)) fail(Errc::usage, "{} '{}' is out of range", what, seconds);
+  return fmt::format("{:04}-{:02}-{:02}T{:02}:{:02}:{:02}Z", tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour,
+                     tm.tm_min, tm.tm_sec);
+}
+
+bool is_rfc3339(std::string_view s) {
+  // date-time = YYYY-MM-DD ("T" | "t" | " ") HH:MM:SS [.frac] ("Z" | "z" | ("+" | "-") HH:MM)
+  auto digits = [&](size_t at, size_t n) {
+    return at + n <= s.size() && std::all_of(s.begin() + at, s.begin() + at + n, is_digit);
+  };
+  if (!(digits(0, 4) && s.size() > 19 && s[4] == '-' && digits(5, 2) && s[7] == '-' && digits(8, 2) &&
+        (s[10] == 'T' || s[10] == 't' || s[10] == ' ') && digits(11, 2) && s[13] == ':' && digits(14, 2) &&
+        s[16] == ':' && digits(17, 2)))
+    return false;
+  size_t i = 19;
+  if (s[i] == '.') {
+    size_t start = ++i;
+    while (i < s.size() && is_digit(s[i])) ++i;
+    if (i == start) return false;
+  }
+  std::string_view zone = s.substr(i);
+  if (zone == "Z" || zone == "z") return true;
+  return zone.size() == 6 && (zone[0] == '+' || zone[0] == '-') && digits(i + 1, 2) && zone[3] == ':' && digits(i + 4, 2);
+}
+
 Credentials find_credentials(std::string_view host) {
   Credentials c;
   c.token = getenv_str("DECODEPACK_REGISTRY_TOKEN");
@@ -764,9 +832,19 @@ PushResult push(const fs::path& dpk_file, std::string_view manifest_json,
   layer_body.body_file = &dpk_file;
   layer_body.body_size = dpk_size;
   layer_body.blob_bytes = dpk_size;
+  layer_body.progress = "upload layer " + layer.digest;
   ensure_blob(layer, layer_body);
 
   std::string title = options.title.empty() ? dpk_file.filename().string() : options.title;
+  if (!options.created.empty() && !is_rfc3339(options.created))
+    fail(Errc::usage, "created '{}' is not an RFC 3339 date-time (e.g. 2026-12-01T10:00:00Z)",
+         printable_ascii(options.created));
+  // The caller's annotations win over the standard ones they name.
+  std::map<std::string, std::string> all = {{std::string(kTitleAnnotation), title}};
+  if (!options.created.empty()) all["org.opencontainers.image.created"] = options.created;
+  if (!options.version.empty()) all["org.opencontainers.image.version"] = options.version;
+  if (!options.source.empty()) all["org.opencontainers.image.source"] = options.source;
+  for (const auto& [k, v] : annotations) all[k] = v;
   Json manifest = {
       {"schemaVersion", 2},
       {"mediaType", kOciManifestMediaType},
@@ -777,7 +855,7 @@ PushResult push(const fs::path& dpk_file, std::string_view manifest_json,
                                {"size", layer.size},
                                {"annotations", {{std::string(kTitleAnnotation), title}}}}})},
   };
-  if (!annotations.empty()) manifest["annotations"] = annotations;
+  manifest["annotations"] = all;
   const std::string bytes = canonical_json(manifest);
   const std::string digest = "sha256:" + sha256_hex(bytes);
 
@@ -864,6 +942,7 @@ PullResult pull(const Reference& ref, const fs::path& out_dpk, const PullOptions
     lg.url = client.repo_url("blobs/" + art.layer.digest);
     lg.follow_redirects = true;
     lg.blob_bytes = art.layer.size;
+    lg.progress = "download layer " + art.layer.digest;
     lg.sink = [&](const char* p, size_t n) {
       got += n;
       if (got > art.layer.size)

@@ -4,8 +4,11 @@
 //   config  = the bundle's manifest.json bytes  (application/vnd.decodepack.bundle.config.v1+json)
 //   layers  = [the .dpk archive]                 (application/vnd.decodepack.bundle.layer.v1.tar),
 //             annotated with org.opencontainers.image.title = the archive's file name
-// and the caller's annotations (model, targets, TP, widths) on the manifest. Any OCI registry stores
-// it; tools such as oras can list and fetch it.
+// and the caller's annotations (model, targets, TP, widths) plus the standard org.opencontainers.image.*
+// ones of PushOptions on the manifest. Any OCI registry stores it; tools such as oras can list and fetch
+// it, and a manifest `oras push --config manifest.json:<config type>` writes without an artifactType is
+// pulled too (the config's media type stands for the artifact type, as OCI image-spec 1.1 says).
+// Layer transfers report their progress through TransferOptions::progress.
 //
 // Transport: plain HTTP only to loopback hosts (localhost, 127.0.0.0/8, ::1) unless `insecure` is set;
 // HTTPS with certificate verification otherwise. Credentials, first match wins:
@@ -61,6 +64,15 @@ Reference parse_reference(std::string_view text);
 // "http://host" for loopback hosts or when insecure, else "https://host".
 std::string registry_base_url(const Reference& ref, bool insecure);
 
+// How far one blob transfer has got, for progress displays.
+struct TransferProgress {
+  std::string what;          // "upload layer sha256:..." or "download layer sha256:..."
+  uint64_t bytes = 0;        // moved so far
+  uint64_t total = 0;        // of the blob
+  double seconds = 0;        // since this attempt started
+  bool finished = false;
+};
+
 // Transport settings shared by push and pull.
 struct TransferOptions {
   bool insecure = false;       // allow plain HTTP to a non-loopback host
@@ -75,11 +87,28 @@ struct TransferOptions {
   int retries = 3;
   long retry_delay_ms = 500;
   std::function<void(const std::string&)> log;  // a line per retry (stderr in the CLI)
+  // Called while a layer blob moves (upload or download): about 4 times a second, and once more with
+  // `finished` set when the registry has accepted or sent it all. A retry starts its count over.
+  std::function<void(const TransferProgress&)> progress;
 };
 
+// The standard annotations a push writes on the OCI manifest besides the caller's (OCI image-spec,
+// annotations.md): org.opencontainers.image.title always (the layer carries it too), and created,
+// version and source when set. A bundle records no clock time (the same inputs give the same bytes), so
+// nothing here is taken from the clock: the same bundle and options give the same manifest digest.
 struct PushOptions : TransferOptions {
-  std::string title;  // layer title annotation; empty: the .dpk's file name
+  std::string title;    // empty: the .dpk's file name
+  std::string created;  // RFC 3339 date-time, e.g. from SOURCE_DATE_EPOCH (see created_from_epoch())
+  std::string version;  // the bundle's release name, e.g. "2026.12-tp1"
+  std::string source;   // URL of what it was built from (a model or CI repository)
 };
+
+// "1733011200" (seconds since the epoch, as SOURCE_DATE_EPOCH holds them) -> "2024-12-01T00:00:00Z".
+// Errc::usage naming `what` when the text is not a non-negative integer of at most 12 digits.
+std::string created_from_epoch(std::string_view seconds, std::string_view what);
+
+// Whether `text` is an RFC 3339 date-time ("2026-12-01T10:00:00Z", "...T10:00:00.5+01:00").
+bool is_rfc3339(std::string_view text);
 
 struct PushResult {
   std::string manifest_digest;  // "sha256:..." of the OCI manifest: pull by ref@digest to pin it

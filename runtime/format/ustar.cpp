@@ -1,7 +1,5 @@
 #include "format/ustar.h"
 
-#include <archive.h>
-#include <archive_entry.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "format/untrusted.h"
+#include "format/ustar_header.h"
 
 namespace dp::format {
 namespace {
@@ -36,13 +35,8 @@ bool pread_all(int fd, uint8_t* out, size_t n, uint64_t offset, const std::strin
   return true;
 }
 
-struct ArchiveDeleter {
-  void operator()(struct archive* a) const { archive_read_free(a); }  // leaves the descriptor open
-};
-
 // The end-of-archive marker at `at` must be present, and only zeros (at most kMaxArchiveTrailingBytes
-// past the marker) may follow it. libarchive accepts a missing marker; for a bundle it means a cut-off
-// file.
+// past the marker) may follow it. A missing marker means a cut-off file.
 void check_end(int fd, uint64_t size, uint64_t at, const std::string& label, const std::string& after) {
   if (at + 2 * kBlock > size)
     integrity(fmt::format("{}: truncated archive: the end-of-archive marker {} needs {} bytes at byte {}, {} "
@@ -92,59 +86,52 @@ std::string bundle_path_problem(std::string_view p) {
 }
 
 // Member data is contiguous 512 bytes after its header (no extended headers are allowed), so the walk
-// tracks where each header must be and can say exactly what is missing when the file is cut short.
+// reads each header where it must be and can say exactly what is missing when the file is cut short.
 void walk_archive(int fd, uint64_t size, const std::string& label,
                   const std::function<void(const ArchiveMember&)>& visit) {
   if (size < kBlock)
     integrity(fmt::format("{}: truncated archive: the first header needs {} bytes, {} present", label, kBlock, size));
-  std::unique_ptr<struct archive, ArchiveDeleter> a(archive_read_new());
-  if (!a) throw std::bad_alloc();
-  archive_read_support_format_tar(a.get());  // uncompressed tar only: anything else is not a .dpk
-  if (archive_read_open_fd(a.get(), fd, kChunk) != ARCHIVE_OK)
-    schema(fmt::format("{}: not a tar archive: {}", label, archive_error_string(a.get())));
-
   // Every name once, except that a directory entry may follow files below it (the directory was then
   // implied); nothing below a file.
   enum class Seen { file, dir_implied, dir_entry };
   std::map<std::string, Seen> seen;
-  uint64_t next_header = 0, entries = 0;
+  uint64_t at = 0, entries = 0;
   std::string last;
   auto after = [&] { return last.empty() ? std::string("at the start") : "after entry " + last; };
+  uint8_t block[kBlock];
   while (true) {
-    struct archive_entry* e = nullptr;
-    const int r = archive_read_next_header(a.get(), &e);
-    const uint64_t at = next_header;
-    if (r == ARCHIVE_EOF) {
+    if (at == size) check_end(fd, size, at, label, after());  // the file ends where the marker should be
+    if (at + kBlock > size)
+      integrity(fmt::format("{}: truncated archive: the header {} needs {} bytes at byte {}, {} present", label,
+                            after(), kBlock, at, size - at));
+    if (!pread_all(fd, block, kBlock, at, label))
+      integrity(fmt::format("{}: truncated archive: the file shrank while being read", label));
+    if (ustar::is_zero_block(block)) {
       check_end(fd, size, at, label, after());
       return;
     }
-    if (r != ARCHIVE_OK) {
-      if (at + kBlock > size)
-        integrity(fmt::format("{}: truncated archive: the header {} needs {} bytes at byte {}, {} present", label,
-                              after(), kBlock, at, size - at));
-      if (last.empty()) schema(fmt::format("{}: not a ustar archive: {}", label, archive_error_string(a.get())));
-      integrity(fmt::format("{}: corrupt archive: header {} at byte {}: {}", label, after(), at,
-                            archive_error_string(a.get())));
+    ustar::Header h;
+    if (std::string why = ustar::parse_header(block, &h); !why.empty()) {
+      if (last.empty()) schema(fmt::format("{}: not a tar archive: {}", label, why));
+      integrity(fmt::format("{}: corrupt archive: header {} at byte {}: {}", label, after(), at, why));
     }
-    const char* raw = archive_entry_pathname(e);
     ArchiveMember m;
-    m.path = raw ? raw : "";
+    m.path = h.path;
     // Extended headers would make the data offset differ from header + 512 and can carry host data
     // (times, owners); decodepack writes none, so their presence means a foreign or altered file.
-    if (archive_format(a.get()) != ARCHIVE_FORMAT_TAR_USTAR)
+    if (h.type == ustar::Type::extended)
+      integrity(fmt::format("{}: entry {}: a {} (at byte {}), expected plain ustar without extended headers", label,
+                            excerpt(m.path), ustar::type_name(h), at));
+    if (!h.plain_ustar)
       integrity(fmt::format("{}: entry {}: written as {}, expected plain ustar without extended headers", label,
-                            excerpt(m.path), archive_format_name(a.get())));
-    if (const char* link = archive_entry_hardlink(e))
-      integrity(fmt::format("{}: entry {}: is a hard link to {}; a bundle holds only regular files", label,
-                            excerpt(m.path), excerpt(link)));
-    const auto type = archive_entry_filetype(e);
-    if (type == AE_IFLNK)
-      integrity(fmt::format("{}: entry {}: is a symbolic link to {}; a bundle holds only regular files", label,
-                            excerpt(m.path), excerpt(archive_entry_symlink(e) ? archive_entry_symlink(e) : "?")));
-    if (type != AE_IFREG && type != AE_IFDIR)
-      integrity(fmt::format("{}: entry {}: is a device, fifo or socket; a bundle holds only regular files", label,
-                            excerpt(m.path)));
-    m.dir = type == AE_IFDIR;
+                            excerpt(m.path), h.dialect));
+    if (h.type == ustar::Type::hard_link || h.type == ustar::Type::symbolic_link)
+      integrity(fmt::format("{}: entry {}: is a {} to {}; a bundle holds only regular files", label, excerpt(m.path),
+                            ustar::type_name(h), excerpt(h.link)));
+    if (h.type != ustar::Type::file && h.type != ustar::Type::directory)
+      integrity(fmt::format("{}: entry {}: is a {}; a bundle holds only regular files", label, excerpt(m.path),
+                            ustar::type_name(h)));
+    m.dir = h.type == ustar::Type::directory;
     if (m.dir && !m.path.empty() && m.path.back() == '/') m.path.pop_back();
     if (std::string why = bundle_path_problem(m.path); !why.empty())
       integrity(fmt::format("{}: entry '{}': refused: {}", label, excerpt(m.path), why));
@@ -163,18 +150,17 @@ void walk_archive(int fd, uint64_t size, const std::string& label,
       it->second = Seen::dir_entry;
     }
 
-    m.size = m.dir ? 0 : static_cast<uint64_t>(archive_entry_size(e));
+    m.size = m.dir ? 0 : h.size;
+    if (m.size > kUstarSizeMax)
+      integrity(fmt::format("{}: entry {}: size {} bytes, more than ustar stores ({})", label, excerpt(m.path), m.size,
+                            kUstarSizeMax));
     m.offset = at + kBlock;
     const uint64_t padded = (m.size + kBlock - 1) / kBlock * kBlock;
-    if (static_cast<uint64_t>(archive_read_header_position(a.get())) != at)
-      integrity(fmt::format("{}: entry {}: header at byte {}, expected {} (extended headers are not allowed)", label,
-                            excerpt(m.path), archive_read_header_position(a.get()), at));
     if (m.offset + padded > size)
       integrity(fmt::format("{}: truncated archive: entry {} needs {} bytes ({} of data, padded to {}) at byte {}, "
                             "{} present", label, excerpt(m.path), padded, m.size, kBlock, m.offset, size - m.offset));
     visit(m);
-    archive_read_data_skip(a.get());  // a seek on a regular file: the data is not read
-    next_header = m.offset + padded;
+    at = m.offset + padded;
     last = std::move(m.path);
   }
 }

@@ -1,8 +1,11 @@
 """Python binding of libdecodepack (ctypes over the C ABI in decodepack.h; no build step).
 
-The library is found through, in order: the environment variable DECODEPACK_LIBRARY (a path to
-libdecodepack.so), the library next to this package in an installed tree
+Install with `pip install runtime/python` (or from an installed tree, `pip install
+<prefix>/share/decodepack/python`). The library is found through, in order: the environment variable
+DECODEPACK_LIBRARY (a path to libdecodepack.so), a libdecodepack.so* beside this file (inside the
+package directory), the library of the installed tree this package came with
 (<prefix>/share/decodepack/python -> <prefix>/lib*/libdecodepack.so.*), then the system loader.
+`__version__` is the version of this binding; version() that of the library it loaded.
 
 Device addresses are integers (a torch tensor's data_ptr(), a cudaMalloc result); wherever a tensor
 is expected, a torch.Tensor is accepted too when PyTorch is importable (its data_ptr, dtype, shape
@@ -28,8 +31,10 @@ import ctypes.util
 import glob
 import os
 
+__version__ = "0.1.0"  # kept equal to the project's version (CMake checks it, as for decodepack.h)
+
 __all__ = [
-    "DecodepackError", "Bundle", "Session", "Plan", "agree", "version", "device_count", "query_device",
+    "__version__", "DecodepackError", "Bundle", "Session", "Plan", "agree", "version", "device_count", "query_device",
     "device_desc", "dtype_name",
 ]
 
@@ -178,9 +183,10 @@ def _candidates():
     if env:
         return [env]
     here = os.path.dirname(os.path.abspath(__file__))
+    beside = sorted(glob.glob(os.path.join(here, "libdecodepack.so*")))
     prefix = os.path.normpath(os.path.join(here, "..", "..", "..", ".."))  # <prefix>/share/decodepack/python/decodepack
-    found = sorted(glob.glob(os.path.join(prefix, "lib*", "libdecodepack.so*")) +
-                   glob.glob(os.path.join(prefix, "lib", "*", "libdecodepack.so*")))
+    found = beside + sorted(glob.glob(os.path.join(prefix, "lib*", "libdecodepack.so*")) +
+                            glob.glob(os.path.join(prefix, "lib", "*", "libdecodepack.so*")))
     system = ctypes.util.find_library("decodepack")
     return found + ([system] if system else []) + ["libdecodepack.so.0"]
 
@@ -389,9 +395,15 @@ def _i32_array(values):
 # ---- Devices ------------------------------------------------------------------------------------------
 
 def device_count(vendor=VENDOR_CUDA):
-    """Number of devices; raises DecodepackError (DP_ERR_DRIVER_UNAVAILABLE) without a driver."""
+    """Number of devices: 0 on a host without the vendor's driver (DP_ERR_DRIVER_UNAVAILABLE), so that
+    a serving host can ask before deciding; other failures (a driver that does not initialise) raise
+    DecodepackError. query_device() and Session still raise without a driver, naming what is missing."""
     n = _i32(0)
-    _check(_lib().dp_device_count(vendor, ctypes.byref(n)))
+    st = _lib().dp_device_count(vendor, ctypes.byref(n))
+    if st and _lib().dp_status_code(st) == ERR_DRIVER_UNAVAILABLE:
+        _lib().dp_status_free(st)
+        return 0
+    _check(st)
     return n.value
 
 

@@ -25,6 +25,7 @@
 #include "common/fs.h"
 #include "common/hash.h"
 #include "common/json.h"
+#include "common/text.h"
 #include "registry_server.h"
 
 namespace fs = std::filesystem;
@@ -280,7 +281,24 @@ TEST(RegistryReplies, MalformedManifestsAreRegistryErrorsNamingTheFieldAndUrl) {
                {"not an OCI image manifest"});
   // The Content-Type header stands in for a missing mediaType.
   expect_error([&] { dp::bundle::parse_bundle_manifest("{}", "application/vnd.oci.image.manifest.v1+json; x=y", url); },
-               Errc::input, {"artifactType ''"});
+               Errc::registry, {"field config is missing"});
+
+  // OCI 1.1: without artifactType, the config's mediaType is the artifact type (what `oras push --config`
+  // writes without --artifact-type). Another config type, or another artifactType, is not a bundle.
+  auto without_type = [&](const std::string& cfg) {
+    return R"({"schemaVersion":2,"mediaType":)" + oci + R"(,"config":)" + cfg + R"(,"layers":)" + layer + "}";
+  };
+  a = dp::bundle::parse_bundle_manifest(without_type(config), "", url);
+  EXPECT_EQ(a.config.size, 10u);
+  EXPECT_EQ(a.layer.digest, "sha256:" + kHex);
+  const std::string empty_config = R"({"mediaType":"application/vnd.oci.empty.v1+json","digest":"sha256:)" + kHex +
+                                   R"(","size":2})";
+  expect_error([&] { dp::bundle::parse_bundle_manifest(without_type(empty_config), "", url); }, Errc::input,
+               {"not a decodepack bundle", "no artifactType", "application/vnd.oci.empty.v1+json"});
+  std::string other = manifest(oci, config, layer);
+  other.replace(other.find("application/vnd.decodepack.bundle.v1"), 36, "application/vnd.example.thing.v1xxxx");
+  expect_error([&] { dp::bundle::parse_bundle_manifest(other, "", url); }, Errc::input,
+               {"artifactType 'application/vnd.example.thing.v1xxxx'", "expected 'application/vnd.decodepack.bundle.v1'"});
 }
 
 TEST(RegistryReplies, ErrorDocumentsAreDescribedWithoutThrowing) {
@@ -398,18 +416,35 @@ TEST_F(Registry, PushThenPullIsByteIdentical) {
                                             {"org.decodepack.tensor_parallel", "1"},
                                             {"org.decodepack.widths", "1,2,4,8"}};
   auto r = ref("kimi/roundtrip:v1");
-  dp::bundle::PushResult pushed = dp::bundle::push(b.dpk, b.manifest_json, ann, r);
+  std::vector<dp::bundle::TransferProgress> events;
+  dp::bundle::PushOptions po;
+  po.progress = [&](const dp::bundle::TransferProgress& p) { events.push_back(p); };
+  dp::bundle::PushResult pushed = dp::bundle::push(b.dpk, b.manifest_json, ann, r, po);
+  // Progress is reported for the layer only, ending with one `finished` report of all its bytes.
+  ASSERT_FALSE(events.empty());
+  EXPECT_TRUE(events.back().finished);
+  EXPECT_EQ(events.back().bytes, fs::file_size(b.dpk));
+  EXPECT_EQ(events.back().what, "upload layer sha256:" + dp::sha256_file(b.dpk));
+  for (size_t i = 0; i + 1 < events.size(); ++i) EXPECT_FALSE(events[i].finished);
   EXPECT_EQ(pushed.uploaded_blobs, 2);
   EXPECT_EQ(pushed.skipped_blobs, 0);
   ASSERT_EQ(pushed.manifest_digest.size(), 71u);
 
-  dp::bundle::PullResult pulled = dp::bundle::pull(r, tmp_ / "pulled.dpk");
+  events.clear();
+  dp::bundle::PullOptions pull_options;
+  pull_options.progress = po.progress;
+  dp::bundle::PullResult pulled = dp::bundle::pull(r, tmp_ / "pulled.dpk", pull_options);
+  ASSERT_FALSE(events.empty());
+  EXPECT_TRUE(events.back().finished);
+  EXPECT_EQ(events.back().what, "download layer sha256:" + dp::sha256_file(b.dpk));
   EXPECT_TRUE(slurp(tmp_ / "pulled.dpk") == slurp(b.dpk)) << "pulled archive differs from the pushed one";
   EXPECT_EQ(pulled.manifest_digest, pushed.manifest_digest);
   EXPECT_EQ(pulled.layer_digest, "sha256:" + dp::sha256_file(b.dpk));
   EXPECT_EQ(pulled.size, fs::file_size(b.dpk));
   EXPECT_EQ(pulled.config_json, b.manifest_json);
-  EXPECT_EQ(pulled.annotations, ann);
+  auto with_title = ann;
+  with_title["org.opencontainers.image.title"] = "bundle-1.dpk";  // the standard annotation, on the manifest too
+  EXPECT_EQ(pulled.annotations, with_title);
   EXPECT_FALSE(has_staging_leftovers(tmp_.path()));
   EXPECT_EQ(dp::bundle::read_archive_member(tmp_ / "pulled.dpk", "manifest.json"), b.manifest_json);
 
@@ -457,6 +492,36 @@ TEST_F(Registry, SecondPushSkipsExistingBlobs) {
   EXPECT_EQ(partial.uploaded_blobs, 1);
   EXPECT_EQ(partial.skipped_blobs, 1);
   EXPECT_NE(partial.manifest_digest, first.manifest_digest);
+}
+
+// Issue 16: the standard OCI annotations, from options only (never the clock), so a push is reproducible.
+TEST_F(Registry, StandardAnnotationsAreDeterministic) {
+  TestBundle b = make_bundle(tmp_.path(), 7, 1000);
+  dp::bundle::PushOptions po;
+  po.title = "tiny.dpk";
+  po.created = dp::bundle::created_from_epoch("1764583200", "SOURCE_DATE_EPOCH");
+  EXPECT_EQ(po.created, "2025-12-01T10:00:00Z");
+  po.version = "2025.12-tp1";
+  po.source = "https://example.com/kimi/tiny";
+  auto first = dp::bundle::push(b.dpk, b.manifest_json, {{"org.decodepack.model", "kimi_linear"}}, ref("kimi/ann:a"), po);
+  auto second = dp::bundle::push(b.dpk, b.manifest_json, {{"org.decodepack.model", "kimi_linear"}}, ref("kimi/ann:b"), po);
+  EXPECT_EQ(first.manifest_digest, second.manifest_digest);
+  auto raw = server_->http("GET", "/v2/kimi/ann/manifests/a", {"Accept: application/vnd.oci.image.manifest.v1+json"});
+  ASSERT_EQ(raw.status, 200) << raw.body;
+  dp::Json m = dp::parse_json(raw.body, "manifest");
+  EXPECT_EQ(m["annotations"]["org.opencontainers.image.title"], "tiny.dpk");
+  EXPECT_EQ(m["annotations"]["org.opencontainers.image.created"], "2025-12-01T10:00:00Z");
+  EXPECT_EQ(m["annotations"]["org.opencontainers.image.version"], "2025.12-tp1");
+  EXPECT_EQ(m["annotations"]["org.opencontainers.image.source"], "https://example.com/kimi/tiny");
+  EXPECT_EQ(m["annotations"]["org.decodepack.model"], "kimi_linear");
+
+  po.created = "yesterday";
+  expect_error([&] { dp::bundle::push(b.dpk, b.manifest_json, {}, ref("kimi/ann:c"), po); }, Errc::usage,
+               {"created 'yesterday'", "RFC 3339"});
+  expect_error([&] { dp::bundle::created_from_epoch("-5", "SOURCE_DATE_EPOCH"); }, Errc::usage, {"SOURCE_DATE_EPOCH '-5'"});
+  EXPECT_TRUE(dp::bundle::is_rfc3339("2026-12-01T10:00:00.25+01:00"));
+  EXPECT_FALSE(dp::bundle::is_rfc3339("2026-12-01T10:00:00"));
+  EXPECT_FALSE(dp::bundle::is_rfc3339("2026-12-01"));
 }
 
 TEST_F(Registry, PullOfAMissingTagNamesTagAndStatus) {
@@ -522,6 +587,71 @@ TEST_F(Registry, ForeignArtifactsAreRefused) {
   ASSERT_EQ(put_resp.status, 201) << put_resp.body;
   expect_error([&] { dp::bundle::pull(ref("kimi/foreign:theirs"), tmp_ / "x.dpk"); }, Errc::input,
                {"not a decodepack bundle", "application/vnd.example.other"});
+  EXPECT_FALSE(fs::exists(tmp_ / "x.dpk"));
+}
+
+// Uploads `bytes` as a blob of `repo` the way oras and other OCI clients do without decodepack's code:
+// POST an upload session, then one PUT with ?digest= (a monolithic upload), each a plain HTTP request.
+void oras_style_upload(const RegistryServer& server, const std::string& repo, const std::string& bytes) {
+  auto post = server.http("POST", "/v2/" + repo + "/blobs/uploads/");
+  ASSERT_EQ(post.status, 202) << post.headers << post.body;
+  std::string location;
+  for (size_t at = 0; at < post.headers.size();) {
+    size_t end = post.headers.find("\r\n", at);
+    if (end == std::string::npos) end = post.headers.size();
+    std::string line = post.headers.substr(at, end - at);
+    if (dp::ascii_lower(line.substr(0, 9)) == "location:") location = std::string(dp::trim_space(line.substr(9)));
+    at = end + 2;
+  }
+  ASSERT_FALSE(location.empty()) << post.headers;
+  if (size_t v2 = location.find("/v2/"); v2 != std::string::npos) location = location.substr(v2);  // absolute URL
+  location += (location.find('?') == std::string::npos ? "?" : "&") + std::string("digest=sha256:") + dp::sha256_hex(bytes);
+  auto put = server.http("PUT", location, {"Content-Type: application/octet-stream"}, bytes);
+  ASSERT_EQ(put.status, 201) << put.body;
+}
+
+// Issue 16: a bundle pushed by `oras push` with the documented media types, made here with plain HTTP
+// calls exactly as oras 1.x writes it: no artifactType (oras sets none when --config gives the config's
+// type and --artifact-type is not used), the layer titled with its file name, a `created` annotation.
+TEST_F(Registry, OrasStylePushIsPulled) {
+  TestBundle b = make_bundle(tmp_.path(), 6, 1000);
+  const std::string repo = "kimi/oras";
+  const std::string layer = slurp(b.dpk);
+  oras_style_upload(*server_, repo, b.manifest_json);
+  oras_style_upload(*server_, repo, layer);
+  const dp::Json m = {
+      {"schemaVersion", 2},
+      {"mediaType", "application/vnd.oci.image.manifest.v1+json"},
+      {"config", {{"mediaType", "application/vnd.decodepack.bundle.config.v1+json"},
+                  {"digest", "sha256:" + dp::sha256_hex(b.manifest_json)},
+                  {"size", b.manifest_json.size()}}},
+      {"layers", dp::Json::array({{{"mediaType", "application/vnd.decodepack.bundle.layer.v1.tar"},
+                                   {"digest", "sha256:" + dp::sha256_hex(layer)},
+                                   {"size", layer.size()},
+                                   {"annotations", {{"org.opencontainers.image.title", "tiny.dpk"}}}}})},
+      {"annotations", {{"org.opencontainers.image.created", "2026-12-01T10:00:00Z"}}},
+  };
+  auto put = server_->http("PUT", "/v2/" + repo + "/manifests/v1",
+                           {"Content-Type: application/vnd.oci.image.manifest.v1+json"}, m.dump());
+  ASSERT_EQ(put.status, 201) << put.body;
+
+  dp::bundle::PullResult pulled = dp::bundle::pull(ref(repo + ":v1"), tmp_ / "pulled.dpk");
+  EXPECT_TRUE(slurp(tmp_ / "pulled.dpk") == layer) << "pulled archive differs from the uploaded one";
+  EXPECT_EQ(pulled.manifest_digest, "sha256:" + dp::sha256_hex(m.dump()));
+  EXPECT_EQ(pulled.bundle_digest, "sha256:" + dp::sha256_hex(b.manifest_json));
+  EXPECT_EQ(pulled.annotations.at("org.opencontainers.image.created"), "2026-12-01T10:00:00Z");
+
+  // oras's default without --config: an empty config typed by artifactType. The bundle manifest is then
+  // not in the config blob, so it is not a decodepack artifact; the refusal says what was found.
+  dp::Json empty = m;
+  oras_style_upload(*server_, repo, "{}");
+  empty["config"] = {{"mediaType", "application/vnd.oci.empty.v1+json"}, {"digest", "sha256:" + dp::sha256_hex("{}")},
+                     {"size", 2}};
+  put = server_->http("PUT", "/v2/" + repo + "/manifests/empty-config",
+                      {"Content-Type: application/vnd.oci.image.manifest.v1+json"}, empty.dump());
+  ASSERT_EQ(put.status, 201) << put.body;
+  expect_error([&] { dp::bundle::pull(ref(repo + ":empty-config"), tmp_ / "x.dpk"); }, Errc::input,
+               {"not a decodepack bundle", "no artifactType", "application/vnd.oci.empty.v1+json"});
   EXPECT_FALSE(fs::exists(tmp_ / "x.dpk"));
 }
 

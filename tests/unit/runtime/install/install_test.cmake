@@ -1,6 +1,9 @@
 # ctest (label install): installs libdecodepack's runtime component into a temporary prefix, then builds
-# and runs a tiny consumer with find_package(decodepack) and, separately, with pkg-config.
-# Inputs: BUILD_DIR, SOURCE_DIR (this directory), WORK_DIR, BUNDLE (optional, a .dpk to open).
+# and runs a tiny consumer with find_package(decodepack) and, separately, with pkg-config; checks that
+# the library needs no GPU and no archive library, that pkg-config prints normalised paths, and that the
+# Python binding installs with pip and loads the installed library.
+# Inputs: BUILD_DIR, SOURCE_DIR (this directory), WORK_DIR, BUNDLE (optional, a .dpk to open), PYTHON
+# (optional, an interpreter with pip and setuptools), PYTHON_SOURCE (runtime/python).
 cmake_minimum_required(VERSION 3.25)
 function(run)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -27,6 +30,12 @@ run(readelf -d ${lib})
 if(LAST_OUTPUT MATCHES "libcuda|libamdhip64|libcudart")
   message(FATAL_ERROR "${lib} links a GPU library:\n${LAST_OUTPUT}")
 endif()
+# A serving host needs no archive library: the bundle reader parses ustar itself (issue 16). ldd lists
+# what comes in indirectly too (libarchive would bring libxml2 and ICU).
+run(ldd ${lib})
+if(LAST_OUTPUT MATCHES "libarchive|libxml2|libicu|liblzma|libzstd|libbz2")
+  message(FATAL_ERROR "${lib} depends on an archive library or what it brings:\n${LAST_OUTPUT}")
+endif()
 get_filename_component(libdir ${lib} DIRECTORY)
 
 # 1. find_package
@@ -42,6 +51,11 @@ get_filename_component(pcdir ${pcs} DIRECTORY)
 set(ENV{PKG_CONFIG_PATH} ${pcdir})
 run(pkg-config --cflags --libs decodepack)
 string(STRIP "${LAST_OUTPUT}" flags)
+# Normalised, absolute paths into the prefix installed to (no ../.. or // from the .pc's location).
+if(NOT flags STREQUAL "-I${prefix}/include -L${libdir} -ldecodepack")
+  message(FATAL_ERROR "pkg-config --cflags --libs decodepack: '${flags}', expected "
+                      "'-I${prefix}/include -L${libdir} -ldecodepack'")
+endif()
 separate_arguments(flags UNIX_COMMAND "${flags}")
 run(pkg-config --modversion decodepack)
 message(STATUS "pkg-config decodepack ${LAST_OUTPUT}")
@@ -49,4 +63,49 @@ run(cc -std=c99 -Wall -Wextra -pedantic -Werror ${SOURCE_DIR}/consumer/consumer.
 set(ENV{LD_LIBRARY_PATH} ${libdir})
 run(${WORK_DIR}/consumer_pc ${BUNDLE})
 message(STATUS "pkg-config consumer: ${LAST_OUTPUT}")
+unset(ENV{LD_LIBRARY_PATH})
+
+# 3. The Python binding, installed with pip from the installed tree's copy (offline: the interpreter's
+# own setuptools), then loading the installed library through DECODEPACK_LIBRARY and from beside the
+# package. No GPU driver here: device_count() is 0.
+# pip builds a wheel with setuptools' bdist_wheel, which needs the `wheel` package (Debian: python3-pip
+# brings python3-wheel); the configured interpreter may lack it, the system's then stands in.
+set(pip_python "")
+foreach(py ${PYTHON} /usr/bin/python3)
+  # (pip and setuptools imported in one process trip setuptools' distutils check: two processes)
+  execute_process(COMMAND ${py} -c "import setuptools, wheel" RESULT_VARIABLE rc OUTPUT_QUIET ERROR_QUIET)
+  execute_process(COMMAND ${py} -m pip --version RESULT_VARIABLE rc_pip OUTPUT_QUIET ERROR_QUIET)
+  if(rc EQUAL 0 AND rc_pip EQUAL 0)
+    set(pip_python ${py})
+    break()
+  endif()
+endforeach()
+if(NOT pip_python)
+  message(FATAL_ERROR "no Python with pip, setuptools and wheel (tried ${PYTHON} /usr/bin/python3): install the "
+                      "Debian packages python3-pip and python3-setuptools (./dev.sh does)")
+endif()
+set(PYTHON ${pip_python})
+if(PYTHON)
+  set(site ${WORK_DIR}/site)
+  run(${PYTHON} -m pip install --quiet --no-index --no-build-isolation --no-deps --target ${site}
+      ${prefix}/share/decodepack/python)
+  # (no ';' in the script: run() passes its arguments on as a CMake list)
+  set(check "import decodepack as dp
+print(dp.__version__, dp.version(), dp.device_count(), dp._lib()._name)
+assert dp.__version__ == dp.version(), (dp.__version__, dp.version())
+assert isinstance(dp.device_count(), int) and dp.device_count() >= 0")
+  set(ENV{PYTHONPATH} ${site})
+  set(ENV{DECODEPACK_LIBRARY} ${lib})
+  run(${PYTHON} -c "${check}")
+  message(STATUS "pip-installed binding, DECODEPACK_LIBRARY: ${LAST_OUTPUT}")
+  unset(ENV{DECODEPACK_LIBRARY})
+  file(REAL_PATH ${lib} real_lib)  # ${lib} may be the libdecodepack.so link
+  file(COPY ${real_lib} DESTINATION ${site}/decodepack)
+  run(${PYTHON} -c "${check}")
+  if(NOT LAST_OUTPUT MATCHES "${site}/decodepack/libdecodepack")
+    message(FATAL_ERROR "the binding did not load the library beside it: ${LAST_OUTPUT}")
+  endif()
+  message(STATUS "pip-installed binding, library beside the package: ${LAST_OUTPUT}")
+  unset(ENV{PYTHONPATH})
+endif()
 file(REMOVE_RECURSE ${WORK_DIR})

@@ -1,0 +1,25 @@
+# Run by `cmake --install` (runtime/CMakeLists.txt): writes decodepack.pc for the prefix being installed
+# to. Inputs: DP_PC_TEMPLATE, DP_PC_LIBDIR_REL, DP_PC_INCLUDEDIR_REL (GNUInstallDirs values, relative or
+# absolute), DP_PC_VERSION; CMAKE_INSTALL_PREFIX and $ENV{DESTDIR} as cmake --install sets them.
+set(DP_PC_PREFIX "${CMAKE_INSTALL_PREFIX}")
+cmake_path(NORMAL_PATH DP_PC_PREFIX)
+string(REGEX REPLACE "(.)/+$" "\\1" DP_PC_PREFIX "${DP_PC_PREFIX}")  # "/opt/dp/" -> "/opt/dp"
+foreach(dir LIBDIR INCLUDEDIR)
+  set(d "${DP_PC_${dir}_REL}")
+  if(IS_ABSOLUTE "${d}")
+    cmake_path(NORMAL_PATH d)
+    set(DP_PC_${dir} "${d}")
+  else()
+    cmake_path(NORMAL_PATH d)
+    string(REGEX REPLACE "/+$" "" d "${d}")
+    set(DP_PC_${dir} "\${prefix}/${d}")
+  endif()
+endforeach()
+set(PROJECT_VERSION "${DP_PC_VERSION}")
+if(IS_ABSOLUTE "${DP_PC_LIBDIR_REL}")
+  set(dest "$ENV{DESTDIR}${DP_PC_LIBDIR_REL}/pkgconfig/decodepack.pc")
+else()
+  set(dest "$ENV{DESTDIR}${DP_PC_PREFIX}/${DP_PC_LIBDIR_REL}/pkgconfig/decodepack.pc")
+endif()
+message(STATUS "Installing: ${dest}")
+configure_file("${DP_PC_TEMPLATE}" "${dest}" @ONLY)
