@@ -26,8 +26,8 @@ constexpr int kWarmup = 3;
 constexpr size_t kMaxKernelsPerLayer = 64;
 // Events of the prefetch launches in the sequence: 2 per point (before, after), after the kernels'.
 constexpr size_t kPrefetchEvents = kMaxKernelsPerLayer + 1;
-constexpr int kPrefetchPoints = 4;  // dp_prefetch_point
-constexpr const char* kPointNames[kPrefetchPoints] = {"oproj_down", "attention_moe", "next_attention", "attention_oproj"};
+constexpr int kPrefetchPoints = static_cast<int>(format::kPrefetchPoints.size());  // dp_prefetch_point
+std::string point_name(int p) { return std::string(format::kPrefetchPoints[static_cast<size_t>(p)]); }
 // next_attention caps the sweep tries below the bundle's (bytes per table).
 constexpr uint64_t kSweepCaps[] = {uint64_t{2} << 20, uint64_t{4} << 20, uint64_t{8} << 20, uint64_t{16} << 20};
 constexpr int kSweepRounds = 5;
@@ -549,7 +549,7 @@ bench::KernelBreakdown Bench::breakdown(const std::string& cls, int layer, int w
     const auto& sp = spans[static_cast<size_t>(p)];
     if (sp[0].empty()) continue;
     bench::PrefetchSpan x;
-    x.point = kPointNames[p];
+    x.point = point_name(p);
     x.after = ob.prefetch_after[static_cast<size_t>(p)];
     x.bytes = prefetch_bytes(p, width, UINT64_MAX, layer);
     x.start_us = bench::Summary::of(sp[0]).median;
@@ -563,7 +563,7 @@ bench::KernelBreakdown Bench::breakdown(const std::string& cls, int layer, int w
 uint64_t Bench::prefetch_bytes(int point, int width, uint64_t cap, int layer) const {
   uint64_t total = 0;
   for (const format::PrefetchEntry& e : h_->manifest().prefetch) {
-    if (e.point != kPointNames[point] || (layer >= 0 && e.layer != layer)) continue;
+    if (e.point != point_name(point) || (layer >= 0 && e.layer != layer)) continue;
     if (std::find(e.widths.begin(), e.widths.end(), width) == e.widths.end()) continue;
     uint64_t t = 0;
     for (const format::PrefetchRangeEntry& r : e.ranges) t += r.bytes;
@@ -599,7 +599,7 @@ void Bench::sweep_prefetch(int width, const dp_step* step) {
     x.v.next_attention_cap = cap == UINT64_MAX ? -1 : static_cast<int64_t>(cap);
     for (int p = 0; p < kPrefetchPoints; ++p)
       if (mask & (1u << p)) {
-        x.v.points.push_back(kPointNames[p]);
+        x.v.points.push_back(point_name(p));
         x.v.bytes += prefetch_bytes(p, width, p == DP_PREFETCH_NEXT_ATTENTION ? cap : UINT64_MAX, -1);
       }
     vs.push_back(std::move(x));
@@ -609,14 +609,14 @@ void Bench::sweep_prefetch(int width, const dp_step* step) {
     res_.notes.push_back(fmt::format("width {}: the bundle has no prefetch table at this width; the sweep times "
                                      "prefetch off only", width));
   } else {
-    add("defaults", all, UINT64_MAX);
+    add("all tables", all, UINT64_MAX);
     if (std::popcount(all) > 1)
       for (int p = 0; p < kPrefetchPoints; ++p)
-        if (all & (1u << p)) add(fmt::format("{} only", kPointNames[p]), 1u << p, UINT64_MAX);
+        if (all & (1u << p)) add(fmt::format("{} only", point_name(p)), 1u << p, UINT64_MAX);
     if (all & (1u << DP_PREFETCH_NEXT_ATTENTION)) {
       uint64_t largest = 0;  // the largest next_attention table
       for (const format::PrefetchEntry& e : h.manifest().prefetch)
-        if (e.point == kPointNames[DP_PREFETCH_NEXT_ATTENTION] &&
+        if (e.point == point_name(DP_PREFETCH_NEXT_ATTENTION) &&
             std::find(e.widths.begin(), e.widths.end(), width) != e.widths.end()) {
           uint64_t t = 0;
           for (const format::PrefetchRangeEntry& r : e.ranges) t += r.bytes;

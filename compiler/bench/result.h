@@ -107,7 +107,7 @@ struct KernelBreakdown {
 // with which next_attention cap, timed side by side with the others at the same width.
 struct PrefetchVariant {
   int width = 0;
-  std::string name;                 // "off", "defaults", "next_attention only", "next_attention 8 MiB", ...
+  std::string name;                 // "off", "all tables", "next_attention only", "next_attention <= 8 MiB", ...
   std::vector<std::string> points;  // the points forked
   int64_t next_attention_cap = -1;  // bytes per table; -1: the bundle's
   uint64_t bytes = 0;               // what the step's prefetch launches pull (tables as capped)

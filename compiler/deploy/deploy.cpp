@@ -7,10 +7,13 @@
 #include <optional>
 #include <set>
 
+#include <fmt/ranges.h>
+
 #include "common/embedded.h"
 #include "common/error.h"
 #include "common/fs.h"
 #include "common/suggest.h"
+#include "format/manifest.h"
 #include "format/targets.h"
 #include "indexer/workspace.h"
 #include "model/ir.h"
@@ -50,7 +53,7 @@ const std::vector<Section>& sections() {
       {"kda_state", {"dtype", "layout"}},
       {"conv_state", {"dtype", "layout"}},
       {"dcp", {"size", "interleave"}},
-      {"prefetch", {"enabled", "cap_bytes", "max_rows", "width_cap_bytes"}},
+      {"prefetch", {"enabled", "cap_bytes", "max_rows", "width_cap_bytes", "points"}},
       {"indexer", {"max_keys_per_chunk", "max_requests"}},
   };
   return s;
@@ -406,6 +409,10 @@ const TargetInfo* find_target(std::string_view name) {
   return nullptr;
 }
 
+bool Deploy::prefetch_point(std::string_view name) const {
+  return prefetch.enabled && std::find(prefetch.points.begin(), prefetch.points.end(), name) != prefetch.points.end();
+}
+
 int64_t Deploy::prefetch_cap(int64_t width) const {
   if (!prefetch.enabled) return 0;
   if (auto it = prefetch.width_cap_bytes.find(width); it != prefetch.width_cap_bytes.end()) return it->second;
@@ -493,6 +500,29 @@ Deploy parse_deploy(const Json& j, const std::string& where) {
             o.checked_integer(it.value(), name + "." + it.key(), 0, kMaxPrefetchCapBytes);
       }
     }
+    std::vector<std::string_view> valid(format::kPrefetchPoints.begin(), format::kPrefetchPoints.end());
+    if (o.has("points")) {
+      const Json& a = o.at("points");
+      const std::string name = o.field("points");
+      if (!a.is_array())
+        fail(Errc::input, "{}: {} is {} ({}), expected an array of prefetch points ({})", where, name, json_type_name(a),
+             json_excerpt(a), fmt::format("{}", fmt::join(valid, ", ")));
+      std::set<std::string> listed;
+      for (size_t i = 0; i < a.size(); ++i) {
+        const std::string v = a[i].is_string() ? a[i].get<std::string>() : json_excerpt(a[i]);
+        if (!a[i].is_string() || std::find(valid.begin(), valid.end(), v) == valid.end()) {
+          std::vector<std::string> names(valid.begin(), valid.end());
+          const std::string near = closest_name(v, names, 4);
+          fail(Errc::input, "{}: {}[{}] is \"{}\", expected one of {}{}", where, name, i, excerpt(v), fmt::format("{}", fmt::join(valid, ", ")),
+               near.empty() ? "" : fmt::format(" (did you mean {}?)", near));
+        }
+        if (!listed.insert(v).second) fail(Errc::input, "{}: {}[{}]: \"{}\" is listed twice", where, name, i, v);
+      }
+      for (std::string_view p : valid)  // canonical order: the format's
+        if (listed.count(std::string(p))) d.prefetch.points.emplace_back(p);
+    } else if (d.tensor_parallel > 1) {
+      d.prefetch.points = {"oproj_down", "attention_moe", "next_attention"};
+    }
   }
   {
     Obj o = top.object("indexer");
@@ -549,7 +579,8 @@ Json to_json(const Deploy& d) {
        {{"enabled", d.prefetch.enabled},
         {"cap_bytes", d.prefetch.cap_bytes},
         {"max_rows", d.prefetch.max_rows},
-        {"width_cap_bytes", caps}}},
+        {"width_cap_bytes", caps},
+        {"points", d.prefetch.points}}},
       {"indexer",
        {{"max_keys_per_chunk", d.indexer.max_keys_per_chunk}, {"max_requests", d.indexer.max_requests}}},
   };

@@ -117,6 +117,11 @@ struct Prefetch {
   int64_t max_rows = 8;
   // Per-width caps that replace the rule above; 0 turns prefetch off at that width.
   std::map<int64_t, int64_t> width_cap_bytes;
+  // The points the plan makes tables for (format::kPrefetchPoints names, in that order). Default from
+  // measurement: none at tensor_parallel 1, where no point paid on the H200 at widths 1-8 (bench
+  // --prefetch sweep: every point within noise of prefetch off; bench/NOTES.md); at TP 2-8 the K3 vLLM
+  // module's oproj_down, attention_moe and next_attention (not measured here).
+  std::vector<std::string> points;
   bool operator==(const Prefetch&) const = default;
 };
 
@@ -151,6 +156,8 @@ struct Deploy {
   int64_t max_width() const { return widths.empty() ? 0 : widths.back(); }
   // Effective prefetch cap at `width` in bytes; 0 means no prefetch at that width.
   int64_t prefetch_cap(int64_t width) const;
+  // Whether the plan makes tables for prefetch point `name` (enabled and listed in prefetch.points).
+  bool prefetch_point(std::string_view name) const;
 
   bool operator==(const Deploy&) const = default;
 };

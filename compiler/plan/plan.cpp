@@ -276,17 +276,17 @@ Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deplo
         const model::LayerSpec& l = m.layers[pos];
         // While the attention core runs (it reads the caches, far below the HBM limit at small widths),
         // the o-projection that follows it.
-        if (size_t o = weight_by_key(m, l, "self_attn.o_proj.weight"); o != SIZE_MAX)
+        if (size_t o = weight_by_key(m, l, "self_attn.o_proj.weight"); o != SIZE_MAX && d.prefetch_point("attention_oproj"))
           capped("attention_oproj", l.index, true, {o});
         if (l.ffn == Ffn::dense) continue;
         std::vector<size_t> front{weight_by_key(m, l, "block_sparse_moe.gate.weight")};
         if (l.ffn == Ffn::latent_moe) front.push_back(weight_by_key(m, l, "block_sparse_moe.routed_expert_down_proj.weight"));
-        if (auto ws = widths_in(3, 8); !ws.empty()) {
+        if (auto ws = widths_in(3, 8); !ws.empty() && d.prefetch_point("oproj_down")) {
           PrefetchTable t{"oproj_down", l.index, ws, true, 8, {}};
           for (size_t i : front) t.ranges.push_back(range(i, all[i].bytes / 16 * 16));
           rp.prefetch.push_back(std::move(t));
         }
-        if (tp == 8) {
+        if (tp == 8 && d.prefetch_point("attention_moe")) {
           auto ws = l.mixer == Mixer::kda ? widths_in(5, 8) : widths_in(8, 8);
           if (!ws.empty()) {
             PrefetchTable t{"attention_moe", l.index, ws, true, 32, {}};
@@ -298,7 +298,7 @@ Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deplo
             rp.prefetch.push_back(std::move(t));
           }
         }
-        if (pos + 1 < m.layers.size()) capped("next_attention", l.index, false, attention_weights(m, m.layers[pos + 1]));
+        if (pos + 1 < m.layers.size() && d.prefetch_point("next_attention")) capped("next_attention", l.index, false, attention_weights(m, m.layers[pos + 1]));
       }
     }
     plan.ranks.push_back(std::move(rp));

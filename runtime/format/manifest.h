@@ -11,9 +11,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace dp::format {
@@ -124,6 +126,11 @@ struct RankEntry {
   int64_t rank = 0;
   std::vector<WeightEntry> weights;
 };
+
+// The prefetch points, indexed by decodepack.h's dp_prefetch_point (the runtime asserts the order):
+// where in a layer the runtime starts a table (runtime/src/prefetch_points.h) and what it pulls.
+inline constexpr std::array<std::string_view, 4> kPrefetchPoints = {"oproj_down", "attention_moe", "next_attention",
+                                                                   "attention_oproj"};
 
 struct PrefetchRangeEntry {
   std::string weight;  // checkpoint name (a rank's shard of it)

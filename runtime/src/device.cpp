@@ -128,22 +128,18 @@ class CudaDevice final : public Device {
   Status launch(const LaunchSpec& l, const char* what) override {
     size_t bytes = l.param_bytes;
     void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, l.params, CU_LAUNCH_PARAM_BUFFER_SIZE, &bytes, CU_LAUNCH_PARAM_END};
-    if (!l.high_priority && !l.max_carveout && !l.programmatic)
+    if (!l.high_priority && !l.programmatic)
       return check(api_->cuLaunchKernel(static_cast<CUfunction>(l.function), l.grid[0], l.grid[1], l.grid[2], l.block[0],
                                         l.block[1], l.block[2], l.dynamic_shared, static_cast<CUstream>(l.stream),
                                         nullptr, extra),
                    "cuLaunchKernel", what);
     // Launch attributes need the extended launch (the stream's own priority would apply otherwise).
-    CUlaunchAttribute attrs[3];
+    CUlaunchAttribute attrs[2];
     std::memset(attrs, 0, sizeof(attrs));
     unsigned n = 0;
     if (l.high_priority) {
       attrs[n].id = CU_LAUNCH_ATTRIBUTE_PRIORITY;
       attrs[n++].value.priority = greatest_priority_;
-    }
-    if (l.max_carveout) {
-      attrs[n].id = CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
-      attrs[n++].value.sharedMemCarveout = 100;
     }
     if (l.programmatic) {
       attrs[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;

@@ -33,7 +33,6 @@ struct LaunchSpec {
   void* params = nullptr;       // the packed parameter block ...
   size_t param_bytes = 0;       // ... of this many bytes
   bool high_priority = false;   // launch at the greatest stream priority
-  bool max_carveout = false;    // ask for the largest shared-memory carveout (100%)
   bool programmatic = false;    // programmatic dependent launch: may start before the previous kernel ends
                                 // (the kernel waits for it at entry; bundle format 1.3, sm_90+)
 };

@@ -6,11 +6,16 @@
 
 namespace dp::rt {
 
+static_assert(format::kPrefetchPoints[DP_PREFETCH_OPROJ_DOWN] == "oproj_down" &&
+              format::kPrefetchPoints[DP_PREFETCH_ATTENTION_MOE] == "attention_moe" &&
+              format::kPrefetchPoints[DP_PREFETCH_NEXT_ATTENTION] == "next_attention" &&
+              format::kPrefetchPoints[DP_PREFETCH_ATTENTION_OPROJ] == "attention_oproj" &&
+              format::kPrefetchPoints.size() == DP_PREFETCH_ATTENTION_OPROJ + 1,
+              "format::kPrefetchPoints must list the points in dp_prefetch_point order");
+
 int32_t prefetch_point_id(std::string_view name) {
-  if (name == "oproj_down") return DP_PREFETCH_OPROJ_DOWN;
-  if (name == "attention_moe") return DP_PREFETCH_ATTENTION_MOE;
-  if (name == "next_attention") return DP_PREFETCH_NEXT_ATTENTION;
-  if (name == "attention_oproj") return DP_PREFETCH_ATTENTION_OPROJ;
+  for (size_t i = 0; i < format::kPrefetchPoints.size(); ++i)
+    if (format::kPrefetchPoints[i] == name) return static_cast<int32_t>(i);
   return -1;
 }
 

@@ -987,8 +987,11 @@ Status dp_session::fire_prefetch(const std::function<bool(const ArmedPrefetch&)>
     l.stream = side_stream;
     l.params = const_cast<uint8_t*>(t.kernel.block.data());
     l.param_bytes = t.kernel.block.size();
+    // Critical tables (the MoE front, the o-projection) get the greatest stream priority. Not the
+    // maximum shared-memory carveout the seed also asks for: on the H200 it cost 3 to 24% of a whole
+    // step (the SMs the prefetch lands on are reconfigured, and the layer kernels after it wait for
+    // that; bench/NOTES.md, prefetch), with priority alone within noise of no prefetch.
     l.high_priority = t.entry->critical;
-    l.max_carveout = t.entry->critical;
     prefetch_pending = true;  // the side stream now depends on the host's stream: join must close it
     const char* name = t.kernel.entry->name.c_str();
     if (observer) observer(observer_user, a.layer, -1 - a.point, name, 0, side_stream);

@@ -35,7 +35,8 @@ class TorchGpuTest(unittest.TestCase):
             subprocess.run([cli, "synth", "--preset", "kimi-linear-tiny", "-o", model], check=True)
             deploy = os.path.join(cls.tmp, "deploy.json")
             with open(deploy, "w") as f:
-                json.dump({"targets": ["sm_90a"], "widths": [1, 2, 4, 8]}, f)
+                json.dump({"targets": ["sm_90a"], "widths": [1, 2, 4, 8],
+                           "prefetch": {"points": ["next_attention"]}}, f)
             cls.path = os.path.join(cls.tmp, "tiny.dpk")
             subprocess.run([cli, "build", "--model", model, "--deploy", deploy, "--no-weights", "-o", cls.path],
                            check=True)

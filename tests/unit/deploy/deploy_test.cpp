@@ -350,6 +350,37 @@ TEST(Deploy, PrefetchCaps) {
   for (int64_t w : d.widths) EXPECT_EQ(d.prefetch_cap(w), 0);
 }
 
+TEST(Deploy, PrefetchPoints) {
+  // Defaults from measurement: none at TP 1, the K3 module's three above.
+  Deploy d = parse_deploy(minimal(Json::object()), kWhere);
+  EXPECT_TRUE(d.prefetch.points.empty());
+  EXPECT_FALSE(d.prefetch_point("next_attention"));
+  d = parse_deploy(minimal({{"tensor_parallel", 2}}), kWhere);
+  EXPECT_EQ(d.prefetch.points, (std::vector<std::string>{"oproj_down", "attention_moe", "next_attention"}));
+  EXPECT_TRUE(d.prefetch_point("oproj_down"));
+  EXPECT_FALSE(d.prefetch_point("attention_oproj"));
+  // Listed points, kept in the format's order; enabled=false turns every point off.
+  d = parse_deploy(minimal({{"prefetch", {{"points", {"attention_oproj", "next_attention"}}}}}), kWhere);
+  EXPECT_EQ(d.prefetch.points, (std::vector<std::string>{"next_attention", "attention_oproj"}));
+  EXPECT_TRUE(d.prefetch_point("attention_oproj"));
+  d = parse_deploy(minimal({{"tensor_parallel", 2}, {"prefetch", {{"points", Json::array()}}}}), kWhere);
+  EXPECT_TRUE(d.prefetch.points.empty());
+  d = parse_deploy(minimal({{"prefetch", {{"enabled", false}, {"points", {"oproj_down"}}}}}), kWhere);
+  EXPECT_FALSE(d.prefetch_point("oproj_down"));
+  // The effective list is written into the bundle's deploy block.
+  EXPECT_EQ(to_json(parse_deploy(minimal({{"tensor_parallel", 2}}), kWhere))["prefetch"]["points"],
+            Json({"oproj_down", "attention_moe", "next_attention"}));
+
+  EXPECT_MSG(minimal({{"prefetch", {{"points", {"next_atention"}}}}}),
+             "prefetch.points[0] is \"next_atention\", expected one of oproj_down, attention_moe, next_attention, "
+             "attention_oproj (did you mean next_attention?)");
+  EXPECT_MSG(minimal({{"prefetch", {{"points", {"oproj_down", 3}}}}}), "prefetch.points[1] is \"3\", expected one of");
+  EXPECT_MSG(minimal({{"prefetch", {{"points", {"oproj_down", "oproj_down"}}}}}),
+             "prefetch.points[1]: \"oproj_down\" is listed twice");
+  EXPECT_MSG(minimal({{"prefetch", {{"points", "oproj_down"}}}}),
+             "prefetch.points is a string (\"oproj_down\"), expected an array of prefetch points");
+}
+
 TEST(Deploy, PrefetchErrors) {
   EXPECT_MSG(minimal({{"prefetch", {{"enabled", "yes"}}}}), "prefetch.enabled is a string (\"yes\"), expected true or false");
   EXPECT_MSG(minimal({{"prefetch", {{"cap_bytes", -1}}}}), "prefetch.cap_bytes -1 is out of range (valid: 0..1073741824)");
@@ -482,7 +513,7 @@ TEST(Deploy, CanonicalJsonIsDeterministic) {
             R"({"conv_state":{"dtype":"bf16","layout":"sd"},"dcp":{"interleave":1,"size":1},)"
             R"("indexer":{"max_keys_per_chunk":6553600,"max_requests":1024},"kda_state":{"dtype":"float32","layout":"kv"},)"
             R"("kv_cache":{"block_size":64,"dtype":"bf16"},"num_speculative_tokens":0,)"
-            R"("prefetch":{"cap_bytes":25165824,"enabled":true,"max_rows":8,"width_cap_bytes":{}},"ranks":[0],)"
+            R"("prefetch":{"cap_bytes":25165824,"enabled":true,"max_rows":8,"points":[],"width_cap_bytes":{}},"ranks":[0],)"
             R"("targets":["gfx942","sm_90a"],"tensor_parallel":1,"widths":[1,2,3,4,5,6,7,8]})");
   // A different build gives a different canonical form.
   EXPECT_NE(dp::canonical_json(to_json(parse(R"({"targets":["gfx942","sm_90a"],"max_num_seqs":4})"))), first);

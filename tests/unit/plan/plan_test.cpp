@@ -196,9 +196,24 @@ TEST(Plan, StepBytesCountRoutedExpertsAsTheWorstCase) {
   EXPECT_GT(r.step_bytes[7].total_read(), r.step_bytes[0].total_read());
 }
 
+TEST(Plan, PrefetchTablesFollowTheDeployDefaults) {
+  model::Model m = model::load_model("kimi-linear-48b-a3b");
+  // TP 1: none (measured not to pay on the H200).
+  EXPECT_TRUE(make_plan(m, deploy_of(base_deploy()), "deploy.json").ranks[0].prefetch.empty());
+  // TP 2: the K3 module's points, without attention_oproj.
+  Json d = base_deploy();
+  d["tensor_parallel"] = 2;
+  std::set<std::string> points;
+  const Plan p = make_plan(m, deploy_of(d), "deploy.json");
+  for (const PrefetchTable& t : p.ranks[0].prefetch) points.insert(t.point);
+  EXPECT_EQ(points, (std::set<std::string>{"oproj_down", "next_attention"}));  // attention_moe: TP 8 only
+}
+
 TEST(Plan, PrefetchTablesFollowTheWidthRules) {
   model::Model m = model::load_model("kimi-linear-48b-a3b");
-  Plan p = make_plan(m, deploy_of(base_deploy()), "deploy.json");
+  Json d = base_deploy();
+  d["prefetch"] = {{"points", {"oproj_down", "attention_moe", "next_attention", "attention_oproj"}}};
+  Plan p = make_plan(m, deploy_of(d), "deploy.json");
   int oproj = 0, next = 0, attention_oproj = 0;
   for (const PrefetchTable& t : p.ranks[0].prefetch) {
     if (t.point == "attention_oproj") {

@@ -69,7 +69,7 @@ inline void write_text(const fs::path& p, const std::string& s) {
 struct Bundles {
   fs::path dir;      // the work directory
   fs::path model;    // synth --preset kimi-linear-tiny --seed 0
-  fs::path tiny;     // .dpk: default deploy (sm_90a + gfx942, widths 1-8, TP 1), with fingerprints
+  fs::path tiny;     // .dpk: sm_90a + gfx942, widths 1-8, TP 1, every prefetch point, with fingerprints
   fs::path tiny_dir; // the same bundle as a directory (the archive extracted)
   fs::path spec;     // .dpk: sm_90a, widths 1,2,4, one speculative token, conv ds/float32, kv fp8/16
   fs::path tp2;      // .dpk: sm_90a, TP 2 (ranks 0 and 1), widths 1-4
@@ -101,7 +101,7 @@ inline Bundles ensure_bundles() {
   struct stat st {};
   ::stat(DP_CLI_PATH, &st);
   const std::string stamp = std::string(DP_CLI_PATH) + " " + std::to_string(st.st_size) + " " +
-                            std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + " v2\n";
+                            std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + " v3\n";
   const fs::path stamp_file = b.dir / "stamp";
   if (!fs::exists(stamp_file) || read_text(stamp_file) != stamp) {
     fs::remove(stamp_file);
@@ -112,7 +112,11 @@ inline Bundles ensure_bundles() {
     };
     std::vector<std::vector<std::string>> steps = {
         {"synth", "--preset", "kimi-linear-tiny", "--seed", "0", "-o", b.model.string()},
-        {"build", "--model", b.model.string(), "-o", b.tiny.string(), "--cache-dir", cache.string(), "-j", "2"},
+        // The default deploy but with tables for every prefetch point (TP 1 defaults to none), so that
+        // the prefetch paths have something to launch.
+        {"build", "--model", b.model.string(), "-o", b.tiny.string(), "--cache-dir", cache.string(), "-j", "2",
+         "--deploy", deploy("tiny.json", R"({"targets": ["sm_90a", "gfx942"], "widths": [1, 2, 3, 4, 5, 6, 7, 8],
+                "prefetch": {"points": ["oproj_down", "attention_moe", "next_attention", "attention_oproj"]}})")},
         {"build", "--model", b.model.string(), "--no-weights", "-o", b.spec.string(), "--cache-dir", cache.string(),
          "-j", "2", "--deploy",
          deploy("spec.json", R"({"targets": ["sm_90a"], "widths": [1, 2, 4], "num_speculative_tokens": 1,
