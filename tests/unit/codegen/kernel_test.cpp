@@ -4,8 +4,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <fstream>
 #include <set>
+#include <sstream>
 
+#include "codegen/ops/spec.h"
 #include "codegen/templates.h"
 #include "ops/instances.h"
 #include "../test_util.h"
@@ -33,6 +37,33 @@ TEST(KernelName, DoesNotDependOnHowTheParametersWereInserted) {
   b.params["H"] = 2304;
   EXPECT_EQ(kernel_name(a), kernel_name(b));
   EXPECT_EQ(generate_source(a), generate_source(b));
+}
+
+// templates/README.md gives each op's name letters their one meaning; every op and every letter of
+// its name, in name order, must be in its row.
+TEST(KernelName, EveryLetterIsExplainedInTheTemplatesReadme) {
+  std::ifstream in(test::data_dir().parent_path() / "templates" / "README.md");
+  std::stringstream text;
+  text << in.rdbuf();
+  std::vector<std::string> rows;
+  for (std::string line; std::getline(text, line);)
+    if (line.rfind("| `", 0) == 0) rows.push_back(line);
+  for (auto family : {ops::norm_ops, ops::gemm_ops, ops::kda_ops, ops::moe_ops, ops::mla_ops, ops::indexer_ops,
+                      ops::prefetch_ops})
+    for (const ops::OpSpec& op : family()) {
+      const std::string quoted = std::string("`") + op.name + "`";
+      auto row = std::find_if(rows.begin(), rows.end(), [&](const std::string& r) {
+        const size_t cell = r.find(" |", 2);
+        return r.substr(0, cell).find(quoted) != std::string::npos;
+      });
+      ASSERT_NE(row, rows.end()) << op.name << " has no row in templates/README.md";
+      size_t at = row->find(" |", 2);
+      for (const ops::ParamSpec& ps : op.params) {
+        at = row->find(std::string("`") + ps.prefix + "`", at);
+        ASSERT_NE(at, std::string::npos)
+            << op.name << ": letter " << ps.prefix << " missing or out of order in: " << *row;
+      }
+    }
 }
 
 TEST(KernelName, IsUniqueOverAPlausiblePlan) {
