@@ -2,7 +2,8 @@
 // small translation unit that instantiates it.
 //
 // An instance is (op, integer template parameters, target). Everything else is a function of it:
-//   kernel_name()      "rmsnorm_w4_h2304": the op, then every parameter in the op's fixed order. It
+//   kernel_name()      "rmsnorm_w4_h2304": the op, then every parameter in the op's fixed order (what
+//                      each letter means per op: templates/README.md, "Kernel names"). It
 //                      is the entry-point symbol in the code object and the manifest's kernel name;
 //                      the target is left out of it because the same source compiles for every target.
 //   instance_key()     "rmsnorm_w4_h2304.sm_90a": the file name stem and the key of the manifest's
@@ -13,8 +14,10 @@
 //   generate_source()  the translation unit: banner, includes, one extern "C" __global__ entry point
 //                      that calls the op's device template with the constants.
 //
-// Ops are described by a table in kernel.cpp (params, checks, signature, launch shape, device call);
-// adding an op family means one table entry plus its header in templates/.
+// Each op family is described in ops/<family>.cpp beside its device header templates/<family>.h
+// (params, checks, signature, launch shape, device call; ops/spec.h); kernel.cpp joins the families
+// into one table. Adding a family means that file, its line in kernel.cpp, its header and its row of
+// name letters in templates/README.md.
 #pragma once
 
 #include <cstdint>

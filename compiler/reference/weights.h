@@ -82,7 +82,6 @@ class LayerWeights {
   // 48B-shaped layer never holds more than one expert in double.
   Tensor expert(int64_t e, const std::string& w) const;
   void drop_cache() const { cache_.clear(); }
-  size_t cached_tensors() const { return cache_.size(); }
   // Keys passed to the lookup so far, in order (a MoE step reads only its routed experts).
   const std::vector<std::string>& lookups() const { return lookups_; }
 

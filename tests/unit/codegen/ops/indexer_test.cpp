@@ -1,6 +1,6 @@
-// The FP4 sparse-attention indexer prefill ops (templates/indexer.h): names, parameter checks, parameter
-// blocks, launch shapes, generated sources, and a real compile for sm_90a and gfx942 (CPU only; the
-// numbers on a GPU are tests/gpu/indexer).
+// The FP4 sparse-attention indexer prefill ops (templates/indexer.h, compiler/codegen/ops/indexer.cpp):
+// names, parameter checks, parameter blocks, launch shapes, generated sources, and a real compile for
+// sm_90a and gfx942 (CPU only; the numbers on a GPU are tests/gpu/indexer).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -8,10 +8,10 @@
 #include <fstream>
 #include <sstream>
 
-#include "../backend/backend_test_util.h"
+#include "../../backend/backend_test_util.h"
 #include "backend/compile.h"
 #include "codegen/kernel.h"
-#include "compile_check.h"
+#include "../compile_check.h"
 
 namespace dp::codegen {
 namespace {

@@ -1,0 +1,109 @@
+// gemm (templates/gemm.h): skinny bf16 GEMM over up to six weights that read one input, stacked in
+// one launch. The block layout is in spec.h (shared with moe.cpp).
+#include "codegen/ops/spec.h"
+
+#include "common/error.h"
+
+namespace dp::codegen::ops {
+namespace {
+
+constexpr int64_t kChunkElems = 32;      // K elements a group consumes per step (four 16-byte vectors per row)
+constexpr int64_t kMinSliceChunks = 8;   // chunks a K-slice should have (the loads one lane keeps in flight)
+
+struct GemmGeometry {
+  int64_t mt = 1;  // 16-row tiles per slot
+  int64_t s = 1;   // K-slices (split-K) per block
+  int64_t rows() const { return kGemmGroups / s * kTileRows * mt; }
+};
+
+int64_t pow2_floor(int64_t x) {
+  int64_t p = 1;
+  while (p * 2 <= x) p *= 2;
+  return p;
+}
+
+// Rows per block from the matrix height: about kTargetBlocks blocks where the matrix is tall enough,
+// otherwise one tile of 16 rows per block with K split over the 8 groups, as far as K is long enough
+// that every slice still keeps a lane's loads in flight.
+GemmGeometry gemm_geometry(int64_t /*t*/, int64_t k, int64_t n_total) {
+  const int64_t rb = std::clamp<int64_t>(pow2_floor(std::max<int64_t>(1, n_total / kTargetBlocks)), kTileRows,
+                                         kGemmGroups * kTileRows);
+  GemmGeometry g;
+  g.s = kGemmGroups * kTileRows / rb;
+  const int64_t chunks = (k + kChunkElems - 1) / kChunkElems;
+  g.s = std::min(g.s, std::max<int64_t>(1, pow2_floor(chunks / kMinSliceChunks)));
+  return g;
+}
+
+constexpr const char* kGemmSegKeys[6] = {"NA", "NB", "NC", "ND", "NE", "NF"};
+
+int64_t gemm_ntot(const Params& p) {
+  int64_t n = 0;
+  for (const char* k : kGemmSegKeys) n += p.at(k);
+  return n;
+}
+
+uint32_t gemm_grid(const Params& p) {
+  const int64_t rb = gemm_geometry(p.at("W"), p.at("K"), gemm_ntot(p)).rows();
+  int64_t blocks = 0;
+  for (const char* k : kGemmSegKeys) blocks += (p.at(k) + rb - 1) / rb;
+  return static_cast<uint32_t>(blocks);
+}
+
+}  // namespace
+
+std::vector<OpSpec> gemm_ops() {
+  return {
+      {
+          // Skinny GEMM over up to six weights that read the same input, stacked in one launch.
+          "gemm",
+          "gemm.h",
+          "dp_gemm",
+          {{"W", "w", 1, kMaxGemmRows, "activation rows (requests x q)"},
+           {"K", "k", 8, 1 << 20, "input width, a multiple of 8"},
+           {"NA", "na", 1, 1 << 20, "rows of weight 0"},
+           {"NB", "nb", 0, 1 << 20, "rows of weight 1 (0: absent)", true},
+           {"NC", "nc", 0, 1 << 20, "rows of weight 2 (0: absent)", true},
+           {"ND", "nd", 0, 1 << 20, "rows of weight 3 (0: absent)", true},
+           {"NE", "ne", 0, 1 << 20, "rows of weight 4 (0: absent)", true},
+           {"NF", "nf", 0, 1 << 20, "rows of weight 5 (0: absent)", true},
+           {"F", "f", 0, 1, "1: fp32 output (router logits), 0: bf16", true}},
+          [](const Params& p, const std::string& who) {
+            check_multiple_of_8(p, who, {"K"});
+            for (int i = 1; i < 6; ++i)
+              if (p.at(kGemmSegKeys[i]) > 0 && p.at(kGemmSegKeys[i - 1]) == 0)
+                fail(Errc::input, "{}: parameter {} = {} follows {} = 0 (absent weights must be the last ones)", who,
+                     kGemmSegKeys[i], p.at(kGemmSegKeys[i]), kGemmSegKeys[i - 1]);
+          },
+          [](const Params& p) {
+            const GemmGeometry g = gemm_geometry(p.at("W"), p.at("K"), gemm_ntot(p));
+            return std::vector<int64_t>{p.at("W"), p.at("K"), p.at("NA"), p.at("NB"), p.at("NC"), p.at("ND"),
+                                        p.at("NE"), p.at("NF"), p.at("F"), g.mt, g.s};
+          },
+          [](const Params& p) {
+            const char* out_t = p.at("F") ? "fp32" : "bf16";
+            std::vector<ArgSpec> a{
+                {"x", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"W", "K"}, "bf16"), "input rows"},
+                {"out", KernelParam::Kind::pointer, "void*", shape({p.at("W"), gemm_ntot(p)}, out_t),
+                 "outputs of the weights side by side, in weight order"},
+            };
+            static const char* names[6] = {"w0", "w1", "w2", "w3", "w4", "w5"};
+            for (int i = 0; i < 6; ++i)
+              if (p.at(kGemmSegKeys[i]) > 0)
+                a.push_back({names[i], KernelParam::Kind::pointer, "const dp_bf16*",
+                             shape({p.at(kGemmSegKeys[i]), p.at("K")}, "bf16"), "weight [out, in]"});
+            return a;
+          },
+          [](const Params& p) {
+            LaunchShape s;
+            s.grid[0] = gemm_grid(p);
+            s.block[0] = kGemmThreads;
+            return s;
+          },
+          [](const Params&) { return kGemmThreads; },
+          "DP_KERNEL_BOUNDS",
+      },
+  };
+}
+
+}  // namespace dp::codegen::ops

@@ -1,0 +1,31 @@
+#include "codegen/ops/spec.h"
+
+#include <fmt/format.h>
+
+#include "common/error.h"
+
+namespace dp::codegen::ops {
+
+void check_multiple_of_8(const Params& p, const std::string& who, std::initializer_list<const char*> keys) {
+  for (const char* k : keys)
+    if (p.at(k) % 8 != 0)
+      fail(Errc::input, "{}: parameter {} = {} is not a multiple of 8 (rows are read as 16-byte bf16 vectors)", who, k,
+           p.at(k));
+}
+
+std::string shape(std::initializer_list<int64_t> d, const char* dtype) {
+  std::string s = "[";
+  for (int64_t x : d) s += fmt::format("{}{}", s.size() > 1 ? ", " : "", x);
+  return s + "] " + dtype;
+}
+
+std::string dims(const Params& p, std::initializer_list<const char*> keys, const char* dtype) {
+  std::string s = "[";
+  for (const char* k : keys) {
+    if (s.size() > 1) s += ", ";
+    s += std::to_string(p.at(k));
+  }
+  return s + "] " + dtype;
+}
+
+}  // namespace dp::codegen::ops

@@ -1,0 +1,84 @@
+// What codegen knows about an op: its parameters (the kernel name), its checks, its entry point's
+// arguments, its launch shape and the device template it calls. Internal to codegen/.
+//
+// One file per op family, beside the family's device header: ops/norm.cpp for templates/norm.h,
+// ops/gemm.cpp for gemm.h, and so on. Each returns its ops' entries; kernel.cpp joins them into the one
+// table that names, checks and instantiates every kernel.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <initializer_list>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "codegen/kernel.h"
+
+namespace dp::codegen::ops {
+
+using Params = std::map<std::string, int64_t>;
+
+struct ParamSpec {
+  const char* key;     // "W": the name in KernelInstance::params
+  const char* prefix;  // "w": its spelling in the kernel name
+  int64_t min, max;    // inclusive
+  const char* doc;     // what the letter means for this op (templates/README.md lists them all)
+  // Left out of the kernel name when 0 (optional segments, flags that are usually off). Only for
+  // parameters whose zero is unambiguous from the others (trailing GEMM segments, the f32 flag).
+  bool omit_zero = false;
+};
+
+// A parameter of the entry point before layout (offsets are computed in kernel_signature()).
+struct ArgSpec {
+  const char* name;
+  KernelParam::Kind kind;
+  const char* c_type;
+  std::string shape;
+  std::string doc;
+  bool nullable = false;
+};
+
+struct OpSpec {
+  const char* name;
+  const char* header;     // in templates/
+  const char* device_fn;  // the device template the entry point calls
+  std::vector<ParamSpec> params;  // fixed order: the order of the kernel name
+  std::function<void(const Params&, const std::string& who)> check;  // op-specific constraints
+  std::function<std::vector<int64_t>(const Params&)> template_args;   // device template arguments
+  std::function<std::vector<ArgSpec>(const Params&)> args;
+  std::function<LaunchShape(const Params&)> launch;
+  std::function<uint32_t(const Params&)> block_threads;
+  // The launch-bounds macro of the entry point (vendor.h, or the op header's own).
+  const char* bounds = "DP_LAUNCH_BOUNDS";
+};
+
+// The families, one per templates/ header.
+std::vector<OpSpec> norm_ops();      // rmsnorm
+std::vector<OpSpec> gemm_ops();      // gemm
+std::vector<OpSpec> kda_ops();       // kda_step
+std::vector<OpSpec> moe_ops();       // moe_route, moe_up, moe_down, mlp_up
+std::vector<OpSpec> mla_ops();       // mla_prep, mla_attn, mla_combine
+std::vector<OpSpec> indexer_ops();   // idx_quant, idx_pack, idx_stage, idx_score, idx_topk, idx_rows
+std::vector<OpSpec> prefetch_ops();  // prefetch
+
+// ---- GEMM-shaped blocks (templates/gemm.h, moe.h) -----------------------------------------------
+// Every GEMM-shaped block is 256 threads = 8 groups of 32 lanes; a group owns a slot of 16*MT weight
+// rows (MT tiles of 16 rows, the tensor-core tile height on NVIDIA) and one of S K-slices (split-K), so
+// a block covers (8/S)*16*MT rows. These are functions of the named parameters (never of the target),
+// so the kernel name stays a function of its parameters.
+inline constexpr uint32_t kGemmThreads = 256;
+inline constexpr int64_t kGemmGroups = 8;
+inline constexpr int64_t kTileRows = 16;       // weight rows of one tensor-core tile
+inline constexpr int64_t kMaxGemmRows = 32;    // activation rows (W*q) of one launch
+inline constexpr int64_t kTargetBlocks = 264;  // about two blocks per SM of a 132-SM H200
+
+// ---- Messages and shapes ------------------------------------------------------------------------
+// Fails naming each of `keys` that is not a multiple of 8 (rows read as 16-byte bf16 vectors).
+void check_multiple_of_8(const Params& p, const std::string& who, std::initializer_list<const char*> keys);
+// "[4, 2304] bf16" from numbers, or from the parameters named by `keys`.
+std::string shape(std::initializer_list<int64_t> d, const char* dtype);
+std::string dims(const Params& p, std::initializer_list<const char*> keys, const char* dtype);
+
+}  // namespace dp::codegen::ops

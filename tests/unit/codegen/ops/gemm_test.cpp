@@ -1,0 +1,102 @@
+// gemm (templates/gemm.h, compiler/codegen/ops/gemm.cpp): names, parameter checks, signatures, launch
+// shapes and a real compile for sm_90a and gfx942 at the presets' and the big models' shapes (CPU only;
+// correctness on a GPU is tests/gpu/kernels).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "../../backend/backend_test_util.h"
+#include "../compile_check.h"
+#include "codegen/kernel.h"
+#include "instances.h"
+
+namespace dp::codegen {
+namespace {
+
+using namespace test_ops;
+
+TEST(GemmOp, AreKnown) {
+  const std::vector<std::string> ops = known_ops();
+  for (const char* op : {"gemm"})
+    EXPECT_NE(std::find(ops.begin(), ops.end(), op), ops.end()) << op;
+}
+
+TEST(GemmOp, NamesAtKimiLinear48bShapes) {
+  // The KDA projections stacked in one launch: q, k, v, f_a, g_a, b.
+  EXPECT_EQ(kernel_name(gemm(4, 2304, {4096, 4096, 4096, 128, 128, 32})),
+            "gemm_w4_k2304_na4096_nb4096_nc4096_nd128_ne128_nf32");
+  EXPECT_EQ(kernel_name(gemm(4, 4096, {2304})), "gemm_w4_k4096_na2304");         // o_proj
+  EXPECT_EQ(kernel_name(gemm(4, 2304, {256}, true)), "gemm_w4_k2304_na256_f1");  // router logits
+  // Omitted zeros never make two instances share a name.
+  EXPECT_NE(kernel_name(gemm(4, 2304, {256}, true)), kernel_name(gemm(4, 2304, {256}, false)));
+  EXPECT_NE(kernel_name(gemm(4, 2304, {256, 8})), kernel_name(gemm(4, 2304, {2568})));
+}
+
+TEST(GemmOp, RefusesShapesTheTemplatesCannotBuild) {
+  using test::expect_error;
+  expect_error(
+      [] {
+        kernel_name(gemm(4, 2304, {256, 0, 32}));
+      },
+      Errc::input, {"parameter NC = 32 follows NB = 0", "absent weights must be the last"});
+  expect_error([] { kernel_name(gemm(4, 2300, {256})); }, Errc::input, {"K = 2300 is not a multiple of 8"});
+  expect_error([] { kernel_name(gemm(33, 2304, {256})); }, Errc::input, {"parameter W = 33 is out of range", "1..32"});
+  expect_error([] { kernel_name(gemm(4, 2304, {0})); }, Errc::input, {"parameter NA = 0 is out of range"});
+}
+
+TEST(GemmOp, SignatureListsOnlyThePresentWeights) {
+  KernelSignature s = kernel_signature(gemm(4, 2304, {4096, 4096, 4096}));
+  ASSERT_EQ(s.params.size(), 5u);
+  const char* names[] = {"x", "out", "w0", "w1", "w2"};
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(s.params[i].name, names[i]);
+    EXPECT_EQ(s.params[i].offset, 8 * i);
+  }
+  EXPECT_EQ(s.params[1].shape, "[4, 12288] bf16");
+  EXPECT_EQ(s.params[4].shape, "[4096, 2304] bf16");
+  EXPECT_EQ(kernel_signature(gemm(2, 2304, {256}, true)).params[1].shape, "[2, 256] fp32");
+}
+
+TEST(GemmOp, LaunchShapes) {
+  // o_proj: 2304 rows; blocks of one 16-row tile (the least), split-K over the 8 groups.
+  LaunchShape o = launch_shape(gemm(4, 4096, {2304}));
+  EXPECT_EQ(o.block[0], 256u);
+  EXPECT_EQ(o.grid[0], 144u);
+  // Router: 256 rows -> 16-row blocks, split-K over the 8 groups.
+  EXPECT_EQ(launch_shape(gemm(1, 2304, {256}, true)).grid[0], 16u);
+  // Stacked KDA projections: every segment gets whole tiles of its own.
+  LaunchShape p = launch_shape(gemm(1, 2304, {4096, 4096, 4096, 128, 128, 32}));
+  EXPECT_EQ(p.grid[0], 3u * 128u + 4u + 4u + 1u);  // 32 rows per block (2 slots, 4 K-slices)
+  // Tall matrices: 128 rows per block (8 slots of one tile), no split-K.
+  EXPECT_EQ(launch_shape(gemm(1, 2304, {163840})).grid[0], 1280u);
+}
+
+TEST(GemmOp, Source) {
+  const std::string g = generate_source(gemm(4, 4096, {2304}));
+  EXPECT_NE(g.find("dp_gemm<4, 4096, 2304, 0, 0, 0, 0, 0, 0, 1, 8>(x, out, w0);"), std::string::npos) << g;
+  EXPECT_NE(g.find("DP_GRID_DEPENDENCY_ENTRY();"), std::string::npos) << g;
+}
+
+// Kimi-Linear tiny (hidden 256, KDA projections, router) and Kimi-Linear-48B at width 8, q 2.
+std::vector<KernelInstance> compile_set(const std::string& t) {
+  return {
+      gemm(1, 256, {256, 256, 256, 128, 128, 2}, false, t),
+      gemm(2, 256, {256}, false, t),
+      gemm(2, 256, {16}, true, t),
+      gemm(16, 2304, {4096, 4096, 4096, 128, 128, 32}, false, t),
+      gemm(16, 4096, {2304}, false, t),
+  };
+}
+
+TEST(GemmOpCompile, EveryOpCompilesForSm90a) {
+  DP_SKIP_WITHOUT(backend::Vendor::nvidia);
+  test_util::expect_compiles(compile_set("sm_90a"), "sm_90a");
+}
+
+TEST(GemmOpCompile, EveryOpCompilesForGfx942) {
+  DP_SKIP_WITHOUT(backend::Vendor::amd);
+  test_util::expect_compiles(compile_set("gfx942"), "gfx942");
+}
+
+}  // namespace
+}  // namespace dp::codegen
