@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.footer(
       "Exit codes: 0 ok, 1 internal error, 2 usage, 3 bad input (model, checkpoint, deploy config, bundle),\n"
-      "4 I/O, 5 verification failed, 6 registry, 7 toolchain, 8 device.");
+      "4 I/O, 5 verification failed, 6 registry, 7 toolchain, 8 device. `doctor` always exits 0 (a report).");
 
   dp::tools::Action action;
   dp::tools::add_synth(app, action);
