@@ -21,6 +21,7 @@ void add_pull(CLI::App& app, Action& action);
 void add_run(CLI::App& app, Action& action);
 void add_indexer_run(CLI::App& app, Action& action);
 void add_bench(CLI::App& app, Action& action);
+void add_doctor(CLI::App& app, Action& action);
 
 // Progress and diagnostics go to stderr; results (tables, --json) go to stdout.
 bool stderr_is_tty();

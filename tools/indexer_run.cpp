@@ -51,10 +51,11 @@ struct Options {
   int64_t set_size = 3;             // requests per request set
   std::string layout = "split";
   int64_t stride_pad = 32;          // bytes added to block_size * 68 (merged pages)
-  uint64_t seed = 1;
+  uint64_t seed = 0;  // as in synth, run and bench
   std::string inputs;
   std::string nccl;
   std::vector<int> devices;
+  int device = -1;  // --device: one rank's device, as in run and bench
   uint64_t max_tile_bytes = 0;
   int repeat = 0;
   bool check = true;
@@ -549,6 +550,12 @@ int run(const Options& o) {
   const Layout L = plan_layout(o, in, cfg, rng);
   for (const Set& s : L.sets) ix::plan_chunk(s.chunk, cfg);  // the tool's own inputs within the limits
   std::vector<int> devices = o.devices;
+  if (o.device >= 0) {
+    if (L.world != 1)
+      fail(Errc::usage, "--device {}: one device, but the bundle's dcp.size is {}; give one per rank with --devices",
+           o.device, L.world);
+    devices = {o.device};
+  }
   if (devices.empty())
     for (int r = 0; r < L.world; ++r) devices.push_back(r);
   if (static_cast<int64_t>(devices.size()) != L.world)
@@ -743,7 +750,11 @@ void add_indexer_run(CLI::App& app, Action& action) {
   cmd->add_flag("!--no-check", o->check,
                 "Only time the prefill (with --repeat): no CPU reference, no comparison (the output's determinism "
                 "across repeats is still checked)");
-  cmd->add_option("--devices", o->devices, "CUDA device of each DCP rank (default 0..W-1)")->delimiter(',');
+  auto* devices = cmd->add_option("--devices", o->devices, "CUDA device of each DCP rank (default 0..W-1)")
+                      ->delimiter(',');
+  cmd->add_option("--device", o->device, "CUDA device ordinal of a one-rank bundle (as for run and bench; default 0)")
+      ->check(CLI::NonNegativeNumber)
+      ->excludes(devices);
   cmd->add_option("--nccl", o->nccl, "NCCL library for DCP (default: $DECODEPACK_NCCL or libnccl.so.2)");
   cmd->add_flag("--json", o->json, "Print the result as JSON");
   cmd->footer(

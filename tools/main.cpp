@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
@@ -36,6 +37,32 @@ void print_json_error(dp::Errc code, const std::string& message) {
   std::printf("%s\n", j.dump(2).c_str());
 }
 
+// An option the chosen subcommand does not have ("build --modle x"), with the nearest of its options;
+// "" when every option word is known. Checked before CLI11's own message, which would otherwise
+// complain first about a required option (--model) that the typo was meant to be.
+std::string unknown_option(const CLI::App& app, int argc, char** argv) {
+  if (argc < 2) return {};
+  const CLI::App* sub = nullptr;
+  for (const CLI::App* s : app.get_subcommands({}))
+    if (s->get_name() == argv[1]) sub = s;
+  if (!sub) return {};
+  for (int i = 2; i < argc; ++i) {
+    const std::string word = argv[i];
+    if (word == "--") break;  // the rest are positionals
+    if (word.size() < 3 || word.compare(0, 2, "--") != 0) continue;
+    const std::string name = word.substr(0, word.find('='));
+    if (sub->get_option_no_throw(name) || app.get_option_no_throw(name)) continue;
+    std::vector<std::string> names;
+    for (const CLI::Option* o : sub->get_options())
+      for (const std::string& l : o->get_lnames()) names.push_back("--" + l);
+    const std::string near = dp::closest_name(name, names);
+    return fmt::format("unknown option '{}' of {}{} (see decodepack {} --help)",
+                       name.size() > 64 ? name.substr(0, 64) + "..." : name, sub->get_name(),
+                       near.empty() ? "" : "; did you mean '" + near + "'?", sub->get_name());
+  }
+  return {};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -44,7 +71,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.footer(
       "Exit codes: 0 ok, 1 internal error, 2 usage, 3 bad input (model, checkpoint, deploy config, bundle),\n"
-      "4 I/O, 5 verification failed, 6 registry, 7 toolchain, 8 device.");
+      "4 I/O, 5 verification failed, 6 registry, 7 toolchain, 8 device. `doctor` always exits 0 (a report).");
 
   dp::tools::Action action;
   dp::tools::add_synth(app, action);
@@ -58,6 +85,7 @@ int main(int argc, char** argv) {
   dp::tools::add_run(app, action);
   dp::tools::add_indexer_run(app, action);
   dp::tools::add_bench(app, action);
+  dp::tools::add_doctor(app, action);
 
   // A first word that is no subcommand is a typo of one (CLI11 would only say one is required).
   if (argc >= 2 && argv[1][0] != '-') {
@@ -78,6 +106,11 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     const bool json = json_on_stdout(app);
+    if (const std::string typo = unknown_option(app, argc, argv); !typo.empty()) {
+      std::fprintf(stderr, "decodepack: error: %s\n", typo.c_str());
+      if (json) print_json_error(dp::Errc::usage, typo);
+      return static_cast<int>(dp::Errc::usage);
+    }
     int rc = app.exit(e);
     if (rc != 0 && json) print_json_error(dp::Errc::usage, e.what());
     return rc == 0 ? 0 : static_cast<int>(dp::Errc::usage);

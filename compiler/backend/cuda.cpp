@@ -77,7 +77,7 @@ std::string ptxas_flag_help() { return "--cuda-root DIR or DECODEPACK_CUDA_ROOT=
 // ---------------------------------------------------------------------------------------------------
 class NvrtcToolchain final : public DeviceToolchain {
  public:
-  NvrtcToolchain(void* lib, const fs::path& lib_path) {
+  NvrtcToolchain(void* lib, const fs::path& lib_path) : lib_path_(lib_path) {
     auto sym = [&](const char* name) {
       void* p = ::dlsym(lib, name);
       if (!p)
@@ -118,6 +118,7 @@ class NvrtcToolchain final : public DeviceToolchain {
 
   Vendor vendor() const override { return Vendor::nvidia; }
   const std::string& version() const override { return version_; }
+  std::string location() const override { return lib_path_.string(); }
 
   void check_target(const TargetInfo& t) const override {
     for (int a : archs_)
@@ -205,6 +206,7 @@ class NvrtcToolchain final : public DeviceToolchain {
     }
   }
 
+  fs::path lib_path_;
   NvrtcApi api_{};
   std::string version_;
   std::string nvrtc_version_;
@@ -234,6 +236,7 @@ class NvccToolchain final : public DeviceToolchain {
 
   Vendor vendor() const override { return Vendor::nvidia; }
   const std::string& version() const override { return version_; }
+  std::string location() const override { return nvcc_.string(); }
 
   void check_target(const TargetInfo& t) const override {
     if (archs_.empty() || archs_.find("sm_" + std::to_string(t.sm) + "\n") != std::string::npos ||

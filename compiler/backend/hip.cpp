@@ -70,6 +70,7 @@ class ClangHipToolchain final : public DeviceToolchain {
 
   Vendor vendor() const override { return Vendor::amd; }
   const std::string& version() const override { return version_; }
+  std::string location() const override { return clang_.string(); }
 
   void check_target(const TargetInfo& t) const override {
     if (t.min_llvm_major > llvm_major_)

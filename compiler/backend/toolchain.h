@@ -39,6 +39,8 @@ class DeviceToolchain {
   // Identifies the compiler exactly enough for the compile cache and the manifest, e.g.
   // "nvrtc 13.0" or "Debian clang version 19.1.7 (3~deb12u1)".
   virtual const std::string& version() const = 0;
+  // Where it was found: the NVRTC library, nvcc or clang++ (for `decodepack doctor` and messages).
+  virtual std::string location() const = 0;
   // Refuses a target this toolchain cannot build: dp::Error(toolchain) with what to install and the
   // flag / environment variable that selects another toolchain.
   virtual void check_target(const TargetInfo& t) const = 0;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <optional>
 #include <set>
@@ -558,6 +559,10 @@ Deploy load_deploy(const std::string& spec) {
   if (!path_exists(spec))
     fail(Errc::io, "--deploy {}: no such file{} (give a deploy JSON file, or `default` for the built-in deploy)",
          excerpt(spec), spec.size() < 16 && edit_distance(spec, "default") <= 2 ? "; did you mean `default`?" : "");
+  std::error_code ec;
+  if (std::filesystem::is_directory(spec, ec))
+    fail(Errc::io, "--deploy {}: is a directory (give a deploy JSON file, or `default` for the built-in deploy)",
+         excerpt(spec));
   return parse_deploy(load_json_file(spec), spec);
 }
 
