@@ -1045,8 +1045,7 @@ Status dp_session::prefetch_set_cap(int32_t point, int32_t width, uint64_t bytes
       host.push_back(b);
       left -= b;
     }
-    PrefetchTable t = base;
-    t.host = base.host;  // keep the whole table for later caps
+    PrefetchTable t = base;  // keeps the whole table (host) for later caps
     t.count = static_cast<uint32_t>(host.size() / 2);
     if (t.count == 0) {  // a cap under 16 bytes
       it->second.off = true;
