@@ -17,6 +17,7 @@
 #include "common/json.h"
 #include "decodepack/decodepack.h"
 #include "format/targets.h"
+#include "json_output.h"
 #include "src/targets.h"
 
 namespace fs = std::filesystem;
@@ -294,7 +295,7 @@ void add_doctor(CLI::App& app, Action& action) {
           {"targets", targets},
           {"cache", cache_json(o->cache_dir)}};
       if (o->json)
-        std::printf("%s\n", report.dump(2).c_str());
+        print_json(report);
       else
         print_text(report);
       return 0;

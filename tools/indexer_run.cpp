@@ -36,6 +36,7 @@
 #include "indexer/geometry.h"
 #include "indexer/key.h"
 #include "indexer/reference.h"
+#include "json_output.h"
 #include "run_device.h"
 
 namespace dp::tools {
@@ -692,7 +693,10 @@ int run(const Options& o) {
                     {"ranks", ranks},
                     {"ok", ok}};
   if (o.json) {
-    std::printf("%s\n", result.dump(2).c_str());
+    Json j = result;
+    if (!ok) j["error"] = json_error(Errc::verify, fmt::format("{}: the indexer prefill differs from the CPU reference "
+                                                               "or between repeats", o.bundle));
+    print_json(std::move(j));
   } else {
     if (!o.check) std::printf("not checked against the CPU reference (--no-check)\n");
     for (const Json& r : ranks) {

@@ -18,6 +18,7 @@
 #include "bundle/bundle.h"
 #include "common/dtype.h"
 #include "common/error.h"
+#include "common/progress.h"
 #include "cuda_driver.h"
 #include "decodepack/decodepack.h"
 #include "model/ir.h"
@@ -489,10 +490,23 @@ void Harness::bind_weights() {
   const auto t0 = std::chrono::steady_clock::now();
   uint64_t bytes = 0;
   const unsigned threads = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
-  for (int32_t i = 0; i < n; ++i) {
+  auto weight_info = [&](int32_t i) {
     dp_weight_info wi{};
     wi.size = sizeof(wi);
     rt(dp_bundle_get_weight(sh_.b, o_.rank, i, &wi), "bundle weight");
+    return wi;
+  };
+  // Progress in device bytes (the expert groups dwarf the other entries), counted as the loop allocates.
+  auto device_bytes = [](const dp_weight_info& wi) {
+    size_t shard = dp_dtype_size(wi.dtype);
+    for (int32_t k = 0; k < wi.ndim; ++k) shard *= static_cast<size_t>(wi.shape[k]);
+    return wi.experts > 0 ? (shard + 15) / 16 * 16 * static_cast<size_t>(wi.experts) : shard;
+  };
+  uint64_t total_bytes = 0;
+  for (int32_t i = 0; i < n; ++i) total_bytes += device_bytes(weight_info(i));
+  Progress bar(o_.log ? stderr : nullptr, stderr_is_terminal(), "weights: binding", total_bytes, Progress::Unit::bytes);
+  for (int32_t i = 0; i < n; ++i) {
+    const dp_weight_info wi = weight_info(i);
     const std::string group = wi.name;
     const DType dt = dtype_of(wi.dtype);
     const size_t elem = dp_dtype_size(wi.dtype);
@@ -535,9 +549,12 @@ void Harness::bind_weights() {
     } else {
       rt(dp_session_bind_weight(sh_.s, group.c_str(), &t), "binding " + group);
     }
+    bar.advance(stride * count, group);
   }
+  bar.finish();
   rt(dp_session_finalize_weights(sh_.s), "finalizing weights");
   res_.weight_bytes = static_cast<int64_t>(bytes);
+  res_.weight_entries = n;
   log(fmt::format("weights: {} bound in {:.1f} s", human_bytes(bytes),
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()));
   if (o_.verify_weights) {

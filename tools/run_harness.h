@@ -85,6 +85,7 @@ struct RunResult {
   std::string model;     // where the model config came from
   int width = 0, requests = 0, q = 1, rows = 0, tensor_parallel = 1, rank = 0;
   int64_t weight_bytes = 0;
+  int64_t weight_entries = 0;  // the rank's bundle weight entries bound (an expert group is one)
   std::vector<int> layers_run, layers_skipped;  // decoder layers run through their programs / skipped
   std::vector<std::string> layer_classes;       // per layer
   std::vector<RunStep> steps;

@@ -11,6 +11,7 @@
 #include "common/fs.h"
 #include "common/hash.h"
 #include "common/output.h"
+#include "common/progress.h"
 #include "indexer/workspace.h"
 #include "deploy/deploy.h"
 #include "format/manifest.h"
@@ -156,8 +157,10 @@ BuildResult build_bundle(const BuildOptions& o) {
     man.ranks.push_back(std::move(re));
   }
   if (have_ckpt) {
-    log(fmt::format("fingerprinting {} weight shards on {} threads", refs.size(), jobs));
-    std::vector<std::string> digests = fingerprint_all(*ckpt, refs, jobs);
+    Progress bar(o.log ? stderr : nullptr, o.progress_tty, fmt::format("fingerprinting weight shards ({} threads)", jobs),
+                 refs.size());
+    std::vector<std::string> digests = fingerprint_all(*ckpt, refs, jobs, &bar);
+    bar.finish();
     for (size_t i = 0; i < refs.size(); ++i)
       man.ranks[ref_slots[i].first].weights[ref_slots[i].second].sha256.push_back(digests[i]);
   }

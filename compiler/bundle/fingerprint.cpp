@@ -116,7 +116,7 @@ std::string fingerprint(const st::Checkpoint& ckpt, const ShardRef& s) {
 }
 
 std::vector<std::string> fingerprint_all(const st::Checkpoint& ckpt, const std::vector<ShardRef>& shards,
-                                         unsigned jobs) {
+                                         unsigned jobs, Progress* progress) {
   std::vector<std::string> out(shards.size());
   std::atomic<size_t> next{0};
   std::exception_ptr error;
@@ -125,6 +125,7 @@ std::vector<std::string> fingerprint_all(const st::Checkpoint& ckpt, const std::
     for (size_t i; (i = next.fetch_add(1)) < shards.size();) {
       try {
         out[i] = fingerprint(ckpt, shards[i]);
+        if (progress) progress->advance();
       } catch (...) {
         std::lock_guard<std::mutex> g(error_mu);
         if (!error) error = std::current_exception();

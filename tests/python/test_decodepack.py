@@ -121,6 +121,23 @@ class BindingTest(unittest.TestCase):
         self.assertEqual(weights[W1].dtype_name, "BF16")
         self.assertEqual(weights["model.norm.weight"].layer, -1)
 
+    def test_weight_counts_agree_with_the_cli(self):
+        # One bundle, three counts with three names: entries to bind (an expert group is one), the decode
+        # tensors they hold, and the checkpoint's tensors (with the embeddings and LM head the host keeps).
+        counts = self.bundle.weight_counts(0)
+        self.assertEqual(counts["weight_entries"], 86)
+        self.assertEqual(counts["weight_entries"], len(self.bundle.weights(0)))
+        inspect = json.loads(_cli("inspect", self.path, "--json"))
+        self.assertEqual(inspect["ranks"][0]["weight_entries"], counts["weight_entries"])
+        self.assertEqual(inspect["ranks"][0]["decode_tensors"], counts["decode_tensors"])
+        self.assertEqual(inspect["ranks"][0]["decode_bytes"], counts["decode_bytes"])
+        deploy = os.path.join(self.tmp, "deploy.json")
+        if os.path.exists(deploy):  # the bundle was built here
+            plan = json.loads(_cli("plan", "--model", "kimi-linear-tiny", "--deploy", deploy, "--json"))
+            for key in ("weight_entries", "decode_tensors", "decode_bytes"):
+                self.assertEqual(plan["ranks"][0][key], counts[key], key)
+            self.assertEqual(plan["model"]["checkpoint_tensors"], counts["decode_tensors"] + 2)  # embeddings, LM head
+
     def test_open_errors(self):
         with self.assertRaises(dp.DecodepackError) as e:
             dp.Bundle(os.path.join(self.tmp, "missing.dpk"))

@@ -300,6 +300,11 @@ def dtype_name(dtype):
     return _lib().dp_dtype_name(dtype).decode()
 
 
+def dtype_size(dtype):
+    """Bytes per element of a DTYPE_* code."""
+    return _lib().dp_dtype_size(dtype)
+
+
 # ---- Tensors ------------------------------------------------------------------------------------------
 
 def _torch_dtype(t):
@@ -509,6 +514,9 @@ class Bundle(_Handle):
                 "class": li.layer_class.decode()}
 
     def weights(self, rank=0):
+        """The rank's weight entries as a host binds them (dp_bundle_weight_count): an expert group is one
+        entry of `experts` tensors, bound with bind_expert_weights. weight_counts() counts them the other
+        ways too."""
         n = _lib().dp_bundle_weight_count(self._h, rank)
         if n < 0:
             _check(_lib().dp_bundle_query_validity(self._h, None, rank))
@@ -519,6 +527,22 @@ class Bundle(_Handle):
             _check(_lib().dp_bundle_get_weight(self._h, rank, k, ctypes.byref(w)))
             out.append(WeightInfo(w))
         return out
+
+    def weight_counts(self, rank=0):
+        """The rank's decode weights counted as `decodepack inspect --json` and `plan --json` count them:
+        {"weight_entries": entries to bind (an expert group is one), "decode_tensors": the tensors they hold
+        (each expert counted), "decode_bytes": their bytes}. A checkpoint has more tensors than this (the
+        embeddings and LM head stay with the host: plan's model.checkpoint_tensors)."""
+        entries = self.weights(rank)
+        tensors = nbytes = 0
+        for w in entries:
+            n = dtype_size(w.dtype)
+            for s in w.shape:
+                n *= s
+            count = w.experts if w.experts > 0 else 1
+            tensors += count
+            nbytes += n * count
+        return {"weight_entries": len(entries), "decode_tensors": tensors, "decode_bytes": nbytes}
 
     def query_validity(self, device=None, rank=-1):
         """Raises DecodepackError when the bundle would not run on `device` (a device_desc() or
