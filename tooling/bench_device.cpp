@@ -1,8 +1,8 @@
-#include "bench_device.h"
+#include "tooling/bench_device.h"
 
 #include <cstring>
 
-#include "bench_ptx.h"
+#include "tooling/bench_ptx.h"
 
 namespace dp::tools {
 

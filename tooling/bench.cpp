@@ -1,4 +1,4 @@
-#include "bench_harness.h"
+#include "tooling/bench.h"
 
 #include <algorithm>
 #include <array>
@@ -11,10 +11,10 @@
 #include <fmt/ranges.h>
 
 #include "bench/bytes.h"
-#include "bench_device.h"
+#include "tooling/bench_device.h"
 #include "common/error.h"
 #include "deploy/deploy.h"
-#include "harness.h"
+#include "tooling/harness.h"
 
 namespace dp::tools {
 namespace {
@@ -160,8 +160,7 @@ bench::BenchResult Bench::run() {
   for (int w : widths) h_->check_width(w, w, "--widths");  // before the weights take minutes to bind
   res_.widths = widths;
 
-  const format::Manifest& man = h_->manifest();
-  const deploy::Deploy dep = deploy::parse_deploy(man.deploy, o_.run.bundle + ": manifest deploy");
+  const deploy::Deploy& dep = h_->deploy();
   elems_.state = static_cast<uint64_t>(bytes_per_elem(deploy::element_dtype(dep.kda_state.dtype)));
   elems_.conv = static_cast<uint64_t>(bytes_per_elem(deploy::element_dtype(dep.conv_state.dtype)));
   elems_.kv = static_cast<uint64_t>(bytes_per_elem(deploy::element_dtype(dep.kv_cache.dtype)));

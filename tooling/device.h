@@ -10,13 +10,12 @@
 #include <fmt/format.h>
 
 #include "common/error.h"
-#include "cuda_driver.h"
+#include "tooling/cuda_driver.h"
 #include "decodepack/decodepack.h"
 
 namespace dp::tools {
 
 using cuda::CUdeviceptr;
-using cuda::Driver;
 
 // ---- libdecodepack status -> dp::Error ------------------------------------------------------------
 
