@@ -27,7 +27,7 @@
 #include <mutex>
 #include <thread>
 
-#include "bundle/bundle.h"
+#include "deploy/deploy.h"
 #include "common/dtype.h"
 #include "common/error.h"
 #include "common/fs.h"
@@ -65,20 +65,19 @@ struct RankResult {
   int error_code = 0;
 };
 
-void run_rank(const Options& o, const Inputs& in, const Layout& L, int rank, int device, const Nccl* nccl,
-              const NcclUniqueId* id, RankResult& res) {
+void run_rank(const Options& o, dp_bundle* bundle, const Inputs& in, const Layout& L, int rank, int device,
+              const Nccl* nccl, const NcclUniqueId* id, RankResult& res) {
   const Driver& d = Driver::get();
   Context ctx(d, device);
   res.device = fmt::format("{} (device {})", ctx.name(), device);
   DeviceMemory mem(d);
   Stream stream(d);
-  SessionHandle sh;
-  rt(dp_bundle_open(o.bundle.c_str(), nullptr, &sh.b), "opening the bundle");
+  SessionHandle sh;  // the session only: the bundle is run_indexer's, shared by every rank (immutable once open)
   dp_session_options so;
   dp_session_options_init(&so);
   so.device = device;
   so.rank = rank;  // the DCP group is made of the first W tensor-parallel ranks
-  rt(dp_session_create(sh.b, &so, &sh.s), fmt::format("creating the session of rank {}", rank));
+  rt(dp_session_create(bundle, &so, &sh.s), fmt::format("creating the session of rank {}", rank));
 
   Communicator comm;
   if (L.world > 1) {
@@ -116,7 +115,7 @@ void run_rank(const Options& o, const Inputs& in, const Layout& L, int rank, int
   }
   dp_bundle_info bi{};
   bi.size = sizeof(bi);
-  rt(dp_bundle_get_info(sh.b, &bi), "reading the bundle info");
+  rt(dp_bundle_get_info(bundle, &bi), "reading the bundle info");
   const CUdeviceptr workspace = mem.alloc(bi.indexer_prefill_workspace_bytes, "the prefill workspace");
 
   dp_indexer_cache c;
@@ -188,15 +187,19 @@ void run_rank(const Options& o, const Inputs& in, const Layout& L, int rank, int
 }  // namespace
 
 int run_indexer(const Options& o) {
-  const bundle::Bundle b = bundle::Bundle::open(o.bundle);
-  const format::Manifest& man = b.manifest();
-  if (man.indexer.heads == 0) fail(Errc::input, "{}: the bundle's model has no sparse-attention indexer", o.bundle);
-  const deploy::Deploy& dep = b.deploy();  // checked by Bundle::open
+  // Opened once, through libdecodepack as a host opens it; the deploy block comes with dp_bundle_info.
+  SessionHandle opened;
+  rt(dp_bundle_open(o.bundle.c_str(), nullptr, &opened.b), "opening " + o.bundle);
+  dp_bundle_info info{};
+  info.size = sizeof(info);
+  rt(dp_bundle_get_info(opened.b, &info), "reading the bundle info");
+  if (info.indexer_heads == 0) fail(Errc::input, "{}: the bundle's model has no sparse-attention indexer", o.bundle);
+  const deploy::Deploy dep = deploy::parse_deploy(Json::parse(info.deploy_json), o.bundle + ": deploy");
   ix::PrefillConfig cfg{dep.indexer.max_keys_per_chunk, dep.indexer.max_requests, dep.dcp.size, dep.dcp.interleave,
                         dep.kv_cache.block_size};
   if (o.layout != "split" && o.layout != "packed") fail(Errc::usage, "--layout {}: expected split or packed", o.layout);
   if (o.set_size < 1) fail(Errc::usage, "--set-size {}: expected at least 1", o.set_size);
-  const Inputs in = make_inputs(o, man.indexer.heads, man.indexer.top_k);
+  const Inputs in = make_inputs(o, info.indexer_heads, info.indexer_top_k);
   Rng rng(o.seed + 17);
   const Layout L = plan_layout(o, in, cfg, rng);
   for (const Set& s : L.sets) ix::plan_chunk(s.chunk, cfg);  // the tool's own inputs within the limits
@@ -248,7 +251,7 @@ int run_indexer(const Options& o) {
     threads.emplace_back([&, rank] {
       results[rank].rank = rank;
       try {
-        run_rank(o, in, L, rank, devices[rank], nccl ? &*nccl : nullptr, &id, results[rank]);
+        run_rank(o, opened.b, in, L, rank, devices[rank], nccl ? &*nccl : nullptr, &id, results[rank]);
       } catch (const Error& e) {
         results[rank].error = e.what();
         results[rank].error_code = static_cast<int>(e.code());
