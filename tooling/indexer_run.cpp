@@ -189,7 +189,7 @@ void run_rank(const Options& o, dp_bundle* bundle, const Inputs& in, const Layou
 int run_indexer(const Options& o) {
   // Opened once, through libdecodepack as a host opens it; the deploy block comes with dp_bundle_info.
   SessionHandle opened;
-  rt(dp_bundle_open(o.bundle.c_str(), nullptr, &opened.b), "opening " + o.bundle);
+  opened.b = open_bundle(o.bundle);
   dp_bundle_info info{};
   info.size = sizeof(info);
   rt(dp_bundle_get_info(opened.b, &info), "reading the bundle info");
