@@ -46,7 +46,7 @@ void Harness::open_and_validate() {
   // libdecodepack's open, as a host does: the bundle is read once. What the harness needs beyond the
   // C API's tables (the deploy settings, the model config's digest, the kernel and prefetch tables
   // bench reads) comes from dp_bundle_info, not from a second reader.
-  sh_.b = open_bundle(o_.bundle);
+  sh_.b = tools::open_bundle(o_.bundle);  // (the free function, not the phase of that name)
   dp_bundle_info info{};
   info.size = sizeof(info);
   rt(dp_bundle_get_info(sh_.b, &info), "bundle info");
