@@ -13,7 +13,7 @@
 #include "model/safetensors.h"
 #include "model/shard.h"
 #include "reference/numeric.h"
-#include "test_util.h"
+#include "../test_util.h"
 
 namespace dp::model {
 namespace {

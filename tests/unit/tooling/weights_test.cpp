@@ -8,7 +8,7 @@
 #include "bundle/fingerprint.h"
 #include "common/hash.h"
 #include "model/safetensors.h"
-#include "test_util.h"
+#include "../test_util.h"
 #include "tooling/weights.h"
 
 namespace dp::tools {
