@@ -501,7 +501,9 @@ class Bundle(_Handle):
             "weights_fingerprinted": bool(i.weights_fingerprinted),
             "indexer": {"heads": i.indexer_heads, "top_k": i.indexer_top_k,
                         "prefill_workspace_bytes": i.indexer_prefill_workspace_bytes},
-            "config_digest": i.config_digest.decode(), "deploy": json.loads(i.deploy_json),
+            # None from a library older than these fields (it leaves them as the binding zeroed them)
+            "config_digest": i.config_digest.decode() if i.config_digest else None,
+            "deploy": json.loads(i.deploy_json) if i.deploy_json else None,
         }
 
     @property
@@ -510,7 +512,7 @@ class Bundle(_Handle):
         i = _BundleInfo()
         i.size = ctypes.sizeof(i)
         _check(_lib().dp_bundle_get_info(self._h, ctypes.byref(i)))
-        return json.loads(i.manifest_json)
+        return json.loads(i.manifest_json) if i.manifest_json else None
 
     def layer(self, index):
         li = _LayerInfo()
