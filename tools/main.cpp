@@ -11,7 +11,7 @@
 #include "commands.h"
 #include "common/error.h"
 #include "common/suggest.h"
-#include "json_output.h"
+#include "tooling/json_output.h"
 
 namespace dp::tools {
 bool stderr_is_tty() { return ::isatty(STDERR_FILENO) == 1; }

@@ -5,7 +5,7 @@
 #include "commands.h"
 #include "common/error.h"
 #include "deploy/deploy.h"
-#include "json_output.h"
+#include "tooling/json_output.h"
 #include "model/inventory.h"
 #include "model/ir.h"
 #include "model/safetensors.h"

@@ -1,13 +1,13 @@
 // decodepack run: decode steps of a bundle on the GPU through libdecodepack, optionally checked layer by
-// layer against the CPU reference (run_harness.h says what a run does).
+// layer against the CPU reference (tooling/run.h says what a run does).
 #include <cmath>
 #include <cstdio>
 
 #include "commands.h"
 #include "common/error.h"
 #include "common/json.h"
-#include "json_output.h"
-#include "run_harness.h"
+#include "tooling/json_output.h"
+#include "tooling/run.h"
 
 namespace dp::tools {
 namespace {

@@ -4,7 +4,7 @@
 #include "commands.h"
 #include "common/error.h"
 #include "common/json.h"
-#include "json_output.h"
+#include "tooling/json_output.h"
 #include "model/synth.h"
 
 namespace dp::tools {

@@ -6,7 +6,7 @@
 #include "commands.h"
 #include "common/error.h"
 #include "common/json.h"
-#include "json_output.h"
+#include "tooling/json_output.h"
 
 namespace dp::tools {
 

@@ -165,6 +165,7 @@ Status derive(dp_bundle& b) {
       return error(DP_ERR_FORMAT, "{}: deploy.ranks lists rank {} but ranks[] has no entry for it", where, r);
   b.tool_version = m.tool_version;
   b.model_type = m.model.model_type;
+  b.deploy_json = m.deploy.dump();
   return ok();
 }
 

@@ -113,6 +113,11 @@ class BindingTest(unittest.TestCase):
         self.assertEqual(info["num_layers"], 4)
         self.assertFalse(info["weights_fingerprinted"])
         self.assertEqual(info["indexer"], {"heads": 0, "top_k": 0, "prefill_workspace_bytes": 0})  # no indexer
+        self.assertRegex(info["config_digest"], r"^sha256:[0-9a-f]{64}$")
+        self.assertEqual(info["deploy"]["targets"], ["sm_90a"])
+        manifest = self.bundle.manifest
+        self.assertEqual(manifest["deploy"], info["deploy"])
+        self.assertEqual(manifest["model"]["config_digest"], info["config_digest"])
         self.assertEqual(self.bundle.layer(3), {"index": 3, "mixer": "mla", "ffn": "moe", "class": "mla_moe"})
         weights = {w.name: w for w in self.bundle.weights(0)}
         self.assertEqual(len(weights), 86)

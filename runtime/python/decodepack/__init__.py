@@ -29,6 +29,7 @@ refusals are results (Plan.reason), not exceptions.
 import ctypes
 import ctypes.util
 import glob
+import json
 import os
 
 __version__ = "0.1.0"  # kept equal to the project's version (CMake checks it, as for decodepack.h)
@@ -103,7 +104,8 @@ class _BundleInfo(ctypes.Structure):
                 ("ranks", ctypes.POINTER(_i32)), ("num_widths", _i32), ("widths", ctypes.POINTER(_i32)),
                 ("q", _i32), ("num_targets", _i32), ("targets", ctypes.POINTER(_cstr)),
                 ("weights_fingerprinted", _i32), ("indexer_heads", _i32), ("indexer_top_k", _i32),
-                ("indexer_prefill_workspace_bytes", _u64)]
+                ("indexer_prefill_workspace_bytes", _u64), ("config_digest", _cstr), ("deploy_json", _cstr),
+                ("manifest_json", _cstr)]
 
 
 class _LayerInfo(ctypes.Structure):
@@ -504,7 +506,18 @@ class Bundle(_Handle):
             "weights_fingerprinted": bool(i.weights_fingerprinted),
             "indexer": {"heads": i.indexer_heads, "top_k": i.indexer_top_k,
                         "prefill_workspace_bytes": i.indexer_prefill_workspace_bytes},
+            # None from a library older than these fields (it leaves them as the binding zeroed them)
+            "config_digest": i.config_digest.decode() if i.config_digest else None,
+            "deploy": json.loads(i.deploy_json) if i.deploy_json else None,
         }
+
+    @property
+    def manifest(self):
+        """manifest.json as the library opened and checked it (a dict)."""
+        i = _BundleInfo()
+        i.size = ctypes.sizeof(i)
+        _check(_lib().dp_bundle_get_info(self._h, ctypes.byref(i)))
+        return json.loads(i.manifest_json) if i.manifest_json else None
 
     def layer(self, index):
         li = _LayerInfo()

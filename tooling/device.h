@@ -10,13 +10,12 @@
 #include <fmt/format.h>
 
 #include "common/error.h"
-#include "cuda_driver.h"
+#include "tooling/cuda_driver.h"
 #include "decodepack/decodepack.h"
 
 namespace dp::tools {
 
 using cuda::CUdeviceptr;
-using cuda::Driver;
 
 // ---- libdecodepack status -> dp::Error ------------------------------------------------------------
 
@@ -48,6 +47,20 @@ inline void rt(dp_status* s, const std::string& doing) {
   const std::string message = dp_status_message(s);
   dp_status_free(s);
   fail(errc_of(code), "{}: {} ({})", doing, message, dp_code_name(code));
+}
+
+// dp_bundle_open for a subcommand: a bundle that cannot be opened is reported with the reader's own
+// message (it names the path and what is wrong), as the compiler's commands report it, and the
+// matching exit code.
+inline dp_bundle* open_bundle(const std::string& path) {
+  dp_bundle* b = nullptr;
+  if (dp_status* s = dp_bundle_open(path.c_str(), nullptr, &b)) {
+    const dp_code code = dp_status_code(s);
+    const std::string message = dp_status_message(s);
+    dp_status_free(s);
+    fail(errc_of(code), "{}", message);
+  }
+  return b;
 }
 
 // Random numbers: splitmix64, the same stream on every platform.

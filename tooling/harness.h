@@ -1,4 +1,4 @@
-// The machinery under `decodepack run` and `decodepack bench` (run_harness.h says what a run does):
+// The machinery under `decodepack run` and `decodepack bench` (tooling/run.h says what a run does):
 // the model a bundle was built from, its weights bound through libdecodepack, the caches and step
 // metadata of one batch width, the step's launches, and the layer-by-layer comparison with the float64
 // CPU reference. `run` drives it through Harness::run(); `bench` drives the phases itself (one
@@ -13,102 +13,17 @@
 #include <thread>
 #include <vector>
 
-#include "bundle/bundle.h"
+#include "deploy/deploy.h"
+#include "format/manifest.h"
 #include "model/ir.h"
 #include "model/safetensors.h"
 #include "reference/layer.h"
-#include "run_device.h"
-#include "run_harness.h"
+#include "tooling/device.h"
+#include "tooling/run.h"
+#include "tooling/weights.h"
+#include "tooling/workload.h"
 
 namespace dp::tools {
-
-// Runs f(i) for i in [0, n) on up to `threads` threads; the first exception is rethrown after all joined.
-template <class F>
-void parallel_for(size_t n, unsigned threads, F&& f) {
-  threads = std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(n)));
-  if (threads == 1) {
-    for (size_t i = 0; i < n; ++i) f(i);
-    return;
-  }
-  std::vector<std::thread> pool;
-  std::vector<std::exception_ptr> errors(threads);
-  for (unsigned t = 0; t < threads; ++t)
-    pool.emplace_back([&, t] {
-      try {
-        for (size_t i = t; i < n; i += threads) f(i);
-      } catch (...) {
-        errors[t] = std::current_exception();
-      }
-    });
-  for (auto& th : pool) th.join();
-  for (auto& e : errors)
-    if (e) std::rethrow_exception(e);
-}
-
-// The full (unsharded) tensor of a weight in its bound dtype: the checkpoint's, converted, or the
-// deterministic synth fill (`decodepack synth --seed S` writes the same bytes). The CPU reference reads
-// the same bytes through lookup(), so both sides see identical values. Thread-safe.
-class WeightSource {
- public:
-  WeightSource(const model::Model& m, const st::Checkpoint* ckpt, uint64_t seed) : m_(m), ckpt_(ckpt), seed_(seed) {}
-  std::vector<uint8_t> full_bytes(const model::WeightSpec& w) const;
-  ref::WeightLookup lookup(int layer) const;
-
- private:
-  const model::Model& m_;
-  const st::Checkpoint* ckpt_;
-  uint64_t seed_;
-};
-
-// The model a bundle was built from: --model, or the built-in preset whose config digest it records.
-struct ResolvedModel {
-  model::Model m;
-  std::string source;
-  std::optional<st::Checkpoint> ckpt;
-};
-
-// One bound cache tensor.
-struct Cache {
-  int32_t kind = 0;
-  dp_tensor desc{};
-  DType dtype = DType::F32;
-  size_t elem = 0;
-  size_t slot_bytes = 0;  // bytes per slot (KDA) or block (MLA)
-  int64_t count = 0;      // slots or blocks
-  CUdeviceptr ptr = 0;
-  std::vector<uint8_t> host;  // the device contents as the harness last knew them (checks only)
-  size_t bytes() const { return slot_bytes * static_cast<size_t>(count); }
-};
-
-struct LayerCaches {
-  bool kda = false;
-  std::vector<Cache> c;  // KDA: state, conv q, conv k, conv v; MLA: latent
-  Cache* find(int32_t kind) {
-    for (Cache& x : c)
-      if (x.kind == kind) return &x;
-    return nullptr;
-  }
-};
-
-// The metadata of one step at width W (requests beyond the real ones are padding).
-struct Meta {
-  int W = 0, q = 1, stride = 0;  // stride: block-table columns
-  int64_t block_size = 0;
-  std::vector<bool> real;        // [W]
-  std::vector<int32_t> state_indices, num_accepted, seq_lens, block_table;
-  std::vector<int64_t> positions, slot_mapping;
-  int64_t slots = 0, blocks = 0;  // cache sizes the metadata needs
-
-  int rows() const { return W * q; }
-  void refresh();            // positions and slot mapping from seq_lens and the block table
-  void advance(Rng& rng);    // the next decode step: seq_len += tokens accepted
-  ref::StepMeta step_meta() const;
-};
-
-struct CacheLayouts {
-  std::string kda_state = "kv";  // "kv": [slot][head][k][v]; "vk": [slot][head][v][k]
-  std::string conv = "sd";       // "sd": [slot][K-1][dim]; "ds": [slot][dim][K-1]
-};
 
 class Harness {
  public:
@@ -161,7 +76,10 @@ class Harness {
   cuda::CUstream stream() const { return stream_->s; }
   dp_session* session() const { return sh_.s; }
   const model::Model& model() const { return model_->m; }
-  const format::Manifest& manifest() const { return manifest_bundle_->manifest(); }
+  // The manifest as libdecodepack opened and checked it (dp_bundle_info.manifest_json), and its deploy
+  // block read as a deploy file is (dp_bundle_info.deploy_json).
+  const format::Manifest& manifest() const { return manifest_; }
+  const deploy::Deploy& deploy() const { return deploy_; }
   const Meta& meta() const { return meta_; }
   RunResult& result() { return res_; }
   int num_layers() const { return num_layers_; }
@@ -190,7 +108,8 @@ class Harness {
   RunResult& res_;
 
   // Host side.
-  std::optional<bundle::Bundle> manifest_bundle_;
+  format::Manifest manifest_;
+  deploy::Deploy deploy_;
   std::optional<ResolvedModel> model_;
   std::optional<WeightSource> source_;
   CacheLayouts layouts_;

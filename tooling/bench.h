@@ -2,7 +2,7 @@
 // ceiling, through libdecodepack exactly as a host launches them (DESIGN.md section 9, issue 14).
 //
 // One run:
-//   1. opens the bundle and binds the weights once (as `run` does: run_harness.h), then measures the
+//   1. opens the bundle and binds the weights once (as `run` does: run.h), then measures the
 //      HBM read ceiling: a read-only stream of 16-byte loads over --ceiling-gib GiB (bench_ptx.h),
 //      median of 15 passes; and the launch floor (an empty kernel, dependent launches, in a graph and
 //      on a busy stream);
@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "bench/result.h"
-#include "run_harness.h"
+#include "tooling/run.h"
 
 namespace dp::tools {
 

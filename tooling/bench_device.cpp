@@ -1,8 +1,8 @@
-#include "bench_device.h"
+#include "tooling/bench_device.h"
 
 #include <cstring>
 
-#include "bench_ptx.h"
+#include "tooling/bench_ptx.h"
 
 namespace dp::tools {
 
@@ -25,7 +25,7 @@ BenchKernels::BenchKernels(const Driver& d) : d_(d) {
   cuda::CUjit_option opts[2] = {cuda::CU_JIT_ERROR_LOG_BUFFER, cuda::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES};
   void* values[2] = {log, reinterpret_cast<void*>(static_cast<uintptr_t>(sizeof log))};
   const cuda::CUresult r = d.ModuleLoadDataEx(&module_, kBenchPtx, 2, opts, values);
-  d.check(r, "cuModuleLoadDataEx", fmt::format("the bench kernels' PTX (tools/bench_ptx.h){}{}",
+  d.check(r, "cuModuleLoadDataEx", fmt::format("the bench kernels' PTX (tooling/bench_ptx.h){}{}",
                                                log[0] ? ": " : "", log));
   d.check(d.ModuleGetFunction(&read_, module_, "dp_bench_read"), "cuModuleGetFunction", "dp_bench_read");
   d.check(d.ModuleGetFunction(&empty_, module_, "dp_bench_empty"), "cuModuleGetFunction", "dp_bench_empty");

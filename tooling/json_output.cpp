@@ -1,4 +1,4 @@
-#include "json_output.h"
+#include "tooling/json_output.h"
 
 #include <cstdio>
 

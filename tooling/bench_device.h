@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "run_device.h"
+#include "tooling/device.h"
 
 namespace dp::tools {
 
