@@ -51,7 +51,9 @@ class Obj {
       schema_error(where_, fmt::format("field {} is {} ({}), expected {}", field(k), v.type_name(), json_excerpt(v),
                                        std::is_integral_v<T> ? "an integer" : "a number"));
     if constexpr (std::is_integral_v<T>) {
-      if (v.is_number_unsigned() ? v.get<uint64_t>() > static_cast<uint64_t>(hi)
+      // A parsed non-negative integer is unsigned: it is held to the lower bound too (1 for a size).
+      if (v.is_number_unsigned() ? (v.get<uint64_t>() > static_cast<uint64_t>(hi) ||
+                                    (lo > 0 && v.get<uint64_t>() < static_cast<uint64_t>(lo)))
                                  : (v.get<int64_t>() < static_cast<int64_t>(lo) || v.get<int64_t>() > static_cast<int64_t>(hi)))
         schema_error(where_, fmt::format("field {} is {}, expected {}..{}", field(k), json_excerpt(v), lo, hi));
     }

@@ -13,7 +13,7 @@
 #include "deploy/deploy.h"
 #include "format/sections.h"
 #include "model/ir.h"
-#include "test_util.h"
+#include "../test_util.h"
 
 namespace dp::format {
 namespace {
@@ -145,6 +145,7 @@ TEST(Sections, EveryDeployBoundIsRefusedNamingTheField) {
     j.merge_patch(c.patch);
     SCOPED_TRACE(c.patch.dump());
     expect_refused(j, false, c.fragments);
+    expect_refused(Json::parse(j.dump()), false, c.fragments);  // as read from a file: unsigned integers
   }
   for (const char* key : {"targets", "tensor_parallel", "ranks", "widths", "num_speculative_tokens", "kv_cache",
                           "kda_state", "conv_state", "dcp", "prefetch", "indexer"}) {
@@ -191,6 +192,7 @@ TEST(Sections, EveryDetailsBoundIsRefusedNamingTheField) {
     j.merge_patch(c.patch);
     SCOPED_TRACE(c.patch.dump());
     expect_refused(j, true, c.fragments);
+    expect_refused(Json::parse(j.dump()), true, c.fragments);
   }
 }
 

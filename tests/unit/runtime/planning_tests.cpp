@@ -560,13 +560,11 @@ TEST_F(LayerProgramTest, DeployBlockOutsideTheDeployReadersBoundsIsRefused) {
   };
   nlohmann::json wider = m_["deploy"]["widths"];  // the built widths (kernels must name one) and one past the bound
   wider.push_back(65);
-  nlohmann::json targets = m_["deploy"]["targets"];  // the built targets, then one no table lists
-  targets.push_back("sm_99");
   const std::vector<Case> cases = {
       {"num_speculative_tokens", 8, "field deploy.num_speculative_tokens is 8, expected 0..7"},
       {"tensor_parallel", 16, "field deploy.tensor_parallel is 16, expected 1..8"},
       {"widths", wider, fmt::format("field deploy.widths[{}] is 65, expected 1..64", wider.size() - 1)},
-      {"targets", targets, fmt::format("field deploy.targets[{}] is \"sm_99\", expected one of", targets.size() - 1)},
+      {"kda_state", {{"dtype", "float32"}, {"layout", "KV"}}, "field deploy.kda_state.layout is \"KV\", expected one of kv, vk"},
       {"max_num_seqs", 8, "unknown field deploy.max_num_seqs"},
   };
   const nlohmann::json original = m_;
