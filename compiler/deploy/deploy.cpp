@@ -368,6 +368,19 @@ std::optional<std::string> tp_problem(int64_t tp, const model::Model& m) {
     if (!divides(n))
       return fmt::format("tensor_parallel {} does not divide dim {} ({}) of {} {} (valid: {})", tp, w.split.dim, n,
                          w.name, shape_str(w.shape), join(pow2_divisors(n)));
+    // A rank's shard of a block-quantized weight must start and end on a block edge, so that each scale
+    // belongs to one rank.
+    if (!w.quant.block.empty() && w.quant.method == model::QuantMethod::fp8_block && tp > 1) {
+      const int64_t b = w.quant.block[static_cast<size_t>(w.split.dim)];
+      if ((n / tp) % b != 0) {
+        std::vector<int64_t> valid;
+        for (int64_t p : pow2_divisors(n))
+          if ((n / p) % b == 0 || p == 1) valid.push_back(p);
+        return fmt::format("tensor_parallel {} splits dim {} ({}) of {} {} into {} rows per rank, not a multiple of "
+                           "its FP8 block of {} (valid: {})", tp, w.split.dim, n, w.name, shape_str(w.shape), n / tp, b,
+                           join(valid));
+      }
+    }
   }
   return std::nullopt;
 }
