@@ -5,6 +5,7 @@
 #include <set>
 
 #include "common/error.h"
+#include "model/quant.h"
 #include "indexer/workspace.h"
 
 namespace dp::plan {
@@ -331,6 +332,19 @@ Json to_json(const Plan& p, const Model& m, const deploy::Deploy& d) {
                 {"expert_format", model::to_string(m.moe.expert_format)},
                 {"checkpoint_tensors", m.weights.size()},
                 {"checkpoint_bytes", m.total_weight_bytes()}};
+  if (m.quant.method != model::QuantMethod::none) {
+    size_t quantized = 0, excluded = 0;
+    for (const model::WeightSpec& w : m.weights) {
+      quantized += w.quant.method != model::QuantMethod::none;
+      excluded += w.quant.excluded;
+    }
+    j["model"]["quantization"] = {{"method", model::to_string(m.quant.method)},
+                                  {"quant_method", m.quant.quant_method},
+                                  {"block", m.quant.block},
+                                  {"ignore", m.quant.ignore},
+                                  {"quantized_weights", quantized},
+                                  {"excluded_weights", excluded}};
+  }
   if (m.indexer.present())
     j["indexer"] = {{"heads", m.indexer.num_heads},
                     {"head_dim", m.indexer.head_dim},
@@ -427,7 +441,8 @@ std::string to_text(const Plan& p, const Model& m, const deploy::Deploy& d) {
   std::string out;
   line_to(out, "model     {} ({} layers: {} KDA, {} MLA; hidden {}; {} experts top-{} {}; {} checkpoint tensors, {})", m.model_type,
        m.num_layers, m.count(Mixer::kda), m.count(Mixer::mla), m.hidden, m.moe.num_experts, m.moe.top_k,
-       model::to_string(m.moe.expert_format), m.weights.size(), human_bytes(m.total_weight_bytes()));
+       m.quant.method == model::QuantMethod::none ? model::to_string(m.moe.expert_format) : model::describe(m.quant),
+       m.weights.size(), human_bytes(m.total_weight_bytes()));
   // Checkpoint tensors include the embeddings and LM head; a rank's bundle lists only decode weights.
   line_to(out, "deploy    targets {}; tensor_parallel {} (ranks {}); widths {}; q {}; kv {} block {}",
        fmt::join(d.targets, ","), d.tensor_parallel, fmt::join(d.ranks, ","), fmt::join(d.widths, ","), d.q(),
