@@ -111,6 +111,7 @@ with tempfile.TemporaryDirectory(prefix="dp-json-") as tmp:
     run("synth", "--preset", "kimi-linear-tiyn", "-o", f"{tmp}/m2", "--json", expect=2)
 
     plan = run("plan", "--model", f"{tmp}/m", "--deploy", deploy, "--json")
+    run("plan", "--model", "kimi-k3", "--json")  # a quantized model: model.quantization
     run("plan", "--model", "kimi-linear-tiny", "--deploy", f"{tmp}/missing.json", "--json", expect=4)
 
     built = run("build", "--model", f"{tmp}/m", "--deploy", deploy, "-o", f"{tmp}/b", "--cache-dir", cache, "-j", "2",
