@@ -10,15 +10,15 @@ usage: json_contract.py DECODEPACK SOURCE_DIR
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 
 import jsonschema
 import referencing
+
+import local_registry
+from local_registry import free_port
 
 exe, root = sys.argv[1], sys.argv[2]
 SCHEMAS = os.path.join(root, "manifests", "cli")
@@ -88,14 +88,6 @@ def run(*args, expect=0, env=None, schema=None):
     return obj
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 with tempfile.TemporaryDirectory(prefix="dp-json-") as tmp:
     cache = os.path.join(tmp, "cache")
     deploy = os.path.join(tmp, "d.json")
@@ -156,29 +148,14 @@ with tempfile.TemporaryDirectory(prefix="dp-json-") as tmp:
     run("pull", f"127.0.0.1:{free_port()}/kimi/tiny:v1", "-o", f"{tmp}/p.dpk", "--json", "--retries", "0", expect=6)
     server = shutil.which("docker-registry") or "/usr/bin/docker-registry"
     if os.path.exists(server):
-        port = free_port()
-        with open(os.path.join(tmp, "config.yml"), "w") as f:
-            f.write(f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {tmp}/data\n"
-                    f"http:\n  addr: 127.0.0.1:{port}\n")
-        proc = subprocess.Popen([server, "serve", os.path.join(tmp, "config.yml")], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        try:
-            for _ in range(100):
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1)
-                    break
-                except Exception:
-                    time.sleep(0.1)
-            pushed = run("push", f"{tmp}/b.dpk", f"127.0.0.1:{port}/kimi/tiny:v1", "--json")
-            pulled = run("pull", f"127.0.0.1:{port}/kimi/tiny:v1", "-o", f"{tmp}/p.dpk", "--json")
-            run("pull", f"127.0.0.1:{port}/kimi/tiny:missing", "-o", f"{tmp}/q.dpk", "--json", expect=6)
+        with local_registry.serve(server, tmp) as host:
+            pushed = run("push", f"{tmp}/b.dpk", f"{host}/kimi/tiny:v1", "--json")
+            pulled = run("pull", f"{host}/kimi/tiny:v1", "-o", f"{tmp}/p.dpk", "--json")
+            run("pull", f"{host}/kimi/tiny:missing", "-o", f"{tmp}/q.dpk", "--json", expect=6)
             if pushed and pulled and packed:
                 check(pushed["digest"] == pulled["digest"] == packed["digest"], "push/pull digests differ")
                 check(pulled["archive_digest"] == packed["archive_digest"], "pull/pack archive digests differ")
                 check(pushed["bundle"] == f"{tmp}/b.dpk" and pulled["bundle"] == f"{tmp}/p.dpk", "push/pull paths")
-        finally:
-            proc.terminate()
-            proc.wait()
     else:
         print("note: docker-registry is not installed; push and pull are checked failing only")
 

@@ -7,12 +7,12 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
+
+import local_registry
 
 exe = sys.argv[1]
 server = shutil.which("docker-registry") or "/usr/bin/docker-registry"
@@ -28,25 +28,7 @@ def run(*args, expect=0, env=None):
 
 
 with tempfile.TemporaryDirectory(prefix="dp-reg-") as tmp:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    with open(os.path.join(tmp, "config.yml"), "w") as f:
-        f.write(f"version: 0.1\nstorage:\n  filesystem:\n    rootdirectory: {tmp}/data\n"
-                f"http:\n  addr: 127.0.0.1:{port}\n")
-    proc = subprocess.Popen([server, "serve", os.path.join(tmp, "config.yml")], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1)
-                break
-            except Exception:
-                time.sleep(0.1)
-        else:
-            sys.exit("registry did not start")
-        host = f"127.0.0.1:{port}"
+    with local_registry.serve(server, tmp) as host:
         run("synth", "--preset", "kimi-linear-tiny", "-o", f"{tmp}/m")
         with open(f"{tmp}/d.json", "w") as f:
             json.dump({"targets": ["sm_90a"], "tensor_parallel": 1, "widths": [1, 2], "num_speculative_tokens": 0,
@@ -135,6 +117,3 @@ with tempfile.TemporaryDirectory(prefix="dp-reg-") as tmp:
             assert b.read() == layer, "pulled oras-style bundle differs"
         print("ok: push, push again (blobs skipped), pull by tag and by digest, byte-identical, missing tag refused, "
               "progress on stderr, directory push and pack, OCI annotations, oras-style push pulled")
-    finally:
-        proc.terminate()
-        proc.wait()
