@@ -333,6 +333,19 @@ class BindingTest(unittest.TestCase):
         with self.assertRaises(dp.DecodepackError) as e:
             s.prefetch_fork(dp.PREFETCH_NEXT_ATTENTION, 1, 2)
         self.assertEqual(e.exception.code, dp.ERR_NO_DEVICE)
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.launch_lm_head(p, hidden=0x1000, logits=0x2000)
+        self.assertEqual(e.exception.code, dp.ERR_NO_DEVICE)
+
+    def test_lm_head_binding(self):
+        s = self.session()
+        s.bind_lm_head(0x10000, dtype="BF16", shape=(1024, 256))  # the tiny preset's vocabulary
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.bind_lm_head(0x20000, dtype="BF16", shape=(1024, 256))
+        self.assertEqual(e.exception.code, dp.ERR_REBIND)
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.bind_lm_head(0x10000, dtype="BF16", shape=(1000, 256))
+        self.assertIn("expected [1024, 256]", e.exception.message)
 
     def test_torch_tensors(self):
         try:
