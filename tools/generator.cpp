@@ -83,13 +83,6 @@ const model::WeightSpec* model_weight(const model::Model& m, const std::string& 
   return nullptr;
 }
 
-float bf16_to_float(uint16_t b) {
-  const uint32_t u = uint32_t{b} << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
 class Generator {
  public:
   Generator(const GenerateOptions& o, GenerateResult& res) : o_(o), res_(res) {

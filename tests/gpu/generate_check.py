@@ -7,6 +7,9 @@ driver, and a Python with PyTorch (CUDA) and transformers 5.17):
 
     python3 tests/gpu/generate_check.py --decodepack build/ci/tools/decodepack
 
+--decodepack is a command line, so a device kit (bench/make_device_kit.sh) works too, e.g.
+    python3 tests/gpu/generate_check.py --decodepack "env LD_LIBRARY_PATH=build/device-kit/lib build/device-kit/bin/decodepack"
+
 Skips (exit 77) without torch, transformers or a CUDA GPU; exit 0 when every gate passes, 1 otherwise.
 
 What it does, per checkpoint (both written by transformers' own save_pretrained through
@@ -43,6 +46,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -65,6 +69,7 @@ def die(msg):
 
 def run(cmd, **kw):
     print("+ " + " ".join(cmd), flush=True)
+    # stderr (progress) is kept and shown only when the command fails
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
     if r.returncode != 0:
         sys.stderr.write(r.stderr)
@@ -84,7 +89,7 @@ def write_prompts(path, prompts):
 
 
 def generate(dp, bundle, ckpt, prompts_file, max_tokens, extra, logits=None):
-    cmd = [dp, "generate", bundle, "--model", ckpt, "--prompts", prompts_file, "--max-tokens", str(max_tokens),
+    cmd = dp + ["generate", bundle, "--model", ckpt, "--prompts", prompts_file, "--max-tokens", str(max_tokens),
            "--json"] + extra
     if logits:
         cmd += ["--logits", logits]
@@ -167,7 +172,7 @@ def check_checkpoint(args, torch, np, name, scale, gates):
     print("\n=== checkpoint %s (lm_head x %g) ===" % (name, scale), flush=True)
     hf_make_checkpoint.make(ckpt, seed=0, geometry="tiny", lm_head_scale=scale)
     bundle = os.path.join(work, "generate.dpk")
-    run([args.decodepack, "build", "--model", ckpt, "--deploy", os.path.join(HERE, "deploy-generate.json"), "-o", bundle,
+    run(args.decodepack + ["build", "--model", ckpt, "--deploy", os.path.join(HERE, "deploy-generate.json"), "-o", bundle,
          "--cache-dir", os.path.join(args.work, "cache")])
     models = hf_models(torch, ckpt)
     vocab = models["fp32"].config.vocab_size
@@ -280,8 +285,9 @@ def main():
         skip("needs numpy, torch and transformers with KimiLinearForCausalLM (%s)" % e)
     if not torch.cuda.is_available():
         skip("no CUDA GPU visible to PyTorch")
-    if not os.access(args.decodepack, os.X_OK):
-        die("--decodepack %s is not an executable (build the tree first)" % args.decodepack)
+    args.decodepack = shlex.split(args.decodepack)
+    if len(args.decodepack) == 1 and not os.access(args.decodepack[0], os.X_OK):
+        die("--decodepack %s is not an executable (build the tree first)" % args.decodepack[0])
     sys.path.insert(0, HERE)
     os.makedirs(args.work, exist_ok=True)
     gates = Gates()
