@@ -15,10 +15,10 @@ Skips (exit 77) without torch, transformers or a CUDA GPU; exit 0 when every gat
 What it does, per checkpoint (both written by transformers' own save_pretrained through
 hf_make_checkpoint.py, the kimi-linear-tiny preset's geometry, seed 0):
   - "flat": the random initialisation as it is. Random weights give nearly flat logits (top-2 gaps of
-    0.001 to 0.5), where HF's own bf16 and fp32 greedy paths part after a few tokens, so free-running
-    tokens are reported, not gated; the teacher-forced logits are gated.
-  - "confident": the same with lm_head.weight x 30 (top-2 gaps of several units): free-running greedy
-    tokens are gated too.
+    0.001 to 0.5), where HF's own bf16 and fp32 greedy paths part after a few tokens.
+  - "confident": the same with lm_head.weight x 30 (top-2 gaps of several units). Note that scaling the
+    LM head scales the bf16 noise of the logits too, so what counts as a near-tie (relative to the
+    measured noise, below) is the same on both; the scaled one checks larger logits.
 1. builds a bundle for sm_90a, widths 1, 2, 4, 8 (deploy-generate.json);
 2. prompts: 8 requests of lengths 1 to 40 (random ids, seed 0);
 3. HF fp32 greedy: --max-tokens new tokens per request (full forwards, no cache), giving G32 and HF fp32's
@@ -32,11 +32,13 @@ Gates (PASS/FAIL lines):
   - logits: per fed position p, e_dp(p) = ||L_dp(p) - L_fp32(p)|| / ||L_fp32(p)|| and e_bf16(p) the same
     for HF bf16; decodepack no further from HF fp32 than HF bf16 is: mean e_dp <= 1.5 mean e_bf16 and
     max e_dp <= 2 max e_bf16 (both figures printed per request);
-  - argmax: where HF fp32's top-2 gap exceeds the bf16 noise tau = max_p ||L_bf16(p) - L_fp32(p)||_inf,
-    decodepack's argmax equals HF fp32's (count and tau printed);
+  - argmax: where HF fp32's top-2 gap exceeds 2 tau, tau = max_p ||L_bf16(p) - L_fp32(p)||_inf the bf16
+    noise (a flip needs two entries to move, each by up to the noise), decodepack's argmax equals HF
+    fp32's (count and tau printed);
   - --graph tokens equal the eager tokens (same kernels, same data);
-  - confident checkpoint: free-running tokens equal HF fp32's greedy tokens, except after a divergence
-    at a near-tie (HF fp32 gap < tau there; the gap is printed), for the eager and the --width 8 runs.
+  - free-running greedy tokens equal HF fp32's for --max-tokens tokens per request, except after a
+    divergence at a near-tie (HF fp32's top-2 gap < 2 tau there; the gap is printed), for the eager and
+    the --width 8 runs.
 Figures: decodepack steps per second (device time of the step's launches, eager and graph) and HF
 transformers' bf16 cached greedy decode (batch 1, per request) on the same machine, side by side.
 Results: WORK/summary.json (default WORK: build/ci/generate-check).
@@ -202,7 +204,7 @@ def check_checkpoint(args, torch, np, name, scale, gates):
     rows = []
     e_dp_all, e_bf_all, agree, confident = [], [], 0, 0
     print("%-8s %-6s %-12s %-12s %-12s %-12s %s" % ("request", "fed", "mean e_dp", "mean e_bf16", "max e_dp",
-                                                     "max e_bf16", "argmax agree (gap > tau)"))
+                                                     "max e_bf16", "argmax agree (gap > 2 tau)"))
     for i, (p, req) in enumerate(zip(prompts, tf["requests"])):
         fed = len(p) + n - 1
         dp = torch.from_numpy(raw[req["logits_row"]:req["logits_row"] + fed].astype("float64"))
@@ -211,7 +213,7 @@ def check_checkpoint(args, torch, np, name, scale, gates):
         e_bf = ((b - a).norm(dim=1) / a.norm(dim=1)).tolist()
         gaps = [top2_gap(a[j]) for j in range(fed)]
         ag = [int(torch.argmax(dp[j])) == int(torch.argmax(a[j])) for j in range(fed)]
-        conf = [j for j in range(fed) if gaps[j] > tau]
+        conf = [j for j in range(fed) if gaps[j] > 2 * tau]
         agree += sum(ag[j] for j in conf)
         confident += len(conf)
         e_dp_all += e_dp
@@ -224,8 +226,8 @@ def check_checkpoint(args, torch, np, name, scale, gates):
     gates.check(mean_dp <= 1.5 * mean_bf and max(e_dp_all) <= 2 * max(e_bf_all),
                 "%s: teacher-forced logits vs HF fp32: decodepack mean %.3e max %.3e, HF bf16 mean %.3e max %.3e "
                 "(%d positions)" % (name, mean_dp, max(e_dp_all), mean_bf, max(e_bf_all), len(e_dp_all)))
-    gates.check(agree == confident, "%s: argmax equals HF fp32's at %d of %d positions whose top-2 gap exceeds the "
-                "bf16 noise tau = %.4f" % (name, agree, confident, tau))
+    gates.check(agree == confident, "%s: argmax equals HF fp32's at %d of %d positions whose top-2 gap exceeds 2 tau "
+                "(bf16 noise tau = %.4f)" % (name, agree, confident, tau))
 
     # decodepack free-running: eager, graph, fixed width 8.
     pf = os.path.join(work, "prompts.txt")
@@ -243,11 +245,11 @@ def check_checkpoint(args, torch, np, name, scale, gates):
             free.append({"run": label, "request": i, "diverges_at": k, "gap_fp32": gap})
             print("free-running %-8s request %d: %s" % (label, i, "equal to HF fp32 for %d tokens" % n if k is None
                                                          else "diverges at token %d (HF fp32 top-2 gap %.4f)" % (k, gap)))
-        if scale != 1.0:
-            bad = [f for f in free if f["run"] == label and f["diverges_at"] is not None and f["gap_fp32"] >= tau]
-            gates.check(not bad, "%s: %s free-running greedy tokens equal HF fp32's for %d tokens per request, except "
-                        "after a near-tie (gap < tau = %.4f): %d requests diverge at a confident position" %
-                        (name, label, n, tau, len(bad)))
+        bad = [f for f in free if f["run"] == label and f["diverges_at"] is not None and f["gap_fp32"] >= 2 * tau]
+        ties = [f for f in free if f["run"] == label and f["diverges_at"] is not None and f["gap_fp32"] < 2 * tau]
+        gates.check(not bad, "%s: %s free-running greedy tokens equal HF fp32's for %d tokens per request except after "
+                    "a near-tie (gap < 2 tau = %.4f): %d requests part at a near-tie, %d at a larger gap" %
+                    (name, label, n, 2 * tau, len(ties), len(bad)))
 
     def steps_per_s(r, mode):
         ms = [s["ms"] for s in r["steps"] if s["mode"] == mode]
