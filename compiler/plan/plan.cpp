@@ -115,6 +115,11 @@ std::string lm_head_kernel_gap(const Model& m, const deploy::Deploy& d, int64_t 
   if (m.vocab % d.tensor_parallel != 0)
     return fmt::format("vocab_size {} is not divisible by tensor_parallel {}", m.vocab, d.tensor_parallel);
   if (m.hidden % 8 != 0) return fmt::format("hidden_size {} is not a multiple of 8", m.hidden);
+  // The gemm op's bounds (codegen/ops/gemm.cpp): a vocabulary shard or hidden size beyond them has no
+  // LM head rather than no plan.
+  if (m.vocab / d.tensor_parallel > (int64_t{1} << 20) || m.hidden > (int64_t{1} << 20))
+    return fmt::format("a vocabulary shard of {} rows or hidden size {}, the GEMM takes at most 2^20 of each",
+                       m.vocab / d.tensor_parallel, m.hidden);
   return {};
 }
 

@@ -304,6 +304,15 @@ TEST(Plan, LmHeadIsOneGemmPerWidthOverTheVocabularyShard) {
   EXPECT_FALSE(widths.count(17));
   EXPECT_EQ(lm_head_kernel_gap(m, dw, 17), "width 17 x q 2 = 34 rows, the GEMM takes at most 32");
   EXPECT_EQ(lm_head_kernel_gap(m, dw, 16), "");
+
+  // A vocabulary beyond the GEMM's 2^20 rows gives no LM head, and still a plan.
+  model::Model big = model::load_model("kimi-linear-tiny");
+  big.vocab = int64_t{1} << 21;
+  const deploy::Deploy d1 = deploy_of(base_deploy());
+  EXPECT_EQ(lm_head_kernel_gap(big, d1, 1), "a vocabulary shard of 2097152 rows or hidden size 256, the GEMM takes at "
+                                            "most 2^20 of each");
+  Plan pb = make_plan(big, d1, "deploy.json");
+  for (const KernelInstance& k : pb.kernels) EXPECT_NE(k.role, "lm_head") << k.name;
 }
 
 // The sparse-attention indexer's prefill ops: six width-independent kernels per target for a model whose
