@@ -1,5 +1,5 @@
 // decodepack bench: per layer class, per width and per whole step, how fast a bundle's layer programs run
-// and what share of the HBM read ceiling (measured in the same run) they reach (bench_harness.h).
+// and what share of the HBM read ceiling (measured in the same run) they reach (tooling/bench.h).
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -9,7 +9,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "bench_harness.h"
+#include "tooling/bench.h"
 #include "commands.h"
 #include "common/error.h"
 #include "common/fs.h"

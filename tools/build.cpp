@@ -5,6 +5,7 @@
 #include "commands.h"
 #include "common/error.h"
 #include "common/json.h"
+#include "tooling/json_output.h"
 
 namespace dp::tools {
 
@@ -51,12 +52,11 @@ void add_build(CLI::App& app, Action& action) {
       bo.log = [](const std::string& s) { std::fprintf(stderr, "%s\n", s.c_str()); };
       bundle::BuildResult r = bundle::build_bundle(bo);
       if (o->json) {
-        Json j{{"output", r.out.string()}, {"digest", r.digest}, {"kernels", r.kernels},
-               {"planned_only", r.planned_only}, {"weights_fingerprinted", r.fingerprinted},
-               {"fingerprints", r.fingerprints},
-               {"cache", {{"hits", r.cache.hits}, {"misses", r.cache.misses}, {"corrupt", r.cache.corrupt}}},
-               {"seconds", r.seconds}, {"warnings", r.warnings}};
-        std::printf("%s\n", j.dump(2).c_str());
+        print_json({{"bundle", r.out.string()}, {"digest", r.digest}, {"kernels", r.kernels},
+                    {"planned_only", r.planned_only}, {"weights_fingerprinted", r.fingerprinted},
+                    {"fingerprints", r.fingerprints},
+                    {"cache", {{"hits", r.cache.hits}, {"misses", r.cache.misses}, {"corrupt", r.cache.corrupt}}},
+                    {"seconds", r.seconds}, {"warnings", r.warnings}});
       } else {
         std::printf("built %s\n  digest   %s\n  kernels  %zu compiled (cache: %llu hits, %llu misses, %llu corrupt)\n"
                     "  weights  %s\n  time     %.2f s\n",

@@ -8,7 +8,8 @@
 #include "commands.h"
 #include "common/error.h"
 #include "common/json.h"
-#include "generator.h"
+#include "tooling/generator.h"
+#include "tooling/json_output.h"
 
 namespace dp::tools {
 namespace {
@@ -126,7 +127,7 @@ void add_generate(CLI::App& app, Action& action) {
       o->pdl = !*no_pdl;
       o->log = [](const std::string& s) { std::fprintf(stderr, "decodepack: generate: %s\n", s.c_str()); };
       const GenerateResult r = generate(*o);
-      if (*json) std::printf("%s\n", to_json(r).dump(2).c_str());
+      if (*json) print_json(to_json(r));
       else print_text(r);
       return 0;
     };

@@ -7,6 +7,7 @@
 #include "commands.h"
 #include "common/error.h"
 #include "common/json.h"
+#include "tooling/json_output.h"
 
 namespace dp::tools {
 namespace {
@@ -16,6 +17,27 @@ std::string human(uint64_t b) {
   if (b >= (1ull << 20)) return fmt::format("{:.1f} MiB", b / double(1ull << 20));
   if (b >= (1ull << 10)) return fmt::format("{:.1f} KiB", b / double(1ull << 10));
   return fmt::format("{} B", b);
+}
+
+// A rank's weights counted the three ways README.md "Weight counts" names: the manifest's entries (an
+// expert group is one entry: what a host binds), the tensors the decode kernels read (each expert
+// counted), and their bytes.
+struct WeightCounts {
+  uint64_t entries = 0, tensors = 0, bytes = 0;
+};
+
+WeightCounts weight_counts(const format::RankEntry& r) {
+  WeightCounts c;
+  for (const format::WeightEntry& w : r.weights) {
+    uint64_t n = 1;
+    for (int64_t x : w.shape) n *= static_cast<uint64_t>(x);
+    const uint64_t per = n * (w.dtype == "F32" ? 4 : w.dtype == "BF16" || w.dtype == "F16" ? 2 : 1);
+    const uint64_t count = w.experts > 0 ? static_cast<uint64_t>(w.experts) : 1;
+    c.entries += 1;
+    c.bytes += per * count;
+    c.tensors += count;
+  }
+  return c;
 }
 
 std::string text(const bundle::Bundle& b) {
@@ -42,18 +64,12 @@ std::string text(const bundle::Bundle& b) {
                    Json(d.targets).dump(), d.tensor_parallel, Json(d.ranks).dump(), Json(d.widths).dump(), d.q(),
                    deploy::to_string(d.kv_cache.dtype), d.kv_cache.block_size));
   line("");
-  line(fmt::format("{:<6} {:>8} {:>12}  {}", "rank", "weights", "bytes", "fingerprints"));
+  // Entries: what a host binds (an expert group is one); tensors: what the decode kernels read.
+  line(fmt::format("{:<6} {:>8} {:>8} {:>12}  {}", "rank", "entries", "tensors", "bytes", "fingerprints"));
   for (const format::RankEntry& r : m.ranks) {
-    uint64_t bytes = 0, tensors = 0;
-    for (const format::WeightEntry& w : r.weights) {
-      uint64_t n = 1;
-      for (int64_t x : w.shape) n *= static_cast<uint64_t>(x);
-      uint64_t per = n * (w.dtype == "F32" ? 4 : w.dtype == "BF16" || w.dtype == "F16" ? 2 : 1);
-      uint64_t count = w.experts > 0 ? static_cast<uint64_t>(w.experts) : 1;
-      bytes += per * count;
-      tensors += count;
-    }
-    line(fmt::format("{:<6} {:>8} {:>12}  {}", r.rank, tensors, human(bytes), m.weights_fingerprinted ? "yes" : "no (built without weights)"));
+    const WeightCounts c = weight_counts(r);
+    line(fmt::format("{:<6} {:>8} {:>8} {:>12}  {}", r.rank, c.entries, c.tensors, human(c.bytes),
+                     m.weights_fingerprinted ? "yes" : "no (built without weights)"));
   }
   line("");
   std::map<std::string, size_t> per_target;
@@ -123,14 +139,19 @@ void add_inspect(CLI::App& app, Action& action) {
   };
   auto o = std::make_shared<Opts>();
   cmd->add_option("bundle", o->bundle, "Bundle directory or .dpk file")->required();
-  cmd->add_flag("--json", o->json, "Print {path, digest, manifest} as JSON");
+  cmd->add_flag("--json", o->json, "Print {bundle, digest, archive, ranks, manifest} as JSON");
   cmd->callback([o, &action] {
     action = [o] {
       bundle::Bundle b = bundle::Bundle::open(o->bundle);
       if (o->json) {
-        Json j{{"path", o->bundle}, {"digest", b.digest()}, {"archive", b.is_archive()},
-               {"manifest", format::to_json(b.manifest())}};
-        std::printf("%s\n", j.dump(2).c_str());
+        Json ranks = Json::array();
+        for (const format::RankEntry& r : b.manifest().ranks) {
+          const WeightCounts c = weight_counts(r);
+          ranks.push_back({{"rank", r.rank}, {"weight_entries", c.entries}, {"decode_tensors", c.tensors},
+                           {"decode_bytes", c.bytes}});
+        }
+        print_json({{"bundle", o->bundle}, {"digest", b.digest()}, {"archive", b.is_archive()}, {"ranks", ranks},
+                    {"manifest", format::to_json(b.manifest())}});
       } else {
         std::fputs(text(b).c_str(), stdout);
       }

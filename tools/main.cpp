@@ -7,11 +7,11 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "common/error.h"
 #include "common/suggest.h"
+#include "tooling/json_output.h"
 
 namespace dp::tools {
 bool stderr_is_tty() { return ::isatty(STDERR_FILENO) == 1; }
@@ -19,22 +19,20 @@ bool stderr_is_tty() { return ::isatty(STDERR_FILENO) == 1; }
 
 namespace {
 
-// Whether the user asked the chosen subcommand for --json on stdout (a flag; bench's --json takes a
-// file name and writes there instead).
-bool json_on_stdout(const CLI::App& app) {
-  for (const CLI::App* sub : app.get_subcommands()) {
-    const CLI::Option* o = sub->get_option_no_throw("--json");
-    if (o && o->count() > 0 && o->get_expected_max() == 0) return true;
-  }
-  return false;
-}
-
-// The failure as the one JSON object a --json caller reads from stdout:
-//   {"error": {"code": "input", "exit": 3, "message": "..."}}
-void print_json_error(dp::Errc code, const std::string& message) {
-  const nlohmann::json j = {{"error", {{"code", dp::errc_name(code)}, {"exit", static_cast<int>(code)},
-                                       {"message", message}}}};
-  std::printf("%s\n", j.dump(2).c_str());
+// Whether the command line asks for --json on stdout: the word --json (before any "--") given to a
+// subcommand whose --json is a flag (bench's --json takes a file name and writes there instead), or to a
+// word that is no subcommand at all (or to none: `decodepack --json`). Read from argv, so that a command line CLI11 refused still counts.
+bool json_requested(const CLI::App& app, int argc, char** argv) {
+  if (argc < 2) return false;
+  bool word = false;
+  for (int i = 1; i < argc && std::string(argv[i]) != "--"; ++i) word = word || std::string(argv[i]) == "--json";
+  if (!word) return false;
+  for (const CLI::App* sub : app.get_subcommands({}))
+    if (sub->get_name() == argv[1]) {
+      const CLI::Option* o = sub->get_option_no_throw("--json");
+      return o && o->get_expected_max() == 0;
+    }
+  return true;
 }
 
 // An option the chosen subcommand does not have ("build --modle x"), with the nearest of its options;
@@ -71,7 +69,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.footer(
       "Exit codes: 0 ok, 1 internal error, 2 usage, 3 bad input (model, checkpoint, deploy config, bundle),\n"
-      "4 I/O, 5 verification failed, 6 registry, 7 toolchain, 8 device. `doctor` always exits 0 (a report).");
+      "4 I/O, 5 verification failed, 6 registry, 7 toolchain, 8 device. `doctor` always exits 0 (a report).\n"
+      "--json: one JSON object on stdout, also on failure ({\"schema_version\": 1, \"error\": {\"code\", \"exit\",\n"
+      "\"message\"}}); shapes in manifests/cli/ (README.md \"JSON output\"). bench --json FILE writes FILE instead.");
 
   dp::tools::Action action;
   dp::tools::add_synth(app, action);
@@ -100,32 +100,36 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "decodepack: error: unknown subcommand '%s'%s (subcommands: %s; see decodepack --help)\n",
                    word.size() > 64 ? (word.substr(0, 64) + "...").c_str() : word.c_str(),
                    near.empty() ? "" : ("; did you mean '" + near + "'?").c_str(), list.c_str());
+      if (json_requested(app, argc, argv))
+        dp::tools::print_json_error(dp::Errc::usage,
+                                    fmt::format("unknown subcommand '{}'{}", word.size() > 64 ? word.substr(0, 64) + "..." : word,
+                                                near.empty() ? "" : "; did you mean '" + near + "'?"));
       return static_cast<int>(dp::Errc::usage);
     }
   }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    const bool json = json_on_stdout(app);
+    const bool json = json_requested(app, argc, argv);
     if (const std::string typo = unknown_option(app, argc, argv); !typo.empty()) {
       std::fprintf(stderr, "decodepack: error: %s\n", typo.c_str());
-      if (json) print_json_error(dp::Errc::usage, typo);
+      if (json) dp::tools::print_json_error(dp::Errc::usage, typo);
       return static_cast<int>(dp::Errc::usage);
     }
     int rc = app.exit(e);
-    if (rc != 0 && json) print_json_error(dp::Errc::usage, e.what());
+    if (rc != 0 && json) dp::tools::print_json_error(dp::Errc::usage, e.what());
     return rc == 0 ? 0 : static_cast<int>(dp::Errc::usage);
   }
-  const bool json = json_on_stdout(app);
+  const bool json = json_requested(app, argc, argv);
   try {
     return action ? action() : 0;
   } catch (const dp::Error& e) {
     std::fprintf(stderr, "decodepack: error: %s\n", e.what());
-    if (json) print_json_error(e.code(), e.what());
+    if (json) dp::tools::print_json_error(e.code(), e.what());
     return static_cast<int>(e.code());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "decodepack: internal error: %s\n", e.what());
-    if (json) print_json_error(dp::Errc::internal, e.what());
+    if (json) dp::tools::print_json_error(dp::Errc::internal, e.what());
     return static_cast<int>(dp::Errc::internal);
   }
 }

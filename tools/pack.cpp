@@ -7,6 +7,7 @@
 #include "commands.h"
 #include "common/hash.h"
 #include "common/json.h"
+#include "tooling/json_output.h"
 
 namespace dp::tools {
 
@@ -27,8 +28,7 @@ void add_pack(CLI::App& app, Action& action) {
       bundle::pack_bundle(b, o->out, o->force);
       const std::string layer = "sha256:" + sha256_file(o->out);
       if (o->json) {
-        Json j{{"bundle", o->dir}, {"output", o->out}, {"bundle_digest", b.digest()}, {"archive_digest", layer}};
-        std::printf("%s\n", j.dump(2).c_str());
+        print_json({{"directory", o->dir}, {"bundle", o->out}, {"digest", b.digest()}, {"archive_digest", layer}});
       } else {
         std::printf("packed %s\n  to      %s\n  bundle  %s\n  archive %s\n", o->dir.c_str(), o->out.c_str(),
                     b.digest().c_str(), layer.c_str());

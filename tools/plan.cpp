@@ -5,6 +5,7 @@
 #include "commands.h"
 #include "common/error.h"
 #include "deploy/deploy.h"
+#include "tooling/json_output.h"
 #include "model/inventory.h"
 #include "model/ir.h"
 #include "model/safetensors.h"
@@ -46,7 +47,7 @@ void add_plan(CLI::App& app, Action& action) {
       plan::PlanOptions po;
       po.context = o->context;
       plan::Plan p = plan::make_plan(m, d, o->deploy, po);
-      if (o->json) std::printf("%s\n", plan::to_json(p, m, d).dump(2).c_str());
+      if (o->json) print_json(plan::to_json(p, m, d));
       else std::fputs(plan::to_text(p, m, d).c_str(), stdout);
       return 0;
     };

@@ -14,6 +14,8 @@
 #include "commands.h"
 #include "common/error.h"
 #include "common/json.h"
+#include "tooling/json_output.h"
+#include "common/progress.h"
 
 namespace fs = std::filesystem;
 
@@ -21,27 +23,28 @@ namespace dp::tools {
 
 namespace {
 
-std::string mib(uint64_t bytes) { return fmt::format("{:.1f} MiB", bytes / 1048576.0); }
-
-// Progress of layer transfers on stderr (stdout keeps only the result, so --json stays one object):
-// on a terminal one line redrawn in place; otherwise a plain line every 5 s and one when a blob is done.
+// Progress of layer transfers on stderr (stdout keeps only the result, so --json stays one object),
+// one reporter (common/progress.h) per blob: on a terminal one line redrawn in place; otherwise a
+// plain line per 10% of the blob and one when it is done.
 std::function<void(const bundle::TransferProgress&)> progress_printer() {
   const bool tty = stderr_is_tty();
-  auto last_line = std::make_shared<std::chrono::steady_clock::time_point>();
-  return [tty, last_line](const bundle::TransferProgress& p) {
-    const double rate = p.seconds > 0 ? p.bytes / 1048576.0 / p.seconds : 0;
-    const std::string pct = p.total ? fmt::format("{:3.0f}%", 100.0 * p.bytes / p.total) : "";
-    if (p.finished) {
-      std::fprintf(stderr, "%s%s: %s in %.1f s (%.1f MiB/s)\n", tty ? "\r\033[K" : "", p.what.c_str(),
-                   mib(p.total).c_str(), p.seconds, rate);
-      return;
+  auto bar = std::make_shared<std::unique_ptr<Progress>>();
+  auto what = std::make_shared<std::string>();
+  auto moved = std::make_shared<uint64_t>(0);
+  return [tty, bar, what, moved](const bundle::TransferProgress& p) {
+    if (!*bar || *what != p.what || p.bytes < *moved) {  // a new blob, or a retry of one (its count starts over)
+      *bar = std::make_unique<Progress>(stderr, tty, p.what, p.total, Progress::Unit::bytes);
+      (*bar)->started(std::chrono::steady_clock::now() -
+                      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                          std::chrono::duration<double>(p.seconds)));
+      *what = p.what;
     }
-    const auto now = std::chrono::steady_clock::now();
-    if (!tty && now - *last_line < std::chrono::seconds(5)) return;
-    *last_line = now;
-    std::fprintf(stderr, "%s%s: %s of %s %s, %.1f MiB/s%s", tty ? "\r\033[K" : "", p.what.c_str(),
-                 mib(p.bytes).c_str(), mib(p.total).c_str(), pct.c_str(), rate, tty ? "" : "\n");
-    std::fflush(stderr);
+    *moved = p.bytes;
+    (*bar)->update(p.bytes);
+    if (p.finished) {
+      (*bar)->finish();
+      bar->reset();
+    }
   };
 }
 
@@ -144,9 +147,8 @@ void add_push(CLI::App& app, Action& action) {
           po.created = bundle::created_from_epoch(epoch, "SOURCE_DATE_EPOCH");
       bundle::PushResult r = bundle::push(dpk, b.manifest_bytes(), bundle_annotations(b), ref, po);
       if (o->json) {
-        Json j{{"ref", ref.str()}, {"manifest_digest", r.manifest_digest}, {"bundle_digest", b.digest()},
-               {"uploaded_blobs", r.uploaded_blobs}, {"skipped_blobs", r.skipped_blobs}};
-        std::printf("%s\n", j.dump(2).c_str());
+        print_json({{"bundle", o->bundle}, {"ref", ref.str()}, {"manifest_digest", r.manifest_digest},
+                    {"digest", b.digest()}, {"uploaded_blobs", r.uploaded_blobs}, {"skipped_blobs", r.skipped_blobs}});
       } else {
         std::printf("pushed %s\n  as      %s@%s\n  bundle  %s\n  blobs   %d uploaded, %d already present\n",
                     o->bundle.c_str(), ref.str().c_str(), r.manifest_digest.c_str(), b.digest().c_str(),
@@ -180,9 +182,8 @@ void add_pull(CLI::App& app, Action& action) {
       // every file's digest, and --digest.
       bundle::PullResult r = bundle::pull(ref, o->out, o->pull);
       if (o->json) {
-        Json j{{"ref", ref.str()}, {"output", o->out}, {"manifest_digest", r.manifest_digest},
-               {"layer_digest", r.layer_digest}, {"bundle_digest", r.bundle_digest}, {"size", r.size}};
-        std::printf("%s\n", j.dump(2).c_str());
+        print_json({{"ref", ref.str()}, {"bundle", o->out}, {"manifest_digest", r.manifest_digest},
+                    {"archive_digest", r.layer_digest}, {"digest", r.bundle_digest}, {"archive_bytes", r.size}});
       } else {
         std::printf("pulled %s\n  to      %s (%llu bytes)\n  bundle  %s\n", ref.str().c_str(), o->out.c_str(),
                     static_cast<unsigned long long>(r.size), r.bundle_digest.c_str());

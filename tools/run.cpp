@@ -1,12 +1,13 @@
 // decodepack run: decode steps of a bundle on the GPU through libdecodepack, optionally checked layer by
-// layer against the CPU reference (run_harness.h says what a run does).
+// layer against the CPU reference (tooling/run.h says what a run does).
 #include <cmath>
 #include <cstdio>
 
 #include "commands.h"
 #include "common/error.h"
 #include "common/json.h"
-#include "run_harness.h"
+#include "tooling/json_output.h"
+#include "tooling/run.h"
 
 namespace dp::tools {
 namespace {
@@ -63,13 +64,14 @@ Json to_json(const RunResult& r) {
     j["value"] = std::isfinite(c.value) ? Json(c.value) : Json(nullptr);
     checks.push_back(j);
   }
-  return Json{{"bundle", r.bundle},
+  Json j{{"bundle", r.bundle},
               {"digest", r.digest},
               {"device", r.device},
               {"target", r.target},
               {"model", r.model},
-              {"weights", r.weights},
-              {"weight_bytes", r.weight_bytes},
+              {"weight_source", r.weights},
+              {"weight_entries", r.weight_entries},
+              {"bound_bytes", r.weight_bytes},
               {"width", r.width},
               {"requests", r.requests},
               {"q", r.q},
@@ -84,6 +86,10 @@ Json to_json(const RunResult& r) {
               {"checks", checks},
               {"failures", r.failures()},
               {"ok", r.failures() == 0}};
+  if (r.failures())
+    j["error"] = json_error(Errc::verify, fmt::format("{}: {} of {} checks failed", r.bundle, r.failures(),
+                                                      r.checks.size()));
+  return j;
 }
 
 }  // namespace
@@ -149,7 +155,7 @@ void add_run(CLI::App& app, Action& action) {
       o->pdl = !*no_pdl;
       o->log = [](const std::string& s) { std::fprintf(stderr, "decodepack: run: %s\n", s.c_str()); };
       const RunResult r = run_bundle(*o);
-      if (*json) std::printf("%s\n", to_json(r).dump(2).c_str());
+      if (*json) print_json(to_json(r));
       else print_text(r);
       return r.failures() ? static_cast<int>(Errc::verify) : 0;
     };

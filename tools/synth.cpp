@@ -4,6 +4,7 @@
 #include "commands.h"
 #include "common/error.h"
 #include "common/json.h"
+#include "tooling/json_output.h"
 #include "model/synth.h"
 
 namespace dp::tools {
@@ -39,12 +40,12 @@ void add_synth(CLI::App& app, Action& action) {
       so.seed = o->seed;
       so.shard_bytes = o->shard_mb << 20;
       so.layout = o->layout == "vllm" ? model::CheckpointLayout::vllm : model::CheckpointLayout::transformers;
-      so.progress = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+      so.progress = stderr;
+      so.progress_tty = stderr_is_tty();
       model::SynthResult r = model::synthesize(so);
       if (o->json) {
-        Json j{{"output", o->out}, {"tensors", r.tensors}, {"shards", r.shards}, {"bytes", r.bytes},
-               {"preset", o->preset}, {"seed", o->seed}};
-        std::printf("%s\n", j.dump(2).c_str());
+        print_json({{"checkpoint", o->out}, {"checkpoint_tensors", r.tensors}, {"files", r.shards},
+                    {"bytes", r.bytes}, {"preset", o->preset}, {"seed", o->seed}});
       } else {
         std::printf("wrote %s: %zu tensors in %zu shards, %llu bytes\n", o->out.c_str(), r.tensors, r.shards,
                     static_cast<unsigned long long>(r.bytes));

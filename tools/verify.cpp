@@ -6,6 +6,7 @@
 #include "commands.h"
 #include "common/error.h"
 #include "common/json.h"
+#include "tooling/json_output.h"
 
 namespace dp::tools {
 
@@ -26,17 +27,23 @@ void add_verify(CLI::App& app, Action& action) {
   cmd->callback([o, &action] {
     action = [o] {
       bundle::Bundle b = bundle::Bundle::open(o->bundle);
-      bundle::VerifyReport r = bundle::verify_bundle(b, {o->model, o->digest, o->jobs});
+      bundle::VerifyReport r = bundle::verify_bundle(b, {o->model, o->digest, o->jobs, stderr, stderr_is_tty()});
+      const std::string summary =
+          fmt::format("{} problem{}", r.problems.size(), r.problems.size() == 1 ? "" : "s");
+      for (const auto& p : r.problems) std::fprintf(stderr, "decodepack: verify: %s\n", p.message.c_str());
       if (o->json) {
         Json problems = Json::array();
         for (const auto& p : r.problems) problems.push_back({{"what", p.what}, {"object", p.object}, {"message", p.message}});
-        Json j{{"bundle", o->bundle}, {"digest", r.digest}, {"ok", r.ok()}, {"files", r.files_checked},
-               {"kernels", r.kernels_checked}, {"weights", r.weights_checked}, {"problems", problems}};
-        std::printf("%s\n", j.dump(2).c_str());
+        Json j{{"bundle", o->bundle}, {"digest", r.digest}, {"ok", r.ok()}, {"files_checked", r.files_checked},
+               {"kernels_checked", r.kernels_checked}, {"fingerprints_checked", r.weights_checked},
+               {"problems", problems}};
+        if (!r.ok())
+          j["error"] = json_error(Errc::verify, fmt::format("{}: {} (first: {})", o->bundle, summary,
+                                                            r.problems.front().message));
+        print_json(std::move(j));
       } else {
-        for (const auto& p : r.problems) std::fprintf(stderr, "decodepack: verify: %s\n", p.message.c_str());
         std::printf("%s: %s (%s; %zu files, %zu kernels, %zu weight fingerprints checked)\n", o->bundle.c_str(),
-                    r.ok() ? "OK" : fmt::format("{} problem{}", r.problems.size(), r.problems.size() == 1 ? "" : "s").c_str(),
+                    r.ok() ? "OK" : summary.c_str(),
                     r.digest.c_str(), r.files_checked, r.kernels_checked, r.weights_checked);
       }
       return r.ok() ? 0 : static_cast<int>(Errc::verify);

@@ -4,12 +4,14 @@
 #include <atomic>
 #include <chrono>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
 
 #include "common/error.h"
 #include "common/hash.h"
+#include "common/progress.h"
 
 namespace dp::backend {
 namespace {
@@ -203,16 +205,14 @@ CompileReport compile_all(const std::vector<codegen::KernelInstance>& instances,
 }
 
 std::function<void(const CompileProgress&)> progress_printer(std::FILE* out, bool tty) {
-  return [out, tty](const CompileProgress& p) {
-    const std::string how = p.cache_hit ? "cache hit" : fmt::format("{:.2f} s", p.seconds);
-    if (tty) {
-      // Carriage return + erase line: one status line redrawn in place, closed after the last one.
-      std::fprintf(out, "\r\033[2K[%zu/%zu] compiled %s (%s)%s", p.done, p.total, p.key.c_str(), how.c_str(),
-                   p.done == p.total ? "\n" : "");
-    } else {
-      std::fprintf(out, "[%zu/%zu] compiled %s (%s)\n", p.done, p.total, p.key.c_str(), how.c_str());
-    }
-    std::fflush(out);
+  // The reporter starts with the first report, which brings the total.
+  auto bar = std::make_shared<std::unique_ptr<Progress>>();
+  auto hits = std::make_shared<size_t>(0);
+  return [out, tty, bar, hits](const CompileProgress& p) {
+    if (!*bar) *bar = std::make_unique<Progress>(out, tty, "compiling kernels", p.total);
+    *hits += p.cache_hit;
+    (*bar)->update(p.done, p.cache_hit ? p.key + " (cache hit)" : fmt::format("{} ({:.2f} s)", p.key, p.seconds));
+    if (p.done == p.total) (*bar)->finish(fmt::format("{} from the cache", *hits));
   };
 }
 

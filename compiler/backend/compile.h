@@ -72,9 +72,9 @@ struct CompileReport {
 
 CompileReport compile_all(const std::vector<codegen::KernelInstance>& instances, const CompileOptions& options);
 
-// A progress callback for a terminal or a log. On a TTY one line is redrawn in place
-// ("[12/48] rmsnorm_w4_h2304.sm_90a (cache hit)") and ended with a newline after the last kernel;
-// otherwise each kernel gets its own plain line, "[12/48] compiled rmsnorm_w4_h2304.sm_90a (0.41 s)".
+// A progress callback for a terminal or a log (common/progress.h): on a TTY one line redrawn in place
+// with the percentage, elapsed time, ETA and the kernel that finished last; otherwise a plain line per
+// 10% of the kernels and one at the end ("compiling kernels: 100% (48/48) in 6.1 s; 40 from the cache").
 std::function<void(const CompileProgress&)> progress_printer(std::FILE* out, bool tty);
 
 }  // namespace dp::backend

@@ -11,6 +11,7 @@
 #include "common/fs.h"
 #include "common/hash.h"
 #include "common/output.h"
+#include "common/progress.h"
 #include "indexer/workspace.h"
 #include "deploy/deploy.h"
 #include "format/manifest.h"
@@ -24,41 +25,27 @@ namespace fs = std::filesystem;
 namespace dp::bundle {
 namespace {
 
-Json model_details(const model::Model& m) {
-  Json kda = {{"num_heads", m.kda.num_heads},     {"head_dim", m.kda.head_dim},
-              {"conv_kernel", m.kda.conv_kernel}, {"gate_rank", m.kda.gate_rank},
-              {"full_rank_gate", m.kda.full_rank_gate}};
-  if (m.kda.gate_lower_bound) kda["gate_lower_bound"] = *m.kda.gate_lower_bound;
-  return {{"prefix", m.prefix},
-          {"activation", model::to_string(m.activation)},
-          {"attn_res_block", m.attn_res_block},
-          {"dense_intermediate", m.dense_intermediate},
-          {"kda", kda},
-          {"mla",
-           {{"num_heads", m.mla.num_heads},
-            {"q_lora_rank", m.mla.q_lora_rank},
-            {"kv_lora_rank", m.mla.kv_lora_rank},
-            {"qk_nope_head_dim", m.mla.qk_nope_head_dim},
-            {"qk_rope_head_dim", m.mla.qk_rope_head_dim},
-            {"v_head_dim", m.mla.v_head_dim},
-            {"output_gate", m.mla.output_gate}}},
-          {"moe",
-           {{"num_experts", m.moe.num_experts},
-            {"top_k", m.moe.top_k},
-            {"intermediate", m.moe.intermediate},
-            {"num_shared", m.moe.num_shared},
-            {"routed_scaling", m.moe.routed_scaling},
-            {"renormalize", m.moe.renormalize},
-            {"latent_dim", m.moe.latent_dim},
-            {"expert_format", model::to_string(m.moe.expert_format)}}}};
-}
-
 std::string file_ext(const std::string& target) {
   const deploy::TargetInfo* t = deploy::find_target(target);
   return t && t->vendor == deploy::Vendor::hip ? ".hsaco" : ".cubin";
 }
 
 }  // namespace
+
+format::ModelDetails manifest_details(const model::Model& m) {
+  format::ModelDetails d;
+  d.prefix = m.prefix;
+  d.activation = model::to_string(m.activation);
+  d.attn_res_block = m.attn_res_block;
+  d.dense_intermediate = m.dense_intermediate;
+  d.kda = {m.kda.num_heads, m.kda.head_dim, m.kda.conv_kernel, m.kda.gate_rank, m.kda.full_rank_gate,
+           m.kda.gate_lower_bound};
+  d.mla = {m.mla.num_heads,        m.mla.q_lora_rank,      m.mla.kv_lora_rank, m.mla.qk_nope_head_dim,
+           m.mla.qk_rope_head_dim, m.mla.v_head_dim,       m.mla.output_gate};
+  d.moe = {m.moe.num_experts,    m.moe.top_k,       m.moe.intermediate, m.moe.num_shared,
+           m.moe.routed_scaling, m.moe.renormalize, m.moe.latent_dim,   model::to_string(m.moe.expert_format)};
+  return d;
+}
 
 BuildResult build_bundle(const BuildOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -110,7 +97,7 @@ BuildResult build_bundle(const BuildOptions& o) {
   man.model.num_layers = m.num_layers;
   man.model.vocab_size = m.vocab;
   man.model.rms_norm_eps = m.rms_norm_eps;
-  man.model.details = model_details(m);
+  man.model.details = format::to_json(manifest_details(m));
   man.deploy = deploy::to_json(d);
   man.weights_fingerprinted = have_ckpt;
   for (const plan::LayerPlan& l : p.ranks.front().layers)
@@ -156,8 +143,10 @@ BuildResult build_bundle(const BuildOptions& o) {
     man.ranks.push_back(std::move(re));
   }
   if (have_ckpt) {
-    log(fmt::format("fingerprinting {} weight shards on {} threads", refs.size(), jobs));
-    std::vector<std::string> digests = fingerprint_all(*ckpt, refs, jobs);
+    Progress bar(o.log ? stderr : nullptr, o.progress_tty, fmt::format("fingerprinting weight shards ({} threads)", jobs),
+                 refs.size());
+    std::vector<std::string> digests = fingerprint_all(*ckpt, refs, jobs, &bar);
+    bar.finish();
     for (size_t i = 0; i < refs.size(); ++i)
       man.ranks[ref_slots[i].first].weights[ref_slots[i].second].sha256.push_back(digests[i]);
   }

@@ -16,6 +16,11 @@
 
 #include "backend/cache.h"
 #include "backend/toolchain.h"
+#include "format/sections.h"
+
+namespace dp::model {
+struct Model;
+}
 
 namespace dp::bundle {
 
@@ -53,5 +58,9 @@ struct BuildResult {
 };
 
 BuildResult build_bundle(const BuildOptions& o);
+
+// The manifest's model.details for `m`: the IR's hyper-parameters the runtime and tools read back
+// (format::details_from_json).
+format::ModelDetails manifest_details(const model::Model& m);
 
 }  // namespace dp::bundle

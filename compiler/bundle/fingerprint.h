@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/progress.h"
 #include "model/ir.h"
 #include "model/safetensors.h"
 #include "plan/plan.h"
@@ -22,8 +23,9 @@ struct ShardRef {
 
 std::string fingerprint(const st::Checkpoint& ckpt, const ShardRef& s);
 
-// Hashes many shards on `jobs` threads; results in input order.
+// Hashes many shards on `jobs` threads; results in input order. `progress` (when given) advances by one
+// per shard hashed.
 std::vector<std::string> fingerprint_all(const st::Checkpoint& ckpt, const std::vector<ShardRef>& shards,
-                                         unsigned jobs);
+                                         unsigned jobs, Progress* progress = nullptr);
 
 }  // namespace dp::bundle

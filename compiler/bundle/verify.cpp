@@ -126,8 +126,10 @@ VerifyReport verify_bundle(const Bundle& b, const VerifyOptions& o) {
                             w.sha256[e]});
         }
       }
-    std::vector<std::string> got =
-        fingerprint_all(ck, refs, o.jobs ? o.jobs : std::max(1u, std::thread::hardware_concurrency()));
+    const unsigned jobs = o.jobs ? o.jobs : std::max(1u, std::thread::hardware_concurrency());
+    Progress bar(o.progress, o.progress_tty, fmt::format("fingerprinting weight shards ({} threads)", jobs), refs.size());
+    std::vector<std::string> got = fingerprint_all(ck, refs, jobs, &bar);
+    bar.finish();
     r.weights_checked = got.size();
     for (size_t i = 0; i < got.size(); ++i)
       if (got[i] != expect[i].second)

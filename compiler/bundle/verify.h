@@ -2,6 +2,7 @@
 // fingerprints taken from this checkpoint?
 #pragma once
 
+#include <cstdio>
 #include <optional>
 #include <string>
 #include <vector>
@@ -20,6 +21,8 @@ struct VerifyOptions {
   std::string model;                   // checkpoint directory to re-hash (empty: skip)
   std::string expect_digest;           // "sha256:..." the bundle must have (empty: skip)
   unsigned jobs = 0;
+  std::FILE* progress = nullptr;       // fingerprinting progress (common/progress.h) goes here when set
+  bool progress_tty = false;
 };
 
 struct VerifyReport {

@@ -60,19 +60,18 @@ const std::vector<Section>& sections() {
   return s;
 }
 
-// JSON spelling of each enum value, plus hints for spellings people carry over from vLLM flags.
-template <typename E>
-struct EnumSpelling {
-  E value;
-  std::string_view name;
-};
+// Hints for spellings people carry over from vLLM flags (the spellings are format/sections.h's).
+using format::kConvStateDtypes;
+using format::kConvStateLayouts;
+using format::kKdaStateDtypes;
+using format::kKdaStateLayouts;
+using format::kKvCacheDtypes;
+using format::Spelling;
 struct Hint {
   std::string_view given;
   std::string_view advice;
 };
 
-constexpr std::array kKvCacheDtypes = {EnumSpelling<KvCacheDtype>{KvCacheDtype::bf16, "bf16"},
-                                       EnumSpelling<KvCacheDtype>{KvCacheDtype::fp8, "fp8"}};
 constexpr std::array kKvCacheHints = {
     Hint{"auto", "vLLM's \"auto\" means the model dtype: write bf16"},
     Hint{"bfloat16", "write bf16"},
@@ -82,35 +81,21 @@ constexpr std::array kKvCacheHints = {
     Hint{"float16", "the Kimi models are bf16"},
     Hint{"fp16", "the Kimi models are bf16"},
 };
-constexpr std::array kKdaStateDtypes = {EnumSpelling<KdaStateDtype>{KdaStateDtype::float32, "float32"}};
 constexpr std::array kKdaStateHints = {
     Hint{"bf16", "vLLM keeps the KDA recurrent state in float32 whatever mamba_cache_dtype says, and the "
                  "delta-rule update needs it"},
     Hint{"float16", "vLLM keeps the KDA recurrent state in float32 whatever mamba_cache_dtype says"},
     Hint{"fp32", "write float32"},
 };
-constexpr std::array kKdaStateLayouts = {EnumSpelling<KdaStateLayout>{KdaStateLayout::kv, "kv"},
-                                         EnumSpelling<KdaStateLayout>{KdaStateLayout::vk, "vk"}};
-constexpr std::array kConvStateDtypes = {EnumSpelling<ConvStateDtype>{ConvStateDtype::bf16, "bf16"},
-                                         EnumSpelling<ConvStateDtype>{ConvStateDtype::float32, "float32"}};
 constexpr std::array kConvStateHints = {
     Hint{"auto", "vLLM's \"auto\" means the model dtype: write bf16"},
     Hint{"fp32", "write float32"},
     Hint{"bfloat16", "write bf16"},
 };
-constexpr std::array kConvStateLayouts = {EnumSpelling<ConvStateLayout>{ConvStateLayout::sd, "sd"},
-                                          EnumSpelling<ConvStateLayout>{ConvStateLayout::ds, "ds"}};
 constexpr std::array<Hint, 2> kLayoutHints = {
     Hint{"SD", "write it in lower case: sd"},
     Hint{"DS", "write it in lower case: ds"},
 };
-
-template <typename E, size_t N>
-const char* enum_name(const std::array<EnumSpelling<E>, N>& table, E v) {
-  for (const auto& e : table)
-    if (e.value == v) return e.name.data();  // the names are literals, so NUL-terminated
-  return "?";
-}
 
 // ---- Formatting --------------------------------------------------------------------------------------
 
@@ -212,7 +197,7 @@ class Obj {
   }
 
   template <typename E, size_t N, size_t H>
-  E enumeration(std::string_view key, E def, const std::array<EnumSpelling<E>, N>& table,
+  E enumeration(std::string_view key, E def, const std::array<Spelling<E>, N>& table,
                 const std::array<Hint, H>& hints) const {
     if (!has(key)) return def;
     std::string s = string(at(key), field(key));
@@ -383,6 +368,19 @@ std::optional<std::string> tp_problem(int64_t tp, const model::Model& m) {
     if (!divides(n))
       return fmt::format("tensor_parallel {} does not divide dim {} ({}) of {} {} (valid: {})", tp, w.split.dim, n,
                          w.name, shape_str(w.shape), join(pow2_divisors(n)));
+    // A rank's shard of a block-quantized weight must start and end on a block edge, so that each scale
+    // belongs to one rank.
+    if (!w.quant.block.empty() && w.quant.method == model::QuantMethod::fp8_block && tp > 1) {
+      const int64_t b = w.quant.block[static_cast<size_t>(w.split.dim)];
+      if ((n / tp) % b != 0) {
+        std::vector<int64_t> valid;
+        for (int64_t p : pow2_divisors(n))
+          if ((n / p) % b == 0 || p == 1) valid.push_back(p);
+        return fmt::format("tensor_parallel {} splits dim {} ({}) of {} {} into {} rows per rank, not a multiple of "
+                           "its FP8 block of {} (valid: {})", tp, w.split.dim, n, w.name, shape_str(w.shape), n / tp, b,
+                           join(valid));
+      }
+    }
   }
   return std::nullopt;
 }
@@ -392,11 +390,6 @@ std::optional<std::string> tp_problem(int64_t tp, const model::Model& m) {
 // ---- Public ------------------------------------------------------------------------------------------
 
 const char* to_string(Vendor v) { return v == Vendor::cuda ? "cuda" : "hip"; }
-const char* to_string(KvCacheDtype d) { return enum_name(kKvCacheDtypes, d); }
-const char* to_string(KdaStateDtype d) { return enum_name(kKdaStateDtypes, d); }
-const char* to_string(KdaStateLayout l) { return enum_name(kKdaStateLayouts, l); }
-const char* to_string(ConvStateDtype d) { return enum_name(kConvStateDtypes, d); }
-const char* to_string(ConvStateLayout l) { return enum_name(kConvStateLayouts, l); }
 
 DType element_dtype(KvCacheDtype d) { return d == KvCacheDtype::bf16 ? DType::BF16 : DType::F8_E4M3; }
 DType element_dtype(KdaStateDtype) { return DType::F32; }
@@ -408,16 +401,6 @@ const TargetInfo* find_target(std::string_view name) {
   for (const TargetInfo& t : kTargets)
     if (t.name == name) return &t;
   return nullptr;
-}
-
-bool Deploy::prefetch_point(std::string_view name) const {
-  return prefetch.enabled && std::find(prefetch.points.begin(), prefetch.points.end(), name) != prefetch.points.end();
-}
-
-int64_t Deploy::prefetch_cap(int64_t width) const {
-  if (!prefetch.enabled) return 0;
-  if (auto it = prefetch.width_cap_bytes.find(width); it != prefetch.width_cap_bytes.end()) return it->second;
-  return width * q() <= prefetch.max_rows ? prefetch.cap_bytes : 0;
 }
 
 Deploy parse_deploy(const Json& j, const std::string& where) {
@@ -564,31 +547,6 @@ Deploy load_deploy(const std::string& spec) {
     fail(Errc::io, "--deploy {}: is a directory (give a deploy JSON file, or `default` for the built-in deploy)",
          excerpt(spec));
   return parse_deploy(load_json_file(spec), spec);
-}
-
-Json to_json(const Deploy& d) {
-  Json caps = Json::object();
-  for (const auto& [w, c] : d.prefetch.width_cap_bytes) caps[std::to_string(w)] = c;
-  // nlohmann::json keeps object keys sorted, so dump() of this is already in canonical key order.
-  return Json{
-      {"targets", d.targets},
-      {"tensor_parallel", d.tensor_parallel},
-      {"ranks", d.ranks},
-      {"widths", d.widths},
-      {"num_speculative_tokens", d.num_speculative_tokens},
-      {"kv_cache", {{"dtype", to_string(d.kv_cache.dtype)}, {"block_size", d.kv_cache.block_size}}},
-      {"kda_state", {{"dtype", to_string(d.kda_state.dtype)}, {"layout", to_string(d.kda_state.layout)}}},
-      {"conv_state", {{"dtype", to_string(d.conv_state.dtype)}, {"layout", to_string(d.conv_state.layout)}}},
-      {"dcp", {{"size", d.dcp.size}, {"interleave", d.dcp.interleave}}},
-      {"prefetch",
-       {{"enabled", d.prefetch.enabled},
-        {"cap_bytes", d.prefetch.cap_bytes},
-        {"max_rows", d.prefetch.max_rows},
-        {"width_cap_bytes", caps},
-        {"points", d.prefetch.points}}},
-      {"indexer",
-       {{"max_keys_per_chunk", d.indexer.max_keys_per_chunk}, {"max_requests", d.indexer.max_requests}}},
-  };
 }
 
 std::vector<std::string> known_keys() {

@@ -20,8 +20,11 @@
 #include <span>
 #include <vector>
 
-namespace dp::deploy {
+namespace dp::format {
 struct Deploy;
+}
+namespace dp::deploy {
+using format::Deploy;
 }
 
 namespace dp::indexer {

@@ -16,8 +16,11 @@
 
 #include <cstdint>
 
-namespace dp::deploy {
+namespace dp::format {
 struct Deploy;
+}
+namespace dp::deploy {
+using format::Deploy;
 }
 
 namespace dp::indexer {

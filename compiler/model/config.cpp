@@ -13,6 +13,7 @@
 #include "common/suggest.h"
 #include "format/manifest.h"
 #include "model/ir.h"
+#include "model/quant.h"
 
 namespace fs = std::filesystem;
 
@@ -30,6 +31,14 @@ const char* to_string(Ffn f) {
 }
 const char* to_string(Activation a) { return a == Activation::silu ? "silu" : "situ"; }
 const char* to_string(ExpertFormat f) { return f == ExpertFormat::bf16 ? "bf16" : "mxfp4"; }
+const char* to_string(QuantMethod q) {
+  switch (q) {
+    case QuantMethod::none: return "none";
+    case QuantMethod::mxfp4_experts: return "mxfp4";
+    case QuantMethod::fp8_block: return "fp8";
+  }
+  return "?";
+}
 std::string to_string(const Split& s) {
   return s.kind == Split::Kind::replicated ? std::string("replicated") : fmt::format("dim{}", s.dim);
 }
@@ -87,6 +96,49 @@ class WeightBuilder {
     w.split = split;
     w.layer = layer.index;
     w.expert = expert;
+    if (m_.quant.method != QuantMethod::none && is_quantizable_linear(w.key)) {
+      quantize(layer, std::move(w));
+      return;
+    }
+    layer.weights.push_back(m_.weights.size());
+    m_.weights.push_back(std::move(w));
+  }
+
+  // A linear layer's weight under the model's quantization: kept as it is when the config's ignore list
+  // names its module; FP8: stored e4m3 with an fp32 weight_scale_inv per block, added after it.
+  void quantize(LayerSpec& layer, WeightSpec w) {
+    const Quantization& q = m_.quant;
+    auto module = [](const std::string& name) { return name.substr(0, name.size() - 7); };  // less ".weight"
+    bool ignored = module_ignored(module(w.name), q.ignore);
+    for (const std::string& a : w.aliases) ignored = ignored || module_ignored(module(a), q.ignore);
+    if (ignored) {
+      w.quant.excluded = true;
+    } else if (q.method == QuantMethod::mxfp4_experts) {
+      // MXFP4 checkpoints hold the routed experts (weight_packed, built apart) in MXFP4 and nothing else.
+      fail(Errc::input, "{}: quantization_config (compressed-tensors mxfp4-pack-quantized) quantizes {}, which is not "
+           "a routed expert: MXFP4 is supported for the routed experts only (its ignore list must name every other "
+           "linear layer)", m_.config_source, module(w.name));
+    } else {
+      WeightSpec s;
+      s.name = module(w.name) + ".weight_scale_inv";
+      for (const std::string& a : w.aliases) s.aliases.push_back(module(a) + ".weight_scale_inv");
+      s.key = module(w.key) + ".weight_scale_inv";
+      s.dtype = DType::F32;
+      s.shape = {(w.shape[0] + q.block[0] - 1) / q.block[0], (w.shape[1] + q.block[1] - 1) / q.block[1]};
+      s.split = w.split;
+      s.layer = w.layer;
+      s.expert = w.expert;
+      s.decode = w.decode;
+      s.scale_of = w.name;
+      w.dtype = DType::F8_E4M3;
+      w.alt_dtypes.clear();
+      w.quant = {q.method, q.block, s.name, s.dtype, false};
+      layer.weights.push_back(m_.weights.size());
+      m_.weights.push_back(std::move(w));
+      layer.weights.push_back(m_.weights.size());
+      m_.weights.push_back(std::move(s));
+      return;
+    }
     layer.weights.push_back(m_.weights.size());
     m_.weights.push_back(std::move(w));
   }
@@ -189,6 +241,15 @@ void add_indexer_weights(Model& m, WeightBuilder& b, LayerSpec& l) {
   for (size_t i = first; i < m.weights.size(); ++i) m.weights[i].decode = false;
 }
 
+// The last two weights of `l` are an MXFP4 expert matrix (weight_packed) and its scales (weight_scale):
+// record the pair (one E8M0 scale per 32 inputs).
+void mxfp4_pair(Model& m, const LayerSpec& l) {
+  WeightSpec& packed = m.weights[l.weights[l.weights.size() - 2]];
+  WeightSpec& scale = m.weights[l.weights.back()];
+  packed.quant = {QuantMethod::mxfp4_experts, {1, m.moe.mxfp4_group}, scale.name, scale.dtype, false};
+  scale.scale_of = packed.name;
+}
+
 void add_ffn_weights(Model& m, WeightBuilder& b, LayerSpec& l) {
   const int64_t H = m.hidden;
   const MoeConfig& e = m.moe;
@@ -219,9 +280,11 @@ void add_ffn_weights(Model& m, WeightBuilder& b, LayerSpec& l) {
       for (const char* w : {"w1", "w3"}) {
         b.layer_weight(l, p + w + ".weight_packed", {I, D / 2}, kCol, DType::U8, {}, {}, ex);
         b.layer_weight(l, p + w + ".weight_scale", {I, D / g}, kCol, DType::U8, {DType::F8_E8M0}, {}, ex);
+        mxfp4_pair(m, l);
       }
       b.layer_weight(l, p + "w2.weight_packed", {D, I / 2}, kRow, DType::U8, {}, {}, ex);
       b.layer_weight(l, p + "w2.weight_scale", {D, I / g}, kRow, DType::U8, {DType::F8_E8M0}, {}, ex);
+      mxfp4_pair(m, l);
     } else {
       b.layer_weight(l, p + "w1.weight", {I, D}, kCol, DType::BF16, {}, {}, ex);
       b.layer_weight(l, p + "w3.weight", {I, D}, kCol, DType::BF16, {}, {}, ex);
@@ -268,25 +331,6 @@ int64_t int_or(const JsonReader& r, std::string_view key, int64_t def, int64_t l
   return in_range(r, key, r.integer_or(key, def), lo, hi);
 }
 
-// True when a quantization_config describes MXFP4 experts (compressed-tensors "mxfp4-pack-quantized",
-// or a config group whose format or type says mxfp4).
-bool is_mxfp4(const Json& q) {
-  if (!q.is_object()) return false;
-  auto lower = [](std::string s) {
-    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
-    return s;
-  };
-  auto says_mxfp4 = [&](const Json& o, const char* key) {
-    auto it = o.find(key);
-    return it != o.end() && it->is_string() && lower(it->get<std::string>()).find("mxfp4") != std::string::npos;
-  };
-  if (says_mxfp4(q, "format") || says_mxfp4(q, "quant_method")) return true;
-  if (auto g = q.find("config_groups"); g != q.end() && g->is_object())
-    for (const Json& grp : *g)
-      if (grp.is_object() && (says_mxfp4(grp, "format") || says_mxfp4(grp, "type"))) return true;
-  return false;
-}
-
 // The sparse-attention indexer (DeepSeek-V3.2 config keys): all three keys or none.
 void read_indexer(Model& m, const JsonReader& t) {
   static constexpr std::array<std::string_view, 3> kKeys = {"index_n_heads", "index_head_dim", "index_topk"};
@@ -311,7 +355,7 @@ void read_indexer(Model& m, const JsonReader& t) {
 }
 
 // Reads the decoder hyper-parameters shared by kimi_linear and the K3 text config.
-void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
+void read_text_config(Model& m, const JsonReader& t) {
   m.hidden = pos_int(t, "hidden_size", kMaxHidden);
   m.num_layers = pos_int(t, "num_hidden_layers", kMaxLayers);
   m.vocab = pos_int(t, "vocab_size", kMaxVocab);
@@ -436,7 +480,7 @@ void read_text_config(Model& m, const JsonReader& t, const Json* quant) {
          t.field("moe_router_activation_func"), excerpt(m.moe.scoring));
   m.moe.latent_dim = int_or(t, "routed_expert_hidden_size", 0, 0, kMaxHidden);
   m.moe.latent_norm = t.boolean_or("latent_moe_use_norm", false);
-  if (quant && is_mxfp4(*quant)) m.moe.expert_format = ExpertFormat::mxfp4;
+  if (m.quant.method == QuantMethod::mxfp4_experts) m.moe.expert_format = ExpertFormat::mxfp4;
   if (m.moe.expert_format == ExpertFormat::mxfp4) {
     int64_t d = m.moe.latent_dim > 0 ? m.moe.latent_dim : m.hidden;
     if (d % m.moe.mxfp4_group || m.moe.intermediate % m.moe.mxfp4_group)
@@ -524,11 +568,11 @@ Model model_from_config(const Json& config, const std::string& where) {
     const Json& a = top.raw("architectures");
     if (a.is_array() && !a.empty() && a[0].is_string()) m.architecture = a[0].get<std::string>();
   }
-  const Json* quant = top.has("quantization_config") ? &top.raw("quantization_config") : nullptr;
   if (m.model_type == "kimi_linear") {
     m.type = ModelType::kimi_linear;
     m.prefix = "model.";
-    read_text_config(m, top, quant);
+    m.quant = read_quantization(config, config, where);
+    read_text_config(m, top);
   } else if (m.model_type == "kimi_k3") {
     m.type = ModelType::kimi_k3;
     m.prefix = "language_model.model.";
@@ -536,8 +580,8 @@ Model model_from_config(const Json& config, const std::string& where) {
     std::string inner = text.string_or("model_type", "kimi_linear");
     if (inner != "kimi_linear")
       fail(Errc::input, "{}: field text_config.model_type is \"{}\", expected \"kimi_linear\"", where, excerpt(inner));
-    if (!quant && text.has("quantization_config")) quant = &text.raw("quantization_config");
-    read_text_config(m, text, quant);
+    m.quant = read_quantization(config, top.raw("text_config"), where);
+    read_text_config(m, text);
   } else {
     fail(Errc::input, "{}: field model_type is \"{}\", expected \"kimi_linear\" or \"kimi_k3\"", where,
          excerpt(m.model_type));

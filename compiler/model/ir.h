@@ -41,6 +41,29 @@ struct Split {
 };
 std::string to_string(const Split& s);  // "replicated", "dim0", ...
 
+// How a checkpoint stores quantized weights: the config's quantization description (HF
+// quantization_config, read by model/quant.h). none: every weight in its own dtype (bf16 and friends).
+enum class QuantMethod { none, mxfp4_experts, fp8_block };
+const char* to_string(QuantMethod q);  // "none", "mxfp4", "fp8"
+inline constexpr int64_t kFp8Block = 128;  // the one FP8 block edge supported: 128 x 128 values per scale
+
+// The model's quantization, as the config describes it.
+struct Quantization {
+  QuantMethod method = QuantMethod::none;
+  std::string quant_method;         // the config's spelling: "fp8", "compressed-tensors"
+  std::vector<int64_t> block;       // values per scale, [out, in]: fp8 {128, 128}, mxfp4 {1, 32}
+  std::vector<std::string> ignore;  // the config's ignore list: modules stored unquantized
+};
+
+// One weight's quantization: how its stored values become the real ones.
+struct TensorQuant {
+  QuantMethod method = QuantMethod::none;  // none: stored as the weight's dtype
+  std::vector<int64_t> block;              // values per scale, [out, in]
+  std::string scale;                       // checkpoint name of the scale tensor (also in Model::weights)
+  DType scale_dtype = DType::F32;          // the scale tensor's dtype
+  bool excluded = false;                   // a linear layer the config's ignore list keeps unquantized
+};
+
 struct WeightSpec {
   std::string name;                  // checkpoint name, e.g. "model.layers.3.self_attn.q_proj.weight"
   std::vector<std::string> aliases;  // other names a checkpoint may use for it (HF transformers 5)
@@ -52,6 +75,8 @@ struct WeightSpec {
   int expert = -1;        // routed expert index, or -1
   bool decode = true;     // read by the decode-layer kernels (embeddings and lm_head are not)
   std::string key;        // name relative to the layer (or model) prefix: "self_attn.q_proj.weight"
+  TensorQuant quant;      // dtype is the storage dtype (F8_E4M3, U8 for packed MXFP4) when quantized
+  std::string scale_of;   // a scale tensor: the name of the weight it scales
 
   int64_t numel() const;
   uint64_t bytes() const;  // numel * dtype size, overflow-checked
@@ -141,6 +166,7 @@ struct Model {
   MlaConfig mla;
   MoeConfig moe;
   IndexerConfig indexer;
+  Quantization quant;
 
   std::vector<LayerSpec> layers;
   std::vector<WeightSpec> weights;

@@ -12,6 +12,7 @@
 #include "common/hash.h"
 #include "common/json.h"
 #include "common/output.h"
+#include "common/progress.h"
 #include "model/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -162,6 +163,8 @@ SynthResult synthesize(const SynthOptions& opt) {
   StagingDir stage(opt.out);
   std::map<std::string, std::string> weight_map;
   const size_t ns = shards.size();
+  Progress bar(opt.progress, opt.progress_tty, fmt::format("writing {} safetensors files", ns), total,
+               Progress::Unit::bytes);
   for (size_t s = 0; s < ns; ++s) {
     std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, ns);
     std::vector<st::TensorData> tensors;
@@ -171,8 +174,11 @@ SynthResult synthesize(const SynthOptions& opt) {
       weight_map[p.name] = file;
     }
     st::write_file(stage.path() / file, tensors, {{"format", "pt"}});
-    if (opt.progress) opt.progress(fmt::format("[{}/{}] wrote {} ({} tensors)", s + 1, ns, file, tensors.size()));
+    uint64_t written = 0;
+    for (const st::TensorData& t : tensors) written += t.bytes.size();
+    bar.advance(written, file);
   }
+  bar.finish();
   st::write_index(stage.path(), weight_map, total);
 
   // config.json: the preset's own JSON, byte for byte as decodepack reads it.

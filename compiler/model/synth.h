@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <optional>
@@ -27,7 +28,8 @@ struct SynthOptions {
   uint64_t seed = 0;
   uint64_t shard_bytes = 0;           // target shard size; 0: about a third of the model (>= 2 shards)
   CheckpointLayout layout = CheckpointLayout::vllm;
-  std::function<void(const std::string&)> progress;  // one line per shard written
+  std::FILE* progress = nullptr;      // progress of the bytes written (common/progress.h) goes here when set
+  bool progress_tty = false;
 };
 
 struct SynthResult {

@@ -6,6 +6,7 @@
 
 #include "codegen/ops/spec.h"
 #include "common/error.h"
+#include "model/quant.h"
 #include "indexer/workspace.h"
 
 namespace dp::plan {
@@ -335,6 +336,18 @@ Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deplo
   return plan;
 }
 
+DecodeWeights decode_weights(const RankPlan& r, const Model& m) {
+  DecodeWeights dw;
+  for (const WeightShard& s : r.shards) {
+    if (!m.weights[s.weight].decode) continue;
+    const uint64_t count = s.experts > 0 ? static_cast<uint64_t>(s.experts) : 1;
+    dw.entries += 1;
+    dw.tensors += count;
+    dw.bytes += s.bytes * count;
+  }
+  return dw;
+}
+
 Json to_json(const Plan& p, const Model& m, const deploy::Deploy& d) {
   Json j;
   j["model"] = {{"model_type", m.model_type},
@@ -346,8 +359,21 @@ Json to_json(const Plan& p, const Model& m, const deploy::Deploy& d) {
                 {"experts", m.moe.num_experts},
                 {"top_k", m.moe.top_k},
                 {"expert_format", model::to_string(m.moe.expert_format)},
-                {"weights", m.weights.size()},
-                {"weight_bytes", m.total_weight_bytes()}};
+                {"checkpoint_tensors", m.weights.size()},
+                {"checkpoint_bytes", m.total_weight_bytes()}};
+  if (m.quant.method != model::QuantMethod::none) {
+    size_t quantized = 0, excluded = 0;
+    for (const model::WeightSpec& w : m.weights) {
+      quantized += w.quant.method != model::QuantMethod::none;
+      excluded += w.quant.excluded;
+    }
+    j["model"]["quantization"] = {{"method", model::to_string(m.quant.method)},
+                                  {"quant_method", m.quant.quant_method},
+                                  {"block", m.quant.block},
+                                  {"ignore", m.quant.ignore},
+                                  {"quantized_weights", quantized},
+                                  {"excluded_weights", excluded}};
+  }
   if (m.indexer.present())
     j["indexer"] = {{"heads", m.indexer.num_heads},
                     {"head_dim", m.indexer.head_dim},
@@ -384,6 +410,10 @@ Json to_json(const Plan& p, const Model& m, const deploy::Deploy& d) {
     Json jr;
     jr["rank"] = r.rank;
     jr["weight_bytes"] = r.weight_bytes;
+    const DecodeWeights dw = decode_weights(r, m);
+    jr["weight_entries"] = dw.entries;
+    jr["decode_tensors"] = dw.tensors;
+    jr["decode_bytes"] = dw.bytes;
     Json layers = Json::array();
     for (const LayerPlan& l : r.layers)
       layers.push_back({{"index", l.index}, {"mixer", model::to_string(l.mixer)}, {"ffn", model::to_string(l.ffn)},
@@ -438,9 +468,11 @@ std::string human_bytes(uint64_t b) {
 
 std::string to_text(const Plan& p, const Model& m, const deploy::Deploy& d) {
   std::string out;
-  line_to(out, "model     {} ({} layers: {} KDA, {} MLA; hidden {}; {} experts top-{} {}; {} weights, {})", m.model_type,
+  line_to(out, "model     {} ({} layers: {} KDA, {} MLA; hidden {}; {} experts top-{} {}; {} checkpoint tensors, {})", m.model_type,
        m.num_layers, m.count(Mixer::kda), m.count(Mixer::mla), m.hidden, m.moe.num_experts, m.moe.top_k,
-       model::to_string(m.moe.expert_format), m.weights.size(), human_bytes(m.total_weight_bytes()));
+       m.quant.method == model::QuantMethod::none ? model::to_string(m.moe.expert_format) : model::describe(m.quant),
+       m.weights.size(), human_bytes(m.total_weight_bytes()));
+  // Checkpoint tensors include the embeddings and LM head; a rank's bundle lists only decode weights.
   line_to(out, "deploy    targets {}; tensor_parallel {} (ranks {}); widths {}; q {}; kv {} block {}",
        fmt::join(d.targets, ","), d.tensor_parallel, fmt::join(d.ranks, ","), fmt::join(d.widths, ","), d.q(),
        deploy::to_string(d.kv_cache.dtype), d.kv_cache.block_size);
@@ -471,7 +503,9 @@ std::string to_text(const Plan& p, const Model& m, const deploy::Deploy& d) {
   }
   for (const RankPlan& r : p.ranks) {
     out += "\n";
-    line_to(out, "rank {}: holds {} of weights", r.rank, human_bytes(r.weight_bytes));
+    const DecodeWeights dw = decode_weights(r, m);
+    line_to(out, "rank {}: holds {} of weights; its bundle lists {} decode weight entries ({} tensors, {})", r.rank,
+            human_bytes(r.weight_bytes), dw.entries, dw.tensors, human_bytes(dw.bytes));
     std::string classes;
     for (const LayerPlan& l : r.layers) classes += fmt::format("{}{}:{}", classes.empty() ? "" : " ", l.index, to_string(l.cls));
     line_to(out, "  layers    {}", classes);

@@ -130,6 +130,14 @@ codegen::KernelInstance lm_head_kernel(const model::Model& m, const deploy::Depl
 Plan make_plan(const model::Model& m, const deploy::Deploy& d, const std::string& deploy_where,
                const PlanOptions& opt = {});
 
+// The weights a rank's bundle table lists (decode weights; the embeddings and LM head stay with the
+// host), counted as README.md "Weight counts" names them: entries as a host binds them (an expert group
+// is one entry: dp_bundle_weight_count), the tensors they hold (each expert counted) and their bytes.
+struct DecodeWeights {
+  uint64_t entries = 0, tensors = 0, bytes = 0;
+};
+DecodeWeights decode_weights(const RankPlan& r, const model::Model& m);
+
 Json to_json(const Plan& p, const model::Model& m, const deploy::Deploy& d);
 std::string to_text(const Plan& p, const model::Model& m, const deploy::Deploy& d);
 

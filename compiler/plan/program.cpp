@@ -4,6 +4,7 @@
 #include <map>
 
 #include "common/error.h"
+#include "model/quant.h"
 #include "plan/plan.h"
 
 namespace dp::plan {
@@ -202,6 +203,15 @@ class Builder {
   }
 
   void check_supported() const {
+    // Until the GEMV, fused projection and expert kernels dequantise FP8 blocks, no program reads FP8
+    // weights: bf16 kernels over e4m3 bytes would compute nonsense.
+    for (const model::LayerSpec& l : m_.layers)
+      if (layer_class(l) == cls_)
+        for (size_t i : l.weights)
+          if (m_.weights[i].quant.method == model::QuantMethod::fp8_block)
+            throw Unavailable{fmt::format("FP8 block-quantized weights ({}; {} first) have no decode kernels in this "
+                                          "version: the plan counts their bytes, the host runs these layers",
+                                          model::describe(m_.quant), m_.weights[i].key)};
     if (m_.type == model::ModelType::kimi_k3)
       throw Unavailable{"Kimi-K3 layers (block attention residuals, latent MXFP4 experts, q_lora MLA, full-rank "
                         "KDA gate) have no layer program in this version"};

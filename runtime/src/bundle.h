@@ -60,6 +60,7 @@ struct dp_bundle {
   std::vector<dp::rt::RankWeights> ranks;
   std::vector<const char*> target_names;  // points into deploy.targets, for dp_bundle_info
   std::string tool_version, model_type;
+  std::string deploy_json;  // the manifest's deploy block as compact JSON text, for dp_bundle_info
 
   const dp::format::Manifest& manifest() const { return reader.manifest(); }
   // The weights of `rank`, or nullptr if the bundle has no such rank.

@@ -290,6 +290,9 @@ dp_status* dp_bundle_get_info(const dp_bundle* b, dp_bundle_info* out) {
     i.indexer_heads = static_cast<int32_t>(m.indexer.heads);
     i.indexer_top_k = static_cast<int32_t>(m.indexer.top_k);
     i.indexer_prefill_workspace_bytes = m.indexer.prefill_workspace_bytes;
+    i.config_digest = m.model.config_digest.c_str();
+    i.deploy_json = b->deploy_json.c_str();
+    i.manifest_json = b->reader.manifest_bytes().c_str();
     i.vocab_size = m.model.vocab_size;
     write_out(out, i);
     return ok();

@@ -14,7 +14,7 @@ using namespace cu;
 class CudaDevice final : public Device {
  public:
   CudaDevice(const CudaApi* api, CUdevice dev, CUcontext ctx) : api_(api), dev_(dev), ctx_(ctx) {}
-  ~CudaDevice() override { api_->cuDevicePrimaryCtxRelease(dev_); }
+  ~CudaDevice() override { api_->DevicePrimaryCtxRelease(dev_); }
 
   dp_device_desc& mutable_desc() { return desc_; }
   // cuCtxGetStreamPriorityRange's "greatest" (numerically lowest) priority, for critical launches.
@@ -23,27 +23,27 @@ class CudaDevice final : public Device {
   Status enter(bool* pushed) override {
     CUcontext current = nullptr;
     *pushed = false;
-    if (api_->cuCtxGetCurrent(&current) == CUDA_SUCCESS && current == ctx_) return ok();
-    DP_RETURN_IF_ERROR(check(api_->cuCtxPushCurrent(ctx_), "cuCtxPushCurrent"));
+    if (api_->CtxGetCurrent(&current) == CUDA_SUCCESS && current == ctx_) return ok();
+    DP_RETURN_IF_ERROR(check(api_->CtxPushCurrent(ctx_), "cuCtxPushCurrent"));
     *pushed = true;
     return ok();
   }
   void leave() override {
     CUcontext popped = nullptr;
-    api_->cuCtxPopCurrent(&popped);
+    api_->CtxPopCurrent(&popped);
   }
 
   Status load_module(std::span<const uint8_t> image, const std::string& what, void** module) override {
     CUmodule m = nullptr;
-    DP_RETURN_IF_ERROR(check(api_->cuModuleLoadData(&m, image.data()), "cuModuleLoadData", what));
+    DP_RETURN_IF_ERROR(check(api_->ModuleLoadData(&m, image.data()), "cuModuleLoadData", what));
     *module = m;
     return ok();
   }
-  void unload_module(void* module) override { api_->cuModuleUnload(static_cast<CUmodule>(module)); }
+  void unload_module(void* module) override { api_->ModuleUnload(static_cast<CUmodule>(module)); }
 
   Status function(void* module, const std::string& name, const std::string& what, void** fn) override {
     CUfunction f = nullptr;
-    DP_RETURN_IF_ERROR(check(api_->cuModuleGetFunction(&f, static_cast<CUmodule>(module), name.c_str()),
+    DP_RETURN_IF_ERROR(check(api_->ModuleGetFunction(&f, static_cast<CUmodule>(module), name.c_str()),
                              "cuModuleGetFunction", what));
     *fn = f;
     return ok();
@@ -51,21 +51,21 @@ class CudaDevice final : public Device {
 
   Status function_info(void* fn, const std::string& what, FunctionInfo* out) override {
     CUfunction f = static_cast<CUfunction>(fn);
-    DP_RETURN_IF_ERROR(check(api_->cuFuncGetAttribute(&out->registers, CU_FUNC_ATTRIBUTE_NUM_REGS, f),
+    DP_RETURN_IF_ERROR(check(api_->FuncGetAttribute(&out->registers, CU_FUNC_ATTRIBUTE_NUM_REGS, f),
                              "cuFuncGetAttribute(NUM_REGS)", what));
-    DP_RETURN_IF_ERROR(check(api_->cuFuncGetAttribute(&out->max_threads, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, f),
+    DP_RETURN_IF_ERROR(check(api_->FuncGetAttribute(&out->max_threads, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, f),
                              "cuFuncGetAttribute(MAX_THREADS_PER_BLOCK)", what));
-    DP_RETURN_IF_ERROR(check(api_->cuFuncGetAttribute(&out->static_shared, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, f),
+    DP_RETURN_IF_ERROR(check(api_->FuncGetAttribute(&out->static_shared, CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, f),
                              "cuFuncGetAttribute(SHARED_SIZE_BYTES)", what));
-    DP_RETURN_IF_ERROR(check(api_->cuFuncGetAttribute(&out->local_bytes, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f),
+    DP_RETURN_IF_ERROR(check(api_->FuncGetAttribute(&out->local_bytes, CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f),
                              "cuFuncGetAttribute(LOCAL_SIZE_BYTES)", what));
     out->has_param_info = false;
     out->params.clear();
-    if (api_->cuFuncGetParamInfo) {
+    if (api_->FuncGetParamInfo) {
       // Parameters are numbered from 0; the driver answers CUDA_ERROR_INVALID_VALUE past the last one.
       for (size_t i = 0; i < 4096; ++i) {
         size_t offset = 0, size = 0;
-        if (api_->cuFuncGetParamInfo(f, i, &offset, &size) != CUDA_SUCCESS) break;
+        if (api_->FuncGetParamInfo(f, i, &offset, &size) != CUDA_SUCCESS) break;
         out->params.emplace_back(offset, size);
       }
       out->has_param_info = true;
@@ -75,53 +75,53 @@ class CudaDevice final : public Device {
 
   Status alloc(size_t bytes, const std::string& what, uint64_t* out) override {
     CUdeviceptr p = 0;
-    DP_RETURN_IF_ERROR(check(api_->cuMemAlloc(&p, bytes), "cuMemAlloc", what));
+    DP_RETURN_IF_ERROR(check(api_->MemAlloc(&p, bytes), "cuMemAlloc", what));
     *out = p;
     return ok();
   }
-  void free(uint64_t ptr) override { api_->cuMemFree(ptr); }
+  void free(uint64_t ptr) override { api_->MemFree(ptr); }
   Status upload(uint64_t dst, const void* src, size_t bytes, const std::string& what) override {
-    return check(api_->cuMemcpyHtoD(dst, src, bytes), "cuMemcpyHtoD", what);
+    return check(api_->MemcpyHtoD(dst, src, bytes), "cuMemcpyHtoD", what);
   }
   Status download(void* dst, uint64_t src, size_t bytes, const std::string& what) override {
-    return check(api_->cuMemcpyDtoH(dst, src, bytes), "cuMemcpyDtoH", what);
+    return check(api_->MemcpyDtoH(dst, src, bytes), "cuMemcpyDtoH", what);
   }
   Status alloc_mapped(size_t bytes, const std::string& what, void** host, uint64_t* device) override {
     void* h = nullptr;
-    DP_RETURN_IF_ERROR(check(api_->cuMemHostAlloc(&h, bytes, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE),
+    DP_RETURN_IF_ERROR(check(api_->MemHostAlloc(&h, bytes, CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE),
                              "cuMemHostAlloc", what));
     std::memset(h, 0, bytes);
     CUdeviceptr d = 0;
-    if (Status s = check(api_->cuMemHostGetDevicePointer(&d, h, 0), "cuMemHostGetDevicePointer", what); !s.ok()) {
-      api_->cuMemFreeHost(h);
+    if (Status s = check(api_->MemHostGetDevicePointer(&d, h, 0), "cuMemHostGetDevicePointer", what); !s.ok()) {
+      api_->MemFreeHost(h);
       return s;
     }
     *host = h;
     *device = d;
     return ok();
   }
-  void free_mapped(void* host) override { api_->cuMemFreeHost(host); }
+  void free_mapped(void* host) override { api_->MemFreeHost(host); }
 
   Status create_stream(void** out) override {
     CUstream s = nullptr;
     // Non-blocking: the side stream must not serialise with the legacy default stream the host may use.
-    DP_RETURN_IF_ERROR(check(api_->cuStreamCreateWithPriority(&s, CU_STREAM_NON_BLOCKING, 0), "cuStreamCreateWithPriority"));
+    DP_RETURN_IF_ERROR(check(api_->StreamCreateWithPriority(&s, CU_STREAM_NON_BLOCKING, 0), "cuStreamCreateWithPriority"));
     *out = s;
     return ok();
   }
-  void destroy_stream(void* s) override { api_->cuStreamDestroy(static_cast<CUstream>(s)); }
+  void destroy_stream(void* s) override { api_->StreamDestroy(static_cast<CUstream>(s)); }
   Status create_event(void** out) override {
     CUevent e = nullptr;
-    DP_RETURN_IF_ERROR(check(api_->cuEventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate"));
+    DP_RETURN_IF_ERROR(check(api_->EventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate"));
     *out = e;
     return ok();
   }
-  void destroy_event(void* e) override { api_->cuEventDestroy(static_cast<CUevent>(e)); }
+  void destroy_event(void* e) override { api_->EventDestroy(static_cast<CUevent>(e)); }
   Status record(void* event, void* stream) override {
-    return check(api_->cuEventRecord(static_cast<CUevent>(event), static_cast<CUstream>(stream)), "cuEventRecord");
+    return check(api_->EventRecord(static_cast<CUevent>(event), static_cast<CUstream>(stream)), "cuEventRecord");
   }
   Status wait(void* stream, void* event) override {
-    return check(api_->cuStreamWaitEvent(static_cast<CUstream>(stream), static_cast<CUevent>(event), 0),
+    return check(api_->StreamWaitEvent(static_cast<CUstream>(stream), static_cast<CUevent>(event), 0),
                  "cuStreamWaitEvent");
   }
 
@@ -129,7 +129,7 @@ class CudaDevice final : public Device {
     size_t bytes = l.param_bytes;
     void* extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, l.params, CU_LAUNCH_PARAM_BUFFER_SIZE, &bytes, CU_LAUNCH_PARAM_END};
     if (!l.high_priority && !l.programmatic)
-      return check(api_->cuLaunchKernel(static_cast<CUfunction>(l.function), l.grid[0], l.grid[1], l.grid[2], l.block[0],
+      return check(api_->LaunchKernel(static_cast<CUfunction>(l.function), l.grid[0], l.grid[1], l.grid[2], l.block[0],
                                         l.block[1], l.block[2], l.dynamic_shared, static_cast<CUstream>(l.stream),
                                         nullptr, extra),
                    "cuLaunchKernel", what);
@@ -156,7 +156,7 @@ class CudaDevice final : public Device {
     cfg.hStream = static_cast<CUstream>(l.stream);
     cfg.attrs = attrs;
     cfg.numAttrs = n;
-    return check(api_->cuLaunchKernelEx(&cfg, static_cast<CUfunction>(l.function), nullptr, extra), "cuLaunchKernelEx",
+    return check(api_->LaunchKernelEx(&cfg, static_cast<CUfunction>(l.function), nullptr, extra), "cuLaunchKernelEx",
                  what);
   }
 
@@ -173,22 +173,22 @@ class CudaDevice final : public Device {
 
 Status cuda_device(const CudaApi& api, int32_t ordinal, CUdevice* dev) {
   int count = 0;
-  DP_RETURN_IF_ERROR(cuda_check(api, api.cuDeviceGetCount(&count), "cuDeviceGetCount"));
+  DP_RETURN_IF_ERROR(cuda_check(api, api.DeviceGetCount(&count), "cuDeviceGetCount"));
   if (ordinal < 0 || ordinal >= count)
     return error(DP_ERR_NO_DEVICE, "CUDA device {}: no such device ({} device{} visible: valid ordinals 0..{})", ordinal,
                  count, count == 1 ? "" : "s", count - 1);
-  return cuda_check(api, api.cuDeviceGet(dev, ordinal), "cuDeviceGet");
+  return cuda_check(api, api.DeviceGet(dev, ordinal), "cuDeviceGet");
 }
 
 Status cuda_describe(const CudaApi& api, CUdevice dev, dp_device_desc* out) {
   dp_device_desc d;
   dp_device_desc_init(&d);
   d.vendor = DP_VENDOR_CUDA;
-  DP_RETURN_IF_ERROR(cuda_check(api, api.cuDriverGetVersion(&d.driver_version), "cuDriverGetVersion"));
-  DP_RETURN_IF_ERROR(cuda_check(api, api.cuDeviceGetName(d.name, sizeof(d.name) - 1, dev), "cuDeviceGetName"));
+  DP_RETURN_IF_ERROR(cuda_check(api, api.DriverGetVersion(&d.driver_version), "cuDriverGetVersion"));
+  DP_RETURN_IF_ERROR(cuda_check(api, api.DeviceGetName(d.name, sizeof(d.name) - 1, dev), "cuDeviceGetName"));
   auto attr = [&](int a, auto* v, const char* name) {
     int x = 0;
-    Status s = cuda_check(api, api.cuDeviceGetAttribute(&x, a, dev), "cuDeviceGetAttribute", name);
+    Status s = cuda_check(api, api.DeviceGetAttribute(&x, a, dev), "cuDeviceGetAttribute", name);
     *v = x;
     return s;
   };
@@ -262,7 +262,7 @@ Status device_count(int32_t vendor, int32_t* out) {
     auto api = cuda_api();
     if (!api.ok()) return api.status();
     int n = 0;
-    DP_RETURN_IF_ERROR(cuda_check(**api, (*api)->cuDeviceGetCount(&n), "cuDeviceGetCount"));
+    DP_RETURN_IF_ERROR(cuda_check(**api, (*api)->DeviceGetCount(&n), "cuDeviceGetCount"));
     *out = n;
     return ok();
   }
@@ -316,14 +316,14 @@ Result<std::unique_ptr<Device>> open_device(int32_t vendor, int32_t ordinal) {
   dp_device_desc_init(&desc);
   DP_RETURN_IF_ERROR(cuda_describe(a, dev, &desc));
   CUcontext ctx = nullptr;
-  DP_RETURN_IF_ERROR(cuda_check(a, a.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain"));
+  DP_RETURN_IF_ERROR(cuda_check(a, a.DevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain"));
   auto d = std::make_unique<CudaDevice>(&a, dev, ctx);  // owns the retain from here
   d->mutable_desc() = desc;
   int least = 0, greatest = 0;
   {
     DeviceScope scope(d.get());
     DP_RETURN_IF_ERROR(scope.status());
-    DP_RETURN_IF_ERROR(cuda_check(a, a.cuCtxGetStreamPriorityRange(&least, &greatest), "cuCtxGetStreamPriorityRange"));
+    DP_RETURN_IF_ERROR(cuda_check(a, a.CtxGetStreamPriorityRange(&least, &greatest), "cuCtxGetStreamPriorityRange"));
   }
   d->set_greatest_priority(greatest);
   return std::unique_ptr<Device>(std::move(d));

@@ -9,7 +9,7 @@
                request at the planned context, min(E, rows x top_k) experts) on the bench model and the 48B preset
     chart      bench/chart.py --table on the sample, with itself as the baseline; and a PNG when matplotlib is
                importable (exit 77, skipped, when it is not)
-    ptx        the bench's own kernels (tools/bench_ptx.h) assemble with ptxas for sm_90a (77 without ptxas)
+    ptx        the bench's own kernels (tooling/bench_ptx.h) assemble with ptxas for sm_90a (77 without ptxas)
     baseline   bench/baseline.py --cpu-smoke on a kimi-linear-tiny-shaped model with all four layer classes: its
                stock layers (fla's kernels replaced by pure-torch stand-ins) pass its own gate against the float64
                reference at widths 1 and 3, and its document validates (77 where torch is not importable)
@@ -181,7 +181,7 @@ def mode_ptx(dp, root):
     if not ptxas:
         print("SKIPPED: no ptxas (CUDA toolkit) here")
         return SKIP
-    with open(os.path.join(root, "tools", "bench_ptx.h")) as f:
+    with open(os.path.join(root, "tooling", "bench_ptx.h")) as f:
         text = f.read()
     ptx = text[text.index('R"PTX(') + len('R"PTX('):text.index(')PTX"')]
     c = Checker()
@@ -191,7 +191,7 @@ def mode_ptx(dp, root):
             f.write(ptx)
         r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "bench.cubin")],
                            capture_output=True, text=True)
-        c.check(r.returncode == 0, "ptxas -arch=sm_90a tools/bench_ptx.h\n" + r.stdout + r.stderr)
+        c.check(r.returncode == 0, "ptxas -arch=sm_90a tooling/bench_ptx.h\n" + r.stdout + r.stderr)
         c.check("0 bytes spill" in r.stdout + r.stderr, "no register spills")
         for entry in ["dp_bench_read", "dp_bench_empty"]:
             c.check(entry in r.stdout + r.stderr, "entry " + entry)

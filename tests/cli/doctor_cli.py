@@ -41,7 +41,7 @@ def main():
         r = run(exe, ["--json", "--cache-dir", cache], env)
         check(r.returncode == 0, f"--json exit {r.returncode}, expected 0:\n{r.stderr}")
         rep = json.loads(r.stdout)
-        check(set(rep) == {"decodepack", "toolchains", "drivers", "targets", "cache"}, f"top-level keys {sorted(rep)}")
+        check(set(rep) == {"schema_version", "decodepack", "toolchains", "drivers", "targets", "cache"}, f"top-level keys {sorted(rep)}")
         for vendor in ("nvidia", "amd"):
             t = rep["toolchains"][vendor]
             check({"found", "version", "location", "error", "targets"} <= set(t), f"toolchains.{vendor} keys {sorted(t)}")

@@ -1,20 +1,27 @@
-// Compile-time check that runtime/src/cuda_api.h (libdecodepack's own declarations of the CUDA driver
-// ABI subset it calls) matches the toolkit's cuda.h: every constant and struct layout. Building this
-// file is the test; the program only reports that it was built.
+// Compile-time check that runtime/driver/cuda.h (the project's one declaration of the CUDA driver ABI
+// subset that libdecodepack, the tools and the GPU tests call) matches the toolkit's cuda.h: every
+// constant, struct layout and handle type. Building this file is the test; the program only reports
+// that it was built.
 #include <cstddef>
 #include <cstdio>
+#include <type_traits>
 
-#include "src/cuda_api.h"
+#include "driver/cuda.h"
 
 // Copied out before cuda.h is included: several of these names are macros there.
 namespace mine {
-namespace cu = dp::rt::cu;
+namespace cu = dp::cu;
 constexpr int attr_priority = cu::CU_LAUNCH_ATTRIBUTE_PRIORITY;
 constexpr int attr_carveout = cu::CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
 constexpr unsigned host_portable = cu::CU_MEMHOSTALLOC_PORTABLE;
 constexpr unsigned host_devicemap = cu::CU_MEMHOSTALLOC_DEVICEMAP;
 constexpr unsigned stream_non_blocking = cu::CU_STREAM_NON_BLOCKING;
 constexpr unsigned event_disable_timing = cu::CU_EVENT_DISABLE_TIMING;
+constexpr int capture_thread_local = cu::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+constexpr unsigned record_external = cu::CU_EVENT_RECORD_EXTERNAL;
+constexpr int jit_error_log = cu::CU_JIT_ERROR_LOG_BUFFER;
+constexpr int jit_error_log_size = cu::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES;
+constexpr size_t jit_option_size = sizeof(cu::CUjit_option);
 constexpr int dev_attrs[] = {
     cu::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK, cu::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X,
     cu::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y, cu::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z,
@@ -42,6 +49,18 @@ static_assert(mine::host_portable == CU_MEMHOSTALLOC_PORTABLE);
 static_assert(mine::host_devicemap == CU_MEMHOSTALLOC_DEVICEMAP);
 static_assert(mine::stream_non_blocking == CU_STREAM_NON_BLOCKING);
 static_assert(mine::event_disable_timing == CU_EVENT_DISABLE_TIMING);
+static_assert(mine::capture_thread_local == CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+static_assert(mine::record_external == CU_EVENT_RECORD_EXTERNAL);
+static_assert(mine::jit_error_log == CU_JIT_ERROR_LOG_BUFFER);
+static_assert(mine::jit_error_log_size == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES);
+static_assert(mine::jit_option_size == sizeof(CUjit_option));  // cuModuleLoadDataEx takes an array of them
+// The handle types are cuda.h's own (declared at global scope in both), so code that includes both
+// headers passes its handles to the table unchanged.
+static_assert(std::is_same_v<dp::cu::CUcontext, CUcontext> && std::is_same_v<dp::cu::CUmodule, CUmodule> &&
+              std::is_same_v<dp::cu::CUfunction, CUfunction> && std::is_same_v<dp::cu::CUstream, CUstream> &&
+              std::is_same_v<dp::cu::CUevent, CUevent> && std::is_same_v<dp::cu::CUgraph, CUgraph> &&
+              std::is_same_v<dp::cu::CUgraphExec, CUgraphExec> && std::is_same_v<dp::cu::CUdeviceptr, CUdeviceptr> &&
+              std::is_same_v<dp::cu::CUdevice, CUdevice>);
 static_assert(mine::dev_attrs[0] == CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK);
 static_assert(mine::dev_attrs[1] == CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X);
 static_assert(mine::dev_attrs[2] == CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y);
@@ -74,6 +93,6 @@ static_assert(CU_LAUNCH_PARAM_END_AS_INT == 0 && CU_LAUNCH_PARAM_BUFFER_POINTER_
 static_assert(CUDA_SUCCESS == 0 && CUDA_ERROR_NO_DEVICE == 100 && CUDA_ERROR_INVALID_DEVICE == 101);
 
 int main() {
-  std::printf("runtime/src/cuda_api.h matches cuda.h (CUDA_VERSION %d)\n", CUDA_VERSION);
+  std::printf("runtime/driver/cuda.h matches cuda.h (CUDA_VERSION %d)\n", CUDA_VERSION);
   return 0;
 }

@@ -244,7 +244,7 @@ TEST_F(Gpu, PrefetchInsideACapturedGraph) {
   const rttest::Outcome j = outcome(dp_prefetch_join(ds.s, stream_));
   CUgraph graph = nullptr;
   // Ending the capture fails (CUDA_ERROR_STREAM_CAPTURE_UNJOINED) unless join brought the side stream back.
-  const CUresult end = cu().StreamEndCapture(stream_, &graph);
+  const int end = cu().StreamEndCapture(stream_, &graph);
   ASSERT_TRUE(f1.ok()) << f1.message;
   ASSERT_TRUE(f2.ok()) << f2.message;
   ASSERT_TRUE(n.ok()) << n.message;

@@ -113,6 +113,12 @@ class BindingTest(unittest.TestCase):
         self.assertEqual(info["num_layers"], 4)
         self.assertFalse(info["weights_fingerprinted"])
         self.assertEqual(info["indexer"], {"heads": 0, "top_k": 0, "prefill_workspace_bytes": 0})  # no indexer
+        self.assertRegex(info["config_digest"], r"^sha256:[0-9a-f]{64}$")
+        self.assertEqual(info["deploy"]["targets"], ["sm_90a"])
+        manifest = self.bundle.manifest
+        self.assertEqual(manifest["deploy"], info["deploy"])
+        self.assertEqual(manifest["model"]["config_digest"], info["config_digest"])
+        self.assertEqual(info["vocab_size"], manifest["model"]["vocab_size"])
         self.assertEqual(self.bundle.layer(3), {"index": 3, "mixer": "mla", "ffn": "moe", "class": "mla_moe"})
         weights = {w.name: w for w in self.bundle.weights(0)}
         self.assertEqual(len(weights), 86)
@@ -120,6 +126,23 @@ class BindingTest(unittest.TestCase):
         self.assertEqual(weights[W1].shape, (128, 256))
         self.assertEqual(weights[W1].dtype_name, "BF16")
         self.assertEqual(weights["model.norm.weight"].layer, -1)
+
+    def test_weight_counts_agree_with_the_cli(self):
+        # One bundle, three counts with three names: entries to bind (an expert group is one), the decode
+        # tensors they hold, and the checkpoint's tensors (with the embeddings and LM head the host keeps).
+        counts = self.bundle.weight_counts(0)
+        self.assertEqual(counts["weight_entries"], 86)
+        self.assertEqual(counts["weight_entries"], len(self.bundle.weights(0)))
+        inspect = json.loads(_cli("inspect", self.path, "--json"))
+        self.assertEqual(inspect["ranks"][0]["weight_entries"], counts["weight_entries"])
+        self.assertEqual(inspect["ranks"][0]["decode_tensors"], counts["decode_tensors"])
+        self.assertEqual(inspect["ranks"][0]["decode_bytes"], counts["decode_bytes"])
+        deploy = os.path.join(self.tmp, "deploy.json")
+        if os.path.exists(deploy):  # the bundle was built here
+            plan = json.loads(_cli("plan", "--model", "kimi-linear-tiny", "--deploy", deploy, "--json"))
+            for key in ("weight_entries", "decode_tensors", "decode_bytes"):
+                self.assertEqual(plan["ranks"][0][key], counts[key], key)
+            self.assertEqual(plan["model"]["checkpoint_tensors"], counts["decode_tensors"] + 2)  # embeddings, LM head
 
     def test_open_errors(self):
         with self.assertRaises(dp.DecodepackError) as e:

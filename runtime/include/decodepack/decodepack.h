@@ -304,6 +304,14 @@ typedef struct dp_bundle_info {
   int32_t indexer_top_k;        /* index_topk */
   uint64_t indexer_prefill_workspace_bytes; /* peak scratch of one prefill chunk at the deploy's
                                    indexer.max_keys_per_chunk / max_requests and dcp size / interleave */
+  /* What a host needs beyond the fields above without reading the bundle again (libdecodepack 0.1.0
+   * builds from this field on; a caller whose `size` ends before them gets none of them): */
+  const char* config_digest;    /* "sha256:<hex>" of the canonical model config the bundle was built from
+                                   (manifest model.config_digest): which checkpoint or preset it needs */
+  const char* deploy_json;      /* the deploy config the bundle was built for (manifest `deploy`), as
+                                   compact JSON text: cache layouts and dtypes, block size, limits */
+  const char* manifest_json;    /* manifest.json's bytes as opened and checked (NUL-terminated; its
+                                   sha256 is `digest`): the kernel, program and prefetch tables */
   int64_t vocab_size;           /* the model's vocabulary (the LM head has vocab_size / tensor_parallel
                                    rows per rank) */
 } dp_bundle_info;

@@ -29,6 +29,7 @@ refusals are results (Plan.reason), not exceptions.
 import ctypes
 import ctypes.util
 import glob
+import json
 import os
 
 __version__ = "0.1.0"  # kept equal to the project's version (CMake checks it, as for decodepack.h)
@@ -103,7 +104,8 @@ class _BundleInfo(ctypes.Structure):
                 ("ranks", ctypes.POINTER(_i32)), ("num_widths", _i32), ("widths", ctypes.POINTER(_i32)),
                 ("q", _i32), ("num_targets", _i32), ("targets", ctypes.POINTER(_cstr)),
                 ("weights_fingerprinted", _i32), ("indexer_heads", _i32), ("indexer_top_k", _i32),
-                ("indexer_prefill_workspace_bytes", _u64)]
+                ("indexer_prefill_workspace_bytes", _u64), ("config_digest", _cstr), ("deploy_json", _cstr),
+                ("manifest_json", _cstr), ("vocab_size", _i64)]
 
 
 class _LayerInfo(ctypes.Structure):
@@ -308,6 +310,11 @@ def dtype_name(dtype):
     return _lib().dp_dtype_name(dtype).decode()
 
 
+def dtype_size(dtype):
+    """Bytes per element of a DTYPE_* code."""
+    return _lib().dp_dtype_size(dtype)
+
+
 # ---- Tensors ------------------------------------------------------------------------------------------
 
 def _torch_dtype(t):
@@ -507,7 +514,19 @@ class Bundle(_Handle):
             "weights_fingerprinted": bool(i.weights_fingerprinted),
             "indexer": {"heads": i.indexer_heads, "top_k": i.indexer_top_k,
                         "prefill_workspace_bytes": i.indexer_prefill_workspace_bytes},
+            # None from a library older than these fields (it leaves them as the binding zeroed them)
+            "config_digest": i.config_digest.decode() if i.config_digest else None,
+            "deploy": json.loads(i.deploy_json) if i.deploy_json else None,
+            "vocab_size": i.vocab_size or None,
         }
+
+    @property
+    def manifest(self):
+        """manifest.json as the library opened and checked it (a dict)."""
+        i = _BundleInfo()
+        i.size = ctypes.sizeof(i)
+        _check(_lib().dp_bundle_get_info(self._h, ctypes.byref(i)))
+        return json.loads(i.manifest_json) if i.manifest_json else None
 
     def layer(self, index):
         li = _LayerInfo()
@@ -517,6 +536,9 @@ class Bundle(_Handle):
                 "class": li.layer_class.decode()}
 
     def weights(self, rank=0):
+        """The rank's weight entries as a host binds them (dp_bundle_weight_count): an expert group is one
+        entry of `experts` tensors, bound with bind_expert_weights. weight_counts() counts them the other
+        ways too."""
         n = _lib().dp_bundle_weight_count(self._h, rank)
         if n < 0:
             _check(_lib().dp_bundle_query_validity(self._h, None, rank))
@@ -527,6 +549,22 @@ class Bundle(_Handle):
             _check(_lib().dp_bundle_get_weight(self._h, rank, k, ctypes.byref(w)))
             out.append(WeightInfo(w))
         return out
+
+    def weight_counts(self, rank=0):
+        """The rank's decode weights counted as `decodepack inspect --json` and `plan --json` count them:
+        {"weight_entries": entries to bind (an expert group is one), "decode_tensors": the tensors they hold
+        (each expert counted), "decode_bytes": their bytes}. A checkpoint has more tensors than this (the
+        embeddings and LM head stay with the host: plan's model.checkpoint_tensors)."""
+        entries = self.weights(rank)
+        tensors = nbytes = 0
+        for w in entries:
+            n = dtype_size(w.dtype)
+            for s in w.shape:
+                n *= s
+            count = w.experts if w.experts > 0 else 1
+            tensors += count
+            nbytes += n * count
+        return {"weight_entries": len(entries), "decode_tensors": tensors, "decode_bytes": nbytes}
 
     def query_validity(self, device=None, rank=-1):
         """Raises DecodepackError when the bundle would not run on `device` (a device_desc() or

@@ -391,25 +391,41 @@ TEST(CompileAll, RefusesBadInstancesBeforeLocatingAnyToolchain) {
                      {"unknown target \"gfx1234\"", "sm_90a", "gfx942"});
 }
 
-TEST(ProgressPrinter, PlainLinesOffATerminalAndOneRedrawnLineOnIt) {
+TEST(ProgressPrinter, TenPercentLinesOffATerminalAndOneRedrawnLineOnIt) {
   for (bool tty : {false, true}) {
     char* buf = nullptr;
     size_t size = 0;
     std::FILE* f = open_memstream(&buf, &size);
     auto print = progress_printer(f, tty);
-    print({1, 2, "prefetch_b32.sm_90a", false, 0.5});
-    print({2, 2, "rmsnorm_w4_h2304.sm_90a", true, 0.001});
+    const size_t total = 200;  // one line per 10% off a terminal, not one per kernel
+    for (size_t i = 1; i <= total; ++i) print({i, total, fmt::format("k{}.sm_90a", i), i % 2 == 0, 0.01});
     std::fclose(f);
     const std::string out(buf, size);
     std::free(buf);
+    std::vector<std::string> lines;
+    for (size_t at = 0; at < out.size();) {
+      const size_t nl = out.find('\n', at);
+      lines.push_back(out.substr(at, nl - at));
+      at = nl == std::string::npos ? out.size() : nl + 1;
+    }
     if (!tty) {
-      EXPECT_EQ(out,
-                "[1/2] compiled prefetch_b32.sm_90a (0.50 s)\n"
-                "[2/2] compiled rmsnorm_w4_h2304.sm_90a (cache hit)\n");
+      ASSERT_EQ(lines.size(), 10u) << out;  // 10%, 20%, ... 90%, then the final line
+      for (size_t k = 0; k < 9; ++k) {
+        EXPECT_EQ(lines[k].rfind(fmt::format("compiling kernels: {}% ({}/200), ", 10 * (k + 1), 20 * (k + 1)), 0), 0u)
+            << lines[k];
+        EXPECT_NE(lines[k].find(", ETA "), std::string::npos) << lines[k];
+      }
+      EXPECT_EQ(lines[9].rfind("compiling kernels: 100% (200/200) in ", 0), 0u) << lines[9];
+      EXPECT_NE(lines[9].find("; 100 from the cache"), std::string::npos) << lines[9];
+      EXPECT_EQ(out.find('\r'), std::string::npos);
     } else {
-      EXPECT_EQ(out,
-                "\r\033[2K[1/2] compiled prefetch_b32.sm_90a (0.50 s)"
-                "\r\033[2K[2/2] compiled rmsnorm_w4_h2304.sm_90a (cache hit)\n");
+      // Redrawn in place (at most 10 times a second), then closed by the final line.
+      ASSERT_EQ(lines.size(), 1u) << out;
+      EXPECT_EQ(out.rfind("\r\033[2Kcompiling kernels: 0% (1/200), ", 0), 0u) << out;
+      EXPECT_NE(out.find("[k1.sm_90a (0.01 s)]"), std::string::npos) << out;
+      const size_t last = out.rfind("\r\033[2K");
+      EXPECT_EQ(out.substr(last).rfind("\r\033[2Kcompiling kernels: 100% (200/200) in ", 0), 0u) << out;
+      EXPECT_EQ(out.back(), '\n');
     }
   }
 }

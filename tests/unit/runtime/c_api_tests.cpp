@@ -6,7 +6,10 @@
 #include <cstring>
 #include <set>
 
+#include <nlohmann/json.hpp>
+
 #include "decodepack/decodepack.hpp"
+#include "format/bundle_reader.h"
 #include "runtime_test_util.h"
 
 namespace dp::rttest {
@@ -184,6 +187,23 @@ TEST_F(CApiTest, BundleInfo) {
   EXPECT_STREQ(i.targets[0], "gfx942");
   EXPECT_STREQ(i.targets[1], "sm_90a");
   EXPECT_EQ(i.weights_fingerprinted, 1);
+  // What a host needs without opening the bundle again: the model config's digest, the deploy block
+  // and manifest.json itself (whose sha256 is the bundle digest).
+  ASSERT_NE(i.config_digest, nullptr);
+  EXPECT_EQ(std::string(i.config_digest).rfind("sha256:", 0), 0u);
+  EXPECT_EQ(std::strlen(i.config_digest), 7u + 64u);
+  ASSERT_NE(i.deploy_json, nullptr);
+  const auto deploy = nlohmann::json::parse(i.deploy_json);
+  EXPECT_EQ(deploy.at("tensor_parallel"), 1);
+  EXPECT_EQ(deploy.at("targets"), nlohmann::json::parse(R"(["gfx942", "sm_90a"])"));
+  ASSERT_NE(i.manifest_json, nullptr);
+  const auto manifest = nlohmann::json::parse(i.manifest_json);
+  EXPECT_EQ(manifest.at("deploy"), deploy);
+  EXPECT_EQ(manifest.at("model").at("config_digest"), i.config_digest);
+  EXPECT_EQ(i.vocab_size, manifest.at("model").at("vocab_size").get<int64_t>());
+  EXPECT_GT(i.vocab_size, 0);
+  EXPECT_EQ(dp::format::sha256_hex({reinterpret_cast<const uint8_t*>(i.manifest_json), std::strlen(i.manifest_json)}),
+            std::string(i.digest).substr(7));
 }
 
 TEST_F(CApiTest, OutputStructsRespectTheCallersSize) {

@@ -559,16 +559,16 @@ TEST_F(LayerProgramTest, DeployBlockOutsideTheDeployReadersBoundsIsRefused) {
   struct Case {
     const char* field;
     nlohmann::json value;
-    const char* fragment;
+    std::string fragment;
   };
+  nlohmann::json wider = m_["deploy"]["widths"];  // the built widths (kernels must name one) and one past the bound
+  wider.push_back(65);
   const std::vector<Case> cases = {
-      {"num_speculative_tokens", 8, "num_speculative_tokens"},
-      {"tensor_parallel", 16, "tensor_parallel"},
-      {"widths", [&] {  // the built widths (kernels must name one) and one past the bound
-         nlohmann::json w = m_["deploy"]["widths"];
-         w.push_back(65);
-         return w;
-       }(), "deploy.widths holds 65, expected widths 1..64"},
+      {"num_speculative_tokens", 8, "field deploy.num_speculative_tokens is 8, expected 0..7"},
+      {"tensor_parallel", 16, "field deploy.tensor_parallel is 16, expected 1..8"},
+      {"widths", wider, fmt::format("field deploy.widths[{}] is 65, expected 1..64", wider.size() - 1)},
+      {"kda_state", {{"dtype", "float32"}, {"layout", "KV"}}, "field deploy.kda_state.layout is \"KV\", expected one of kv, vk"},
+      {"max_num_seqs", 8, "unknown field deploy.max_num_seqs"},
   };
   const nlohmann::json original = m_;
   for (const Case& c : cases) {
@@ -587,7 +587,16 @@ TEST_F(LayerProgramTest, DeployBlockOutsideTheDeployReadersBoundsIsRefused) {
   dp_bundle* b = nullptr;
   const Outcome o = outcome(dp_bundle_open(dir_.c_str(), nullptr, &b));
   EXPECT_EQ(o.code, DP_ERR_FORMAT) << o.message;
-  EXPECT_NE(o.message.find("kv_cache.block_size"), std::string::npos) << o.message;
+  EXPECT_NE(o.message.find("field deploy.kv_cache.block_size is 8, expected 16..65536"), std::string::npos) << o.message;
+  dp_bundle_close(b);
+
+  // model.details likewise (format::details_from_json).
+  m_ = original;
+  m_["model"]["details"]["kda"]["conv_kernel"] = 65;
+  save();
+  const Outcome d = outcome(dp_bundle_open(dir_.c_str(), nullptr, &b));
+  EXPECT_EQ(d.code, DP_ERR_FORMAT) << d.message;
+  EXPECT_NE(d.message.find("field model.details.kda.conv_kernel is 65, expected 0..64"), std::string::npos) << d.message;
   dp_bundle_close(b);
 }
 

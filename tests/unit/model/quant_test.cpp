@@ -1,0 +1,275 @@
+// Quantization descriptions (compiler/model/quant.h): each is recognised and carried into the IR per
+// tensor, or refused naming the key, the method and what is supported.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "common/embedded.h"
+#include "common/json.h"
+#include "deploy/deploy.h"
+#include "model/ir.h"
+#include "model/quant.h"
+#include "plan/plan.h"
+#include "../test_util.h"
+
+namespace dp::model {
+namespace {
+
+Json preset(const std::string& name) { return parse_json(*embedded_file("presets/" + name + ".json"), name); }
+
+Json with_quant(const Json& q, const std::string& base = "kimi-linear-48b-a3b") {
+  Json c = preset(base);
+  c["quantization_config"] = q;
+  return c;
+}
+
+const Json kFp8 = {{"quant_method", "fp8"}, {"fmt", "e4m3"}, {"activation_scheme", "dynamic"},
+                   {"weight_block_size", {128, 128}}};
+
+TEST(Quant, Bf16ConfigHasNoQuantization) {
+  const Model m = model_from_config(preset("kimi-linear-48b-a3b"), "config.json");
+  EXPECT_EQ(m.quant.method, QuantMethod::none);
+  for (const WeightSpec& w : m.weights) {
+    EXPECT_EQ(w.quant.method, QuantMethod::none) << w.name;
+    EXPECT_TRUE(w.scale_of.empty()) << w.name;
+  }
+}
+
+TEST(Quant, Fp8BlockWeightsCarryTheirScalesIntoTheIr) {
+  Json q = kFp8;
+  q["modules_to_not_convert"] = {"lm_head", "model.layers.0.mlp"};
+  const Model m = model_from_config(with_quant(q), "config.json");
+  EXPECT_EQ(m.quant.method, QuantMethod::fp8_block);
+  EXPECT_EQ(m.quant.block, (std::vector<int64_t>{128, 128}));
+  EXPECT_EQ(m.moe.expert_format, ExpertFormat::bf16);
+
+  const WeightSpec* w = m.find("model.layers.1.block_sparse_moe.experts.5.w1.weight");
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(w->dtype, DType::F8_E4M3);
+  EXPECT_TRUE(w->alt_dtypes.empty());
+  EXPECT_EQ(w->quant.method, QuantMethod::fp8_block);
+  EXPECT_EQ(w->quant.block, (std::vector<int64_t>{128, 128}));
+  EXPECT_EQ(w->quant.scale, "model.layers.1.block_sparse_moe.experts.5.w1.weight_scale_inv");
+  EXPECT_EQ(w->quant.scale_dtype, DType::F32);
+  const WeightSpec* s = m.find(w->quant.scale);
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(s->dtype, DType::F32);
+  EXPECT_EQ(s->shape, (std::vector<int64_t>{8, 18}));  // [1024, 2304] in 128 x 128 blocks
+  EXPECT_EQ(s->split, w->split);
+  EXPECT_EQ(s->expert, 5);
+  EXPECT_EQ(s->scale_of, w->name);
+  EXPECT_EQ(s->key, "block_sparse_moe.experts.5.w1.weight_scale_inv");
+
+  // A partial last block gets its own scale: kv_a_proj_with_mqa is [576, 2304].
+  EXPECT_EQ(m.find("model.layers.3.self_attn.kv_a_proj_with_mqa.weight_scale_inv")->shape,
+            (std::vector<int64_t>{5, 18}));
+  // Not linear layers, and the router: as they were.
+  for (const char* n : {"model.layers.1.self_attn.q_conv1d.weight", "model.layers.1.block_sparse_moe.gate.weight",
+                        "model.layers.1.input_layernorm.weight", "model.embed_tokens.weight", "lm_head.weight"}) {
+    ASSERT_NE(m.find(n), nullptr) << n;
+    EXPECT_NE(m.find(n)->dtype, DType::F8_E4M3) << n;
+    EXPECT_EQ(m.find(n)->quant.method, QuantMethod::none) << n;
+  }
+  // The ignore list: layer 0's dense MLP stays bf16, without scales, and says so.
+  const WeightSpec* up0 = m.find("model.layers.0.mlp.up_proj.weight");
+  ASSERT_NE(up0, nullptr);
+  EXPECT_EQ(up0->dtype, DType::BF16);
+  EXPECT_TRUE(up0->quant.excluded);
+  EXPECT_EQ(m.find("model.layers.0.mlp.up_proj.weight_scale_inv"), nullptr);
+  EXPECT_EQ(m.find("model.layers.0.self_attn.q_proj.weight")->dtype, DType::F8_E4M3);
+
+  // Bytes: e4m3 halves every quantized weight, the scales add 4 bytes per block.
+  const Model bf16 = model_from_config(preset("kimi-linear-48b-a3b"), "config.json");
+  uint64_t expect = bf16.total_weight_bytes();
+  for (const WeightSpec& x : m.weights) {
+    if (x.quant.method == QuantMethod::fp8_block) expect -= x.bytes();  // 2 bytes -> 1 byte per value
+    if (!x.scale_of.empty()) expect += x.bytes();
+  }
+  EXPECT_EQ(m.total_weight_bytes(), expect);
+  EXPECT_LT(m.total_weight_bytes(), bf16.total_weight_bytes() * 55 / 100);
+}
+
+TEST(Quant, Fp8IgnoredLayersAndRegexesAreRead) {
+  Json q = kFp8;
+  q["ignored_layers"] = {"re:.*self_attn.*", "shared_experts"};
+  const Model m = model_from_config(with_quant(q), "config.json");
+  EXPECT_TRUE(m.find("model.layers.1.self_attn.q_proj.weight")->quant.excluded);
+  EXPECT_TRUE(m.find("model.layers.1.block_sparse_moe.shared_experts.up_proj.weight")->quant.excluded);
+  EXPECT_EQ(m.find("model.layers.1.block_sparse_moe.experts.0.w2.weight")->dtype, DType::F8_E4M3);
+}
+
+TEST(Quant, ModuleIgnoredMatchesWholeComponentsAndAnchoredRegexes) {
+  EXPECT_TRUE(module_ignored("lm_head", {"lm_head"}));
+  EXPECT_TRUE(module_ignored("language_model.lm_head", {"lm_head"}));
+  EXPECT_TRUE(module_ignored("model.layers.1.mlp.up_proj", {"layers.1.mlp"}));
+  EXPECT_FALSE(module_ignored("model.layers.10.mlp.up_proj", {"layers.1.mlp"}));
+  EXPECT_FALSE(module_ignored("model.layers.1.mlp_res_proj", {"mlp"}));
+  EXPECT_TRUE(module_ignored("a.b.gate", {"re:.*gate$"}));
+  EXPECT_FALSE(module_ignored("a.b.gate_proj", {"re:.*gate$"}));
+  EXPECT_TRUE(module_ignored("a.b.gate_proj", {"re:.*gate"}));       // re.match: a prefix match
+  EXPECT_FALSE(module_ignored("x.a.b.gate_proj", {"re:a.*gate"}));   // anchored at the start
+  EXPECT_TRUE(module_ignored("model.layers.12.mlp.up_proj", {"re:model\\.layers\\.[0-9]+\\.mlp\\..*"}));
+  EXPECT_FALSE(module_ignored("model.layers.x.mlp.up_proj", {"re:model\\.layers\\.[0-9]+\\.mlp"}));
+  EXPECT_TRUE(module_ignored("m.k_proj", {"re:nothing|.*k_proj$"}));
+  EXPECT_TRUE(module_ignored("m.k_proj", {"re:m.k_?proj"}));
+  EXPECT_TRUE(module_ignored("m.kproj", {"re:m.k_?proj"}));
+}
+
+TEST(Quant, KimiK3Mxfp4ExpertsGoThroughTheSamePath) {
+  const Model m = load_model("kimi-k3-tiny");
+  EXPECT_EQ(m.quant.method, QuantMethod::mxfp4_experts);
+  EXPECT_EQ(m.quant.quant_method, "compressed-tensors");
+  EXPECT_EQ(m.moe.expert_format, ExpertFormat::mxfp4);
+  size_t packed = 0, excluded = 0;
+  for (const WeightSpec& w : m.weights) {
+    if (w.quant.method == QuantMethod::mxfp4_experts) {
+      ++packed;
+      EXPECT_EQ(w.dtype, DType::U8) << w.name;
+      EXPECT_EQ(w.quant.block, (std::vector<int64_t>{1, 32})) << w.name;
+      const WeightSpec* s = m.find(w.quant.scale);
+      ASSERT_NE(s, nullptr) << w.quant.scale;
+      EXPECT_EQ(s->scale_of, w.name);
+      EXPECT_TRUE(w.name.ends_with(".weight_packed")) << w.name;
+      EXPECT_TRUE(s->name.ends_with(".weight_scale")) << s->name;
+    }
+    excluded += w.quant.excluded;
+    if (is_quantizable_linear(w.key)) {
+      EXPECT_TRUE(w.quant.excluded) << w.name;  // bf16, in the ignore list
+    }
+  }
+  size_t moe_layers = 0;
+  for (const LayerSpec& l : m.layers) moe_layers += l.ffn != Ffn::dense;
+  EXPECT_GT(moe_layers, 0u);
+  EXPECT_EQ(packed, static_cast<size_t>(m.moe.num_experts) * 3 * moe_layers);
+  EXPECT_GT(excluded, 0u);
+}
+
+TEST(Quant, Mxfp4ThatWouldQuantizeMoreThanTheExpertsIsRefused) {
+  Json c = preset("kimi-k3-tiny");
+  c["quantization_config"]["ignore"] = {"lm_head"};
+  test::expect_error([&] { model_from_config(c, "config.json"); }, Errc::input,
+                     {"config.json: quantization_config (compressed-tensors mxfp4-pack-quantized) quantizes",
+                      "self_attn", "routed experts only"});
+}
+
+TEST(Quant, UnsupportedDescriptionsAreRefusedNamingKeyMethodAndWhatIsSupported) {
+  const std::string supported = "supported: quant_method \"fp8\" with fmt e4m3 and weight_block_size [128, 128]";
+  struct Case {
+    Json q;
+    std::vector<std::string> fragments;
+  };
+  Json block64 = kFp8, fmt = kFp8, per_tensor = kFp8, fixed = kFp8, one_d = kFp8;
+  block64["weight_block_size"] = {64, 64};
+  fmt["fmt"] = "e5m2";
+  per_tensor.erase("weight_block_size");
+  fixed["activation_scheme"] = "static";
+  one_d["weight_block_size"] = {128};
+  const std::vector<Case> cases = {
+      {block64, {"quantization_config.weight_block_size is [64,64]", "[128, 128] blocks only"}},
+      {one_d, {"quantization_config.weight_block_size is [128]"}},
+      {fmt, {"quantization_config.fmt is \"e5m2\"", "e4m3 weights only"}},
+      {per_tensor, {"quantization_config.weight_block_size is missing", "one scale per tensor"}},
+      {fixed, {"quantization_config.activation_scheme is \"static\""}},
+      {{{"quant_method", "awq"}, {"bits", 4}, {"group_size", 128}},
+       {"quantization_config.quant_method \"awq\" is not supported", "AWQ"}},
+      {{{"quant_method", "gptq"}, {"bits", 4}}, {"quantization_config.quant_method \"gptq\" is not supported"}},
+      {{{"quant_method", "bitsandbytes"}, {"load_in_4bit", true}},
+       {"quantization_config.quant_method \"bitsandbytes\" is not supported"}},
+      {{{"quant_method", "mxfp4"}}, {"quantization_config.quant_method \"mxfp4\" is not supported", "gpt-oss"}},
+      {{{"quant_method", "somethingnew"}}, {"quantization_config.quant_method \"somethingnew\" is not supported"}},
+      {{{"bits", 4}}, {"quantization_config.quant_method is missing"}},
+      {"fp8", {"quantization_config is \"fp8\", expected an object"}},
+      {{{"quant_method", "compressed-tensors"}, {"format", "float-quantized"}},
+       {"quantization_config.format is \"float-quantized\"", "mxfp4-pack-quantized only"}},
+      {Json::parse(R"({"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "pack-quantized",
+                       "weights": {"num_bits": 4, "type": "int"}}}})"),
+       {"quantization_config.config_groups.g.format is \"pack-quantized\""}},
+      {Json::parse(R"({"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "mxfp4-pack-quantized",
+                       "weights": {"num_bits": 8, "type": "float"}}}})"),
+       {"quantization_config.config_groups.g.weights"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.q.dump());
+    std::vector<std::string> f = c.fragments;
+    f.push_back(supported);
+    try {
+      model_from_config(with_quant(c.q), "config.json");
+      ADD_FAILURE() << "accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::input);
+      const std::string msg = e.what();
+      EXPECT_EQ(msg.rfind("config.json: ", 0), 0u) << msg;
+      for (const std::string& x : f) EXPECT_NE(msg.find(x), std::string::npos) << "no \"" << x << "\" in: " << msg;
+    }
+  }
+}
+
+TEST(Quant, IgnoreRegexesOutsideTheSubsetAreRefused) {
+  Json q = kFp8;
+  q["ignored_layers"] = {"lm_head", "re:(a|b)"};
+  test::expect_error([&] { model_from_config(with_quant(q), "config.json"); }, Errc::input,
+                     {"config.json: quantization_config.ignored_layers[1] \"re:(a|b)\"", "groups"});
+}
+
+TEST(Quant, MlxQuantizationIsRefused) {
+  Json c = preset("kimi-linear-48b-a3b");
+  c["quantization"] = {{"group_size", 64}, {"bits", 4}, {"mode", "affine"}};
+  c["quantization_config"] = c["quantization"];
+  test::expect_error([&] { model_from_config(c, "config.json"); }, Errc::input,
+                     {"config.json: quantization is {", "an MLX quantization (mode \"affine\")", "not supported",
+                      "supported: quant_method \"fp8\""});
+  Json k3 = preset("kimi-k3-tiny");
+  k3["text_config"]["quantization"] = {{"group_size", 32}, {"bits", 4}, {"mode", "mxfp4"}};
+  test::expect_error([&] { model_from_config(k3, "config.json"); }, Errc::input,
+                     {"text_config.quantization is", "mode \"mxfp4\""});
+}
+
+// The plan counts the FP8 bytes but builds no program over FP8 weights: every layer class has no
+// steps and says why, so no bf16 kernel is ever generated for e4m3 bytes.
+TEST(Quant, Fp8PlanCountsBytesAndRunsNoLayerOnFp8Weights) {
+  Json q = kFp8;
+  q["modules_to_not_convert"] = {"lm_head"};
+  const Model m = model_from_config(with_quant(q), "config.json");
+  const deploy::Deploy d = deploy::load_deploy("default");
+  const plan::Plan p = plan::make_plan(m, d, "default");
+  ASSERT_FALSE(p.programs.empty());
+  for (const plan::LayerProgram& pr : p.programs) {
+    EXPECT_TRUE(pr.steps.empty());
+    EXPECT_NE(pr.unavailable.find("FP8 block-quantized weights"), std::string::npos) << pr.unavailable;
+  }
+  for (const auto& k : p.kernels) EXPECT_NE(k.role, "layer") << k.name;
+  const Json j = plan::to_json(p, m, d);
+  EXPECT_EQ(j["model"]["quantization"]["method"], "fp8");
+  EXPECT_EQ(j["model"]["weight_bytes"], m.total_weight_bytes());
+}
+
+TEST(Quant, Fp8ShardsMustKeepWholeBlocksPerRank) {
+  Json q = kFp8;
+  q["modules_to_not_convert"] = {"b_proj"};  // [32, 2304]: one block row, which no TP > 1 can split
+  const Model m = model_from_config(with_quant(q), "config.json");
+  deploy::Deploy d = deploy::load_deploy("default");
+  d.tensor_parallel = 8;
+  d.ranks = {0, 1, 2, 3, 4, 5, 6, 7};
+  // Every other split dimension is 8 x a multiple of 128 (the dense MLP's 9216 rows: 8 x 9 x 128).
+  EXPECT_NO_THROW(deploy::check_against_model(d, m, "deploy.json"));
+
+  d.tensor_parallel = 2;
+  d.ranks = {0, 1};
+  const Model all = model_from_config(with_quant(kFp8), "config.json");
+  test::expect_error([&] { deploy::check_against_model(d, all, "deploy.json"); }, Errc::input,
+                     {"deploy.json: tensor_parallel 2 splits dim 0 (32) of model.layers.0.self_attn.b_proj.weight "
+                      "[32, 2304] into 16 rows per rank, not a multiple of its FP8 block of 128 (valid: 1)"});
+
+  // MLA q_proj of 2 heads x (32 + 64) = 192 rows: 2 scale rows split 1 + 1, but 96 rows per rank would cut
+  // a block in two.
+  Json c = with_quant(q);
+  c["num_attention_heads"] = 2;
+  c["qk_nope_head_dim"] = 32;
+  const Model small = model_from_config(c, "config.json");
+  test::expect_error([&] { deploy::check_against_model(d, small, "deploy.json"); }, Errc::input,
+                     {"deploy.json: tensor_parallel 2 splits dim 0 (192) of", "q_proj.weight [192, 2304] into 96 rows "
+                      "per rank, not a multiple of its FP8 block of 128 (valid: 1)"});
+}
+
+}  // namespace
+}  // namespace dp::model

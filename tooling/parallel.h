@@ -1,0 +1,35 @@
+// The tools' one thread pool: a parallel loop over indices (weight conversion of expert groups, the
+// layer-by-layer reference checks).
+#pragma once
+
+#include <algorithm>
+#include <exception>
+#include <thread>
+#include <vector>
+
+namespace dp::tools {
+
+// Runs f(i) for i in [0, n) on up to `threads` threads; the first exception is rethrown after all joined.
+template <class F>
+void parallel_for(size_t n, unsigned threads, F&& f) {
+  threads = std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(n)));
+  if (threads == 1) {
+    for (size_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  std::vector<std::thread> pool;
+  std::vector<std::exception_ptr> errors(threads);
+  for (unsigned t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      try {
+        for (size_t i = t; i < n; i += threads) f(i);
+      } catch (...) {
+        errors[t] = std::current_exception();
+      }
+    });
+  for (auto& th : pool) th.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+}  // namespace dp::tools
