@@ -105,7 +105,7 @@ class BindingTest(unittest.TestCase):
 
     def test_info(self):
         info = self.bundle.info
-        self.assertEqual(info["format_version"], (1, 4))
+        self.assertEqual(info["format_version"], (1, 5))
         self.assertTrue(info["digest"].startswith("sha256:"))
         self.assertEqual(info["widths"], [1, 2, 4])
         self.assertEqual(info["targets"], ["sm_90a"])

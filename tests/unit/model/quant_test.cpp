@@ -240,7 +240,7 @@ TEST(Quant, Fp8PlanCountsBytesAndRunsNoLayerOnFp8Weights) {
   for (const auto& k : p.kernels) EXPECT_NE(k.role, "layer") << k.name;
   const Json j = plan::to_json(p, m, d);
   EXPECT_EQ(j["model"]["quantization"]["method"], "fp8");
-  EXPECT_EQ(j["model"]["weight_bytes"], m.total_weight_bytes());
+  EXPECT_EQ(j["model"]["checkpoint_bytes"], m.total_weight_bytes());
 }
 
 TEST(Quant, Fp8ShardsMustKeepWholeBlocksPerRank) {
