@@ -19,6 +19,7 @@ void add_pack(CLI::App& app, Action& action);
 void add_push(CLI::App& app, Action& action);
 void add_pull(CLI::App& app, Action& action);
 void add_run(CLI::App& app, Action& action);
+void add_generate(CLI::App& app, Action& action);
 void add_indexer_run(CLI::App& app, Action& action);
 void add_bench(CLI::App& app, Action& action);
 void add_doctor(CLI::App& app, Action& action);

@@ -83,6 +83,7 @@ int main(int argc, char** argv) {
   dp::tools::add_push(app, action);
   dp::tools::add_pull(app, action);
   dp::tools::add_run(app, action);
+  dp::tools::add_generate(app, action);
   dp::tools::add_indexer_run(app, action);
   dp::tools::add_bench(app, action);
   dp::tools::add_doctor(app, action);

@@ -4,6 +4,7 @@
 #include <map>
 #include <set>
 
+#include "codegen/ops/spec.h"
 #include "common/error.h"
 #include "model/quant.h"
 #include "indexer/workspace.h"
@@ -108,6 +109,28 @@ size_t weight_by_key(const Model& m, const model::LayerSpec& l, std::string_view
 
 }  // namespace
 
+std::string lm_head_kernel_gap(const Model& m, const deploy::Deploy& d, int64_t width) {
+  if (width * d.q() > codegen::ops::kMaxGemmRows)
+    return fmt::format("width {} x q {} = {} rows, the GEMM takes at most {}", width, d.q(), width * d.q(),
+                       codegen::ops::kMaxGemmRows);
+  if (m.vocab % d.tensor_parallel != 0)
+    return fmt::format("vocab_size {} is not divisible by tensor_parallel {}", m.vocab, d.tensor_parallel);
+  if (m.hidden % 8 != 0) return fmt::format("hidden_size {} is not a multiple of 8", m.hidden);
+  // The gemm op's bounds (codegen/ops/gemm.cpp): a vocabulary shard or hidden size beyond them has no
+  // LM head rather than no plan.
+  if (m.vocab / d.tensor_parallel > (int64_t{1} << 20) || m.hidden > (int64_t{1} << 20))
+    return fmt::format("a vocabulary shard of {} rows or hidden size {}, the GEMM takes at most 2^20 of each",
+                       m.vocab / d.tensor_parallel, m.hidden);
+  return {};
+}
+
+codegen::KernelInstance lm_head_kernel(const Model& m, const deploy::Deploy& d, int64_t width) {
+  return {"gemm",
+          {{"W", width * d.q()}, {"K", m.hidden}, {"NA", m.vocab / d.tensor_parallel}, {"NB", 0}, {"NC", 0},
+           {"ND", 0}, {"NE", 0}, {"NF", 0}, {"F", 1}},
+          ""};
+}
+
 std::string indexer_kernel_gap(const Model& m) {
   const model::IndexerConfig& ix = m.indexer;
   if (!ix.present()) return "the model has no indexer";
@@ -166,6 +189,12 @@ Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deplo
     // The model's last norm is the fused residual add + RMSNorm over the step's rows. Listed first, so
     // that a layer program using the same rmsnorm shares its code object and the role stays final_norm.
     for (int64_t w : d.widths) add({"rmsnorm", {{"W", w * q}, {"H", m.hidden}}, ""}, "final_norm", w);
+    // The LM head (format 1.5): fp32 logits of every row against the rank's vocabulary shard (split
+    // along the vocabulary like vLLM's ParallelLMHead; the host all-gathers them), one GEMM per width.
+    // The host keeps the weight and binds it with dp_session_bind_lm_head.
+    for (int64_t w : d.widths)
+      if (lm_head_kernel_gap(m, d, w).empty())
+        add(lm_head_kernel(m, d, w), "lm_head", w);
     for (const LayerProgram& p : plan.programs)
       for (const ProgramStep& s : p.steps) add(s.kernel, "layer", p.width);
     add({"prefetch", {{"B", 32}}, ""}, "prefetch", 0);

@@ -32,7 +32,7 @@ struct KernelInstance {
   std::vector<std::pair<std::string, int64_t>> params;  // e.g. {"w",4},{"h",2304}
   std::string target;                                  // "sm_90a", "gfx942"
   std::string name;
-  std::string role;                                    // "final_norm", "prefetch", "layer" (programs only), "indexer"
+  std::string role;                                    // "final_norm", "lm_head", "prefetch", "layer" (programs only), "indexer"
   int64_t width = 0;                                   // requests; 0 for width-independent kernels
   codegen::KernelInstance codegen;
   int64_t param(std::string_view key) const;           // -1 when absent
@@ -119,6 +119,12 @@ struct Plan {
 std::vector<codegen::KernelInstance> indexer_kernel_instances(const model::Model& m);
 std::string indexer_kernel_gap(const model::Model& m);
 inline bool indexer_kernels_supported(const model::Model& m) { return indexer_kernel_gap(m).empty(); }
+
+// The LM head's GEMM at `width` (op gemm, W = width x q, K = hidden, NA = the rank's vocabulary rows,
+// F = 1: fp32 logits), role "lm_head" (format 1.5). lm_head_kernel_gap says why a width has none ("" when
+// it has one): more rows than one GEMM launch takes, or a vocabulary that tensor_parallel does not divide.
+std::string lm_head_kernel_gap(const model::Model& m, const deploy::Deploy& d, int64_t width);
+codegen::KernelInstance lm_head_kernel(const model::Model& m, const deploy::Deploy& d, int64_t width);
 
 // Checks the deploy against the model first (deploy::check_against_model), then plans.
 Plan make_plan(const model::Model& m, const deploy::Deploy& d, const std::string& deploy_where,

@@ -22,7 +22,7 @@ using fields::schema_error;
 const std::map<std::string, uint64_t> kDtypes = {
     {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"U16", 2}, {"I16", 2}, {"F16", 2},     {"BF16", 2},    {"U32", 4},
     {"I32", 4},  {"F32", 4}, {"U64", 8}, {"I64", 8}, {"F64", 8}, {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"F8_E8M0", 1}};
-const std::set<std::string> kKinds = {"final_norm", "prefetch", "layer", "indexer"};
+const std::set<std::string> kKinds = {"final_norm", "lm_head", "prefetch", "layer", "indexer"};
 
 bool is_hex64(const std::string& s) {
   return s.size() == 64 && std::all_of(s.begin(), s.end(), [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'); });
@@ -397,7 +397,13 @@ void validate(const Manifest& m, const std::string& where) {
       bad(fmt::format("kernels[{}] ({}): sha256 {} differs from files[] entry {} for {}", i, k.key, k.sha256,
                       listed->sha256, k.file));
     if (!kKinds.count(k.role))
-      bad(fmt::format("kernels[{}] ({}): role \"{}\", expected final_norm, prefetch, layer or indexer", i, k.key, k.role));
+      bad(fmt::format("kernels[{}] ({}): role \"{}\", expected final_norm, lm_head, prefetch, layer or indexer", i, k.key,
+                      k.role));
+    if (k.role == "lm_head" && (m.format_version.minor < 5 || k.width == 0))
+      bad(fmt::format("kernels[{}] ({}): role lm_head {}", i, k.key,
+                      k.width == 0 ? "with width 0 (an LM head serves one width)"
+                                   : fmt::format("in a {}.{} manifest (since 1.5)", m.format_version.major,
+                                                 m.format_version.minor)));
     if (k.role == "indexer" && (m.indexer.heads == 0 || m.format_version.minor < 2))
       bad(fmt::format("kernels[{}] ({}): role indexer in a {}.{} manifest {}", i, k.key, m.format_version.major,
                       m.format_version.minor, m.indexer.heads == 0 ? "whose model has no indexer" : "(since 1.2)"));

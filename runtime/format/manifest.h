@@ -25,8 +25,9 @@ using Json = nlohmann::json;
 inline constexpr const char* kFormatName = "decodepack-bundle";
 inline constexpr int kFormatMajor = 1;
 // 1.1 added `programs` and `indexer`, 1.2 indexer kernels, 1.3 kernels that take programmatic dependent
-// launch (NVIDIA sm_90+: every entry point waits for the previous kernel of the stream before it reads)
-inline constexpr int kFormatMinor = 4;
+// launch (NVIDIA sm_90+: every entry point waits for the previous kernel of the stream before it reads),
+// 1.4 the prefetch point attention_oproj, 1.5 kernels of role lm_head (manifests/bundle-format.md §2.6)
+inline constexpr int kFormatMinor = 5;
 inline constexpr const char* kManifestFile = "manifest.json";
 
 // Bounds the reader puts on the manifest's numbers: far above any real bundle (kimi-k3: hidden 7168, 93

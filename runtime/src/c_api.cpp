@@ -219,6 +219,12 @@ void dp_final_norm_io_init(dp_final_norm_io* io) {
   io->size = sizeof(*io);
 }
 
+void dp_lm_head_io_init(dp_lm_head_io* io) {
+  if (!io) return;
+  std::memset(io, 0, sizeof(*io));
+  io->size = sizeof(*io);
+}
+
 // ---- Devices ------------------------------------------------------------------------------------------
 
 dp_status* dp_device_query(int32_t vendor, int32_t ordinal, dp_device_desc* out) {
@@ -287,6 +293,7 @@ dp_status* dp_bundle_get_info(const dp_bundle* b, dp_bundle_info* out) {
     i.config_digest = m.model.config_digest.c_str();
     i.deploy_json = b->deploy_json.c_str();
     i.manifest_json = b->reader.manifest_bytes().c_str();
+    i.vocab_size = m.model.vocab_size;
     write_out(out, i);
     return ok();
   });
@@ -539,6 +546,27 @@ dp_status* dp_launch_final_norm(dp_session* s, const dp_step* step, const dp_fin
     dp_final_norm_io_init(&v);
     DP_RETURN_IF_ERROR(read_versioned(fn, "dp_final_norm_io", io, &v));
     return s->launch_final_norm(step, v, stream);
+  });
+}
+
+dp_status* dp_session_bind_lm_head(dp_session* s, const dp_tensor* weight) {
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
+    if (!weight) return null_arg(fn, "weight");
+    return s->bind_lm_head(*weight);
+  });
+}
+
+int32_t dp_step_lm_head(const dp_step* step) { return step && step->lm_head ? 1 : 0; }
+
+dp_status* dp_launch_lm_head(dp_session* s, const dp_step* step, const dp_lm_head_io* io, dp_stream stream) {
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
+    if (!io) return null_arg(fn, "io");
+    dp_lm_head_io v;
+    dp_lm_head_io_init(&v);
+    DP_RETURN_IF_ERROR(read_versioned(fn, "dp_lm_head_io", io, &v));
+    return s->launch_lm_head(step, v, stream);
   });
 }
 

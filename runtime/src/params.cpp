@@ -17,6 +17,12 @@ const Rule kFinalNorm[] = {
     {"residual_out", "pointer", ParamSource::io_residual_out}, {"eps", "f32", ParamSource::eps},
 };
 
+const Rule kLmHead[] = {
+    {"x", "pointer", ParamSource::io_hidden},
+    {"out", "pointer", ParamSource::io_logits},
+    {"w0", "pointer", ParamSource::lm_head_weight},
+};
+
 const Rule kPrefetch[] = {
     {"table", "pointer", ParamSource::prefetch_table},
     {"count", "u32", ParamSource::prefetch_count},
@@ -34,6 +40,7 @@ std::optional<ParamSource> find(const Rule (&rules)[N], const std::string& name,
 std::optional<ParamSource> param_source(const std::string& role, const std::string& name, const std::string& kind) {
   if (role == "final_norm") return find(kFinalNorm, name, kind);
   if (role == "prefetch") return find(kPrefetch, name, kind);
+  if (role == "lm_head") return find(kLmHead, name, kind);
   return std::nullopt;
 }
 

@@ -5,6 +5,8 @@
 // Names per role:
 //   final_norm  hidden, residual, out, residual_out (the call's dp_final_norm_io), weight (the bound
 //               final-norm weight), eps (model.rms_norm_eps)
+//   lm_head     x, out (the call's dp_lm_head_io hidden and logits), w0 (the weight bound with
+//               dp_session_bind_lm_head)
 //   prefetch    table, count (the resolved range table of the (point, layer, width))
 // Kernels of role "layer" are bound by the manifest's layer programs instead: each argument names
 // its source (bundle-format.md 2.5); program_source maps the per-launch ones (dp_layer_io fields, the
@@ -21,7 +23,7 @@ namespace dp::rt {
 enum class ParamSource {
   io_hidden, io_residual, io_out, io_residual_out, io_positions, io_state_indices, io_block_table,
   io_block_table_stride, io_seq_lens, io_slot_mapping, io_num_accepted,
-  workspace, error_flag, eps, final_norm_weight, prefetch_table, prefetch_count,
+  workspace, error_flag, eps, final_norm_weight, prefetch_table, prefetch_count, io_logits, lm_head_weight,
   kv_kda_state, kv_conv_q, kv_conv_k, kv_conv_v, kv_mla_latent, kda_state_stride, conv_stride, mla_block_stride,
 };
 

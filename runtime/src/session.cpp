@@ -144,6 +144,9 @@ Result<dp_session*> dp_session::create(dp_bundle* b, const dp_session_options& o
     }
     s->steps.push_back(std::move(step));
   }
+  for (const format::KernelEntry& k : m.kernels)
+    if (k.role == "lm_head" && k.target == s->target)
+      for (auto& step : s->steps) step->lm_head |= step->width == k.width;
   s->flag_host = &s->host_flag_storage;
   if (s->device) {
     DeviceScope scope(s->device.get());
@@ -644,12 +647,18 @@ Status dp_session::load_kernels() {
   }
 
   final_norm.assign(d.widths.size(), LoadedKernel{});
+  lm_head.assign(d.widths.size(), LoadedKernel{});
   layer_programs.assign(d.widths.size(), std::vector<std::vector<LoadedKernel>>(m.layers.size()));
   for (size_t i = 0; i < d.widths.size(); ++i) {
     if (const format::KernelEntry* k = find_kernel("final_norm", d.widths[i])) {
       LoadedKernel lk;
       DP_RETURN_IF_ERROR(load_kernel(*k, -1, &lk));
       final_norm[i] = std::move(lk);
+    }
+    if (const format::KernelEntry* k = find_kernel("lm_head", d.widths[i])) {
+      LoadedKernel lk;
+      DP_RETURN_IF_ERROR(load_kernel(*k, -1, &lk));
+      lm_head[i] = std::move(lk);
     }
     for (const format::LayerEntry& l : m.layers) {
       const format::ProgramEntry* prog = steps[i]->program[l.index];
@@ -885,6 +894,52 @@ Status dp_session::launch_final_norm(const dp_step* step, const dp_final_norm_io
     }
   });
   if (observer) observer(observer_user, -1, 0, k.entry->name.c_str(), 1, stream);
+  return st;
+}
+
+Status dp_session::bind_lm_head(const dp_tensor& t) {
+  const format::Manifest& m = bundle->manifest();
+  const int64_t tp = bundle->deploy.tensor_parallel;
+  if (m.model.vocab_size % tp != 0)
+    return error(DP_ERR_NOT_SUPPORTED, "{}: vocab_size {} is not divisible by tensor_parallel {}: the bundle has no LM "
+                 "head", bundle->reader.label(), m.model.vocab_size, tp);
+  const std::string what = fmt::format("LM head weight (rank {})", options.rank);
+  DP_RETURN_IF_ERROR(check_tensor(what, t, DP_DTYPE_BF16, {m.model.vocab_size / tp, m.model.hidden_size}, false,
+                                  DP_ERR_SHAPE));
+  if (lm_head_weight != 0 && lm_head_weight != t.data)
+    return error(DP_ERR_REBIND, "{}: already bound at {:#x}, now {:#x}: weight reloads are not supported", what,
+                 lm_head_weight, t.data);
+  lm_head_weight = t.data;
+  return ok();
+}
+
+Status dp_session::launch_lm_head(const dp_step* step, const dp_lm_head_io& io, dp_stream stream) {
+  if (!device) return error(DP_ERR_NO_DEVICE, "{}: dp_launch_lm_head on a host-only session", label());
+  if (!loaded) return error(DP_ERR_STATE, "{}: dp_launch_lm_head before dp_session_load_kernels", label());
+  if (!step || step->session != this)
+    return error(DP_ERR_INVALID_ARGUMENT, "{}: dp_launch_lm_head: the step is {} (expected a dp_plan_result.step of this "
+                 "session)", label(), step ? "another session's" : "NULL");
+  const LoadedKernel& k = lm_head[step->index];
+  if (!k.function)
+    return error(DP_ERR_NO_KERNEL, "{}: the bundle has no lm_head kernel for width {} on {} (LM heads are in bundles of "
+                 "format 1.5 and later, for widths of at most 32 rows)", label(), step->width, target);
+  if (!lm_head_weight)
+    return error(DP_ERR_STATE, "{}: dp_launch_lm_head before dp_session_bind_lm_head", label());
+  static const char* what = "dp_launch_lm_head";
+  DP_RETURN_IF_ERROR(check_io_address(what, "hidden", io.hidden, false));
+  DP_RETURN_IF_ERROR(check_io_address(what, "logits", io.logits, false));
+  DeviceScope scope(device.get());
+  DP_RETURN_IF_ERROR(scope.status());
+  if (observer) observer(observer_user, -1, 1, k.entry->name.c_str(), 0, stream);
+  Status st = launch_packed(*device, k, stream, programmatic, [&](ParamSource src) -> uint64_t {
+    switch (src) {
+      case ParamSource::io_hidden: return io.hidden;
+      case ParamSource::io_logits: return io.logits;
+      case ParamSource::lm_head_weight: return lm_head_weight;
+      default: return 0;
+    }
+  });
+  if (observer) observer(observer_user, -1, 1, k.entry->name.c_str(), 1, stream);
   return st;
 }
 

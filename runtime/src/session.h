@@ -88,6 +88,7 @@ struct dp_step {
   std::vector<uint8_t> layer_program;   // per layer: 1 if the bundle has its program at this width
   std::vector<const dp::format::ProgramEntry*> program;  // per layer: that program, or null
   std::vector<std::string> why_not;     // per layer without one: why (for dp_launch_layer's message)
+  bool lm_head = false;                 // the bundle has the LM head at this width on the session's target
 };
 
 struct dp_session {
@@ -110,6 +111,8 @@ struct dp_session {
   std::vector<void*> modules;
   std::map<const dp::format::KernelEntry*, void*> functions;  // loaded entry points
   std::vector<dp::rt::LoadedKernel> final_norm;        // per width index (function null: none in the bundle)
+  std::vector<dp::rt::LoadedKernel> lm_head;           // per width index (function null: none in the bundle)
+  uint64_t lm_head_weight = 0;                         // dp_session_bind_lm_head (0: not bound)
   std::vector<std::vector<std::vector<dp::rt::LoadedKernel>>> layer_programs;  // [width][layer][kernel]
   std::vector<dp::rt::PrefetchTable> prefetch;
   std::map<std::array<int32_t, 3>, dp::rt::PrefetchSlot> prefetch_index;  // (point, layer, width)
@@ -145,6 +148,8 @@ struct dp_session {
 
   dp::rt::Status launch_layer(const dp_step* step, int32_t layer, const dp_layer_io& io, dp_stream stream);
   dp::rt::Status launch_final_norm(const dp_step* step, const dp_final_norm_io& io, dp_stream stream);
+  dp::rt::Status bind_lm_head(const dp_tensor& t);
+  dp::rt::Status launch_lm_head(const dp_step* step, const dp_lm_head_io& io, dp_stream stream);
   dp::rt::Status prefetch_fork(int32_t point, int32_t layer, int32_t width, dp_stream stream, int32_t* launched);
   dp::rt::Status prefetch_join(dp_stream stream);
   dp::rt::Status prefetch_set_cap(int32_t point, int32_t width, uint64_t bytes);

@@ -121,9 +121,10 @@ Status check_kernels(const dp_bundle& b, const std::string& target) {
   bool prefetch_kernel = false;
   for (const format::KernelEntry& k : m.kernels) {
     if (k.target != target) continue;
-    if (k.role != "final_norm" && k.role != "prefetch" && k.role != "layer" && k.role != "indexer")
+    if (k.role != "final_norm" && k.role != "lm_head" && k.role != "prefetch" && k.role != "layer" &&
+        k.role != "indexer")
       return error(DP_ERR_NOT_SUPPORTED, "{}: kernel {} has role \"{}\", which libdecodepack {} does not know (known: "
-                   "final_norm, prefetch, layer, indexer): use a libdecodepack as new as the decodepack that built it",
+                   "final_norm, lm_head, prefetch, layer, indexer): use a libdecodepack as new as the decodepack that built it",
                    b.reader.label(), k.key, k.role, dp_version_string());
     if (k.role == "prefetch") prefetch_kernel = true;
     if (k.params.empty() || k.param_bytes > kMaxParamBytes)

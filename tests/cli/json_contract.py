@@ -23,7 +23,7 @@ from local_registry import free_port
 exe, root = sys.argv[1], sys.argv[2]
 SCHEMAS = os.path.join(root, "manifests", "cli")
 CODES = {1: "internal", 2: "usage", 3: "input", 4: "io", 5: "verify", 6: "registry", 7: "toolchain", 8: "device"}
-COMMANDS = ["synth", "plan", "build", "inspect", "verify", "pack", "push", "pull", "run", "indexer-run", "doctor"]
+COMMANDS = ["synth", "plan", "build", "inspect", "verify", "pack", "push", "pull", "run", "indexer-run", "generate", "doctor"]
 
 
 def load(path):
@@ -159,16 +159,24 @@ with tempfile.TemporaryDirectory(prefix="dp-json-") as tmp:
     else:
         print("note: docker-registry is not installed; push and pull are checked failing only")
 
-    # run and indexer-run need a GPU: here they fail (no driver: exit 8), or with a usage error.
+    # run, indexer-run and generate need a GPU: here they fail (no driver: exit 8), with a usage error,
+    # or on a bad prompts file (refused before any GPU work).
     env = dict(os.environ, DECODEPACK_CUDA_LIBRARY=os.path.join(tmp, "no-libcuda.so"))
     run("run", f"{tmp}/b.dpk", "--width", "1", "--json", expect=8, env=env)
     run("run", f"{tmp}/b.dpk", "--width", "3", "--json", expect=2, env=env)
     run("indexer-run", f"{tmp}/b.dpk", "--json", expect=3, env=env)
+    prompts = os.path.join(root, "tests", "cli", "prompts")
+    run("generate", f"{tmp}/b.dpk", "--model", f"{tmp}/m", "--prompts", os.path.join(prompts, "one-request.txt"),
+        "--max-tokens", "2", "--json", expect=8, env=env)
+    run("generate", f"{tmp}/b.dpk", "--model", f"{tmp}/m", "--prompts", os.path.join(prompts, "one-request.txt"),
+        "--width", "3", "--json", expect=2, env=env)
+    run("generate", f"{tmp}/b.dpk", "--model", f"{tmp}/m", "--prompts", os.path.join(prompts, "non-numeric.txt"),
+        "--json", expect=3, env=env)
 
     doctor = run("doctor", "--json", "--cache-dir", cache)
 
     for cmd in COMMANDS:
-        want = {"error"} if cmd in ("run", "indexer-run") else {"ok", "error"}
+        want = {"error"} if cmd in ("run", "indexer-run", "generate") else {"ok", "error"}
         if cmd in ("push", "pull") and not os.path.exists(server):
             want = {"error"}
         check(want <= seen[cmd], f"{cmd}: checked {sorted(seen[cmd])}, want {sorted(want)}")

@@ -22,7 +22,12 @@ kernels run with the block counts, K-slices and row tiles of real models rather 
 1024, KDA 8 heads of 128, MLA 8 heads (kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128), 32 experts top-4
 of width 256 plus 1 shared, dense width 2048; about 150 MB in bf16.
 
-Usage: hf_make_checkpoint.py OUT_DIR [--seed 0] [--geometry tiny|wide]   (needs torch and transformers 5.17)
+--lm-head-scale S multiplies lm_head.weight by S before the cast: random weights give nearly flat logits
+(top-2 gaps of 0.001 to 0.5), where bf16 rounding alone flips greedy choices; a scale of about 30 gives
+top-2 gaps of several units, so free-running greedy tokens can be compared (tests/gpu/generate_check.py).
+
+Usage: hf_make_checkpoint.py OUT_DIR [--seed 0] [--geometry tiny|wide] [--lm-head-scale S]
+       (needs torch and transformers 5.17)
 """
 
 import argparse
@@ -78,7 +83,7 @@ WIDE = {
 GEOMETRIES = {"tiny": GEOMETRY, "wide": dict(GEOMETRY, **WIDE)}
 
 
-def make(out_dir, seed=0, geometry="tiny"):
+def make(out_dir, seed=0, geometry="tiny", lm_head_scale=1.0):
     import torch
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
     torch.manual_seed(seed)
@@ -96,6 +101,8 @@ def make(out_dir, seed=0, geometry="tiny"):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.rand(b.shape, generator=g) * 0.1 - 0.05)
+        if lm_head_scale != 1.0:
+            model.lm_head.weight.mul_(lm_head_scale)
     model = model.to(torch.bfloat16).eval()
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
@@ -107,8 +114,9 @@ def main():
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny")
+    ap.add_argument("--lm-head-scale", type=float, default=1.0)
     args = ap.parse_args()
-    make(args.out_dir, args.seed, args.geometry)
+    make(args.out_dir, args.seed, args.geometry, args.lm_head_scale)
     print("wrote %s" % args.out_dir)
     return 0
 

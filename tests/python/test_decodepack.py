@@ -105,7 +105,7 @@ class BindingTest(unittest.TestCase):
 
     def test_info(self):
         info = self.bundle.info
-        self.assertEqual(info["format_version"], (1, 4))
+        self.assertEqual(info["format_version"], (1, 5))
         self.assertTrue(info["digest"].startswith("sha256:"))
         self.assertEqual(info["widths"], [1, 2, 4])
         self.assertEqual(info["targets"], ["sm_90a"])
@@ -118,6 +118,7 @@ class BindingTest(unittest.TestCase):
         manifest = self.bundle.manifest
         self.assertEqual(manifest["deploy"], info["deploy"])
         self.assertEqual(manifest["model"]["config_digest"], info["config_digest"])
+        self.assertEqual(info["vocab_size"], manifest["model"]["vocab_size"])
         self.assertEqual(self.bundle.layer(3), {"index": 3, "mixer": "mla", "ffn": "moe", "class": "mla_moe"})
         weights = {w.name: w for w in self.bundle.weights(0)}
         self.assertEqual(len(weights), 86)
@@ -355,6 +356,19 @@ class BindingTest(unittest.TestCase):
         with self.assertRaises(dp.DecodepackError) as e:
             s.prefetch_fork(dp.PREFETCH_NEXT_ATTENTION, 1, 2)
         self.assertEqual(e.exception.code, dp.ERR_NO_DEVICE)
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.launch_lm_head(p, hidden=0x1000, logits=0x2000)
+        self.assertEqual(e.exception.code, dp.ERR_NO_DEVICE)
+
+    def test_lm_head_binding(self):
+        s = self.session()
+        s.bind_lm_head(0x10000, dtype="BF16", shape=(1024, 256))  # the tiny preset's vocabulary
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.bind_lm_head(0x20000, dtype="BF16", shape=(1024, 256))
+        self.assertEqual(e.exception.code, dp.ERR_REBIND)
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.bind_lm_head(0x10000, dtype="BF16", shape=(1000, 256))
+        self.assertIn("expected [1024, 256]", e.exception.message)
 
     def test_torch_tensors(self):
         try:

@@ -106,9 +106,9 @@ def mode_valid(c):
     m = c.check_valid("tiny with weights", member(os.path.join(c.work, "tiny.dpk"), "manifest.json"), d)
     c.check(m["weights_fingerprinted"] and all(w["sha256"] for r in m["ranks"] for w in r["weights"]),
             "tiny with weights: every weight has fingerprints")
-    c.check(m["format_version"] == {"major": 1, "minor": 4} and m["programs"] and
+    c.check(m["format_version"] == {"major": 1, "minor": 5} and m["programs"] and
             all(p["steps"] and not p["reason"] for p in m["programs"]),
-            "tiny with weights: format 1.4, every layer class has its program")
+            "tiny with weights: format 1.5, every layer class has its program")
     bad = copy.deepcopy(m)
     bad["programs"][0]["steps"][0]["args"][0]["from"] = "register"
     c.check(any(e.validator == "enum" and "/".join(map(str, e.absolute_path)) == "programs/0/steps/0/args/0/from"

@@ -26,7 +26,9 @@
  *                                    when the host frees a cache and allocates another elsewhere
  *   6. per step: dp_plan -> (all-gather reasons, dp_agree) -> per layer dp_step_layer_kernel ?
  *                dp_launch_layer : the host's layer; dp_prefetch_fork/join around them;
- *                dp_launch_final_norm; dp_after_step once the step was executed
+ *                dp_launch_final_norm; dp_launch_lm_head (optional: the bundle's LM head, format 1.5,
+ *                once dp_session_bind_lm_head bound the host's LM head weight); dp_after_step once the
+ *                step was executed
  *
  * Weights are never copied or owned: the library records device addresses. Weight reloads are not
  * supported (binding another address for a bound weight is refused).
@@ -127,7 +129,7 @@ extern "C" {
  * (manifests/bundle-format.md). A bundle outside that range is refused with DP_ERR_FORMAT_VERSION before
  * any other field is read, the message giving both versions and the supported range. */
 #define DP_BUNDLE_FORMAT_MAJOR 1
-#define DP_BUNDLE_FORMAT_MINOR 4
+#define DP_BUNDLE_FORMAT_MINOR 5
 
 /* The loaded library's version as MAJOR * 10000 + MINOR * 100 + PATCH. This signature never changes. */
 DP_API uint32_t dp_version(void);
@@ -310,6 +312,8 @@ typedef struct dp_bundle_info {
                                    compact JSON text: cache layouts and dtypes, block size, limits */
   const char* manifest_json;    /* manifest.json's bytes as opened and checked (NUL-terminated; its
                                    sha256 is `digest`): the kernel, program and prefetch tables */
+  int64_t vocab_size;           /* the model's vocabulary (the LM head has vocab_size / tensor_parallel
+                                   rows per rank) */
 } dp_bundle_info;
 
 /* Every pointer in *out points into the bundle and lives as long as it does. */
@@ -634,12 +638,38 @@ DP_API void dp_final_norm_io_init(dp_final_norm_io* io);
 DP_API dp_status* dp_launch_final_norm(dp_session* session, const dp_step* step, const dp_final_norm_io* io,
                                        dp_stream stream);
 
+/* ---- LM head (bundle format 1.5) --------------------------------------------------------------------- *
+ *
+ * The bundle carries the LM head of every width (a GEMM; none where width x q exceeds 32 rows, or where
+ * tensor_parallel does not divide the vocabulary, and none in bundles older than 1.5): fp32 logits of the
+ * step's rows against the rank's vocabulary shard, rows [rank * V/tp, (rank + 1) * V/tp) of the
+ * checkpoint's lm_head.weight (V = dp_bundle_info.vocab_size); the host all-gathers the shards. The
+ * weight is the host's, like the embedding (the bundle's weight tables list decode weights only): bind
+ * it once, [V/tp, hidden] BF16 and contiguous (a model with tie_word_embeddings binds its embedding's
+ * shard). Binding again at another address is refused (DP_ERR_REBIND), as for weights. Binding works
+ * on host-only sessions too (it checks the tensor). */
+DP_API dp_status* dp_session_bind_lm_head(dp_session* session, const dp_tensor* weight);
+/* 1: the bundle has the LM head at the step's width (launch it with dp_launch_lm_head); 0: it has not. */
+DP_API int32_t dp_step_lm_head(const dp_step* step);
+
+typedef struct dp_lm_head_io {
+  size_t size;
+  uint64_t hidden;              /* [rows, H] BF16 in: the final norm's output */
+  uint64_t logits;              /* [rows, V/tp] F32 out */
+} dp_lm_head_io;
+
+DP_API void dp_lm_head_io_init(dp_lm_head_io* io);
+/* DP_ERR_NO_KERNEL when the bundle has no LM head at the step's width; DP_ERR_STATE before
+ * dp_session_bind_lm_head or dp_session_load_kernels. */
+DP_API dp_status* dp_launch_lm_head(dp_session* session, const dp_step* step, const dp_lm_head_io* io,
+                                    dp_stream stream);
+
 /* ---- Launch observer (profilers; off by default) --------------------------------------------------- *
  *
  * For tools that time a layer program kernel by kernel (`decodepack bench`): once set, `fn` is called
- * around every kernel that dp_launch_layer and dp_launch_final_norm enqueue, on the calling thread,
+ * around every kernel that dp_launch_layer, dp_launch_final_norm and dp_launch_lm_head enqueue, on the calling thread,
  * with after = 0 right before the kernel is enqueued on `stream` and after = 1 right after (also when
- * the launch failed). `layer` is the decoder layer (-1: the final norm), `index` the kernel's position
+ * the launch failed). `layer` is the decoder layer (-1: the final norm, index 0, and the LM head, index 1), `index` the kernel's position
  * in the layer's program (0-based), `kernel` its name (valid during the call). The callback may enqueue
  * work on `stream` (record an event, launch a kernel of its own), also during stream capture; it must
  * not call this session's functions. Prefetch launches are reported too, with index = -1 - point

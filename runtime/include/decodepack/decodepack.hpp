@@ -201,6 +201,10 @@ class Session {
   void launch_final_norm(const dp_step* step, const dp_final_norm_io& io, dp_stream stream) {
     check(dp_launch_final_norm(s_, step, &io, stream));
   }
+  void bind_lm_head(const dp_tensor& weight) { check(dp_session_bind_lm_head(s_, &weight)); }
+  void launch_lm_head(const dp_step* step, const dp_lm_head_io& io, dp_stream stream) {
+    check(dp_launch_lm_head(s_, step, &io, stream));
+  }
   bool prefetch_fork(dp_prefetch_point point, int32_t layer, int32_t width, dp_stream stream) {
     int32_t launched = 0;
     check(dp_prefetch_fork(s_, point, layer, width, stream, &launched));

@@ -105,7 +105,7 @@ class _BundleInfo(ctypes.Structure):
                 ("q", _i32), ("num_targets", _i32), ("targets", ctypes.POINTER(_cstr)),
                 ("weights_fingerprinted", _i32), ("indexer_heads", _i32), ("indexer_top_k", _i32),
                 ("indexer_prefill_workspace_bytes", _u64), ("config_digest", _cstr), ("deploy_json", _cstr),
-                ("manifest_json", _cstr)]
+                ("manifest_json", _cstr), ("vocab_size", _i64)]
 
 
 class _LayerInfo(ctypes.Structure):
@@ -144,6 +144,10 @@ class _LayerIo(ctypes.Structure):
 
 class _FinalNormIo(ctypes.Structure):
     _fields_ = [("size", _sz), ("hidden", _u64), ("residual", _u64), ("out", _u64), ("residual_out", _u64)]
+
+
+class _LmHeadIo(ctypes.Structure):
+    _fields_ = [("size", _sz), ("hidden", _u64), ("logits", _u64)]
 
 
 class _IndexerCache(ctypes.Structure):
@@ -236,6 +240,10 @@ def _declare(lib):
         "dp_launch_layer": (S, [_p, _p, _i32, ctypes.POINTER(_LayerIo), _p]),
         "dp_final_norm_io_init": (None, [ctypes.POINTER(_FinalNormIo)]),
         "dp_launch_final_norm": (S, [_p, _p, ctypes.POINTER(_FinalNormIo), _p]),
+        "dp_session_bind_lm_head": (S, [_p, ctypes.POINTER(_Tensor)]),
+        "dp_step_lm_head": (_i32, [_p]),
+        "dp_lm_head_io_init": (None, [ctypes.POINTER(_LmHeadIo)]),
+        "dp_launch_lm_head": (S, [_p, _p, ctypes.POINTER(_LmHeadIo), _p]),
         "dp_prefetch_fork": (S, [_p, _i32, _i32, _i32, _p, ctypes.POINTER(_i32)]),
         "dp_prefetch_join": (S, [_p, _p]),
         "dp_prefetch_set_cap": (S, [_p, _i32, _i32, _u64]),
@@ -509,6 +517,7 @@ class Bundle(_Handle):
             # None from a library older than these fields (it leaves them as the binding zeroed them)
             "config_digest": i.config_digest.decode() if i.config_digest else None,
             "deploy": json.loads(i.deploy_json) if i.deploy_json else None,
+            "vocab_size": i.vocab_size or None,
         }
 
     @property
@@ -725,6 +734,18 @@ class Session(_Handle):
         s.hidden, s.residual = _address(hidden), _address(residual)
         s.out, s.residual_out = _address(out), _address(residual_out)
         _check(_lib().dp_launch_final_norm(self._h, self._step(plan), ctypes.byref(s), _stream(stream)))
+
+    def bind_lm_head(self, tensor, dtype=None, shape=None, strides=None):
+        """The host's LM head weight [vocab / tp, hidden] bf16 (format 1.5 bundles carry its GEMM)."""
+        t = _tensor(tensor, dtype, shape, strides)
+        _check(_lib().dp_session_bind_lm_head(self._h, ctypes.byref(t)))
+
+    def launch_lm_head(self, plan, hidden, logits, stream=None):
+        """fp32 logits [rows, vocab / tp] of the final norm's output rows."""
+        s = _LmHeadIo()
+        _lib().dp_lm_head_io_init(ctypes.byref(s))
+        s.hidden, s.logits = _address(hidden), _address(logits)
+        _check(_lib().dp_launch_lm_head(self._h, self._step(plan), ctypes.byref(s), _stream(stream)))
 
     def prefetch_fork(self, point, layer, width, stream=None):
         launched = _i32(0)

@@ -87,18 +87,18 @@ TEST(BundleFormat, VersionGateAcceptsOwnMajorAndOlderMinors) {
 
 TEST(BundleFormat, VersionGateRefusesNewerMinorAndOtherMajors) {
   expect_format_error([] { format::check_version({1, 99}, "m.json"); }, FormatError::Kind::version,
-                      {"m.json", "version 1.99", "format 1.4", "supported: 1.0 to 1.4", "upgrade decodepack"});
+                      {"m.json", "version 1.99", "format 1.5", "supported: 1.0 to 1.5", "upgrade decodepack"});
   expect_format_error([] { format::check_version({2, 0}, "m.json"); }, FormatError::Kind::version,
-                      {"m.json", "version 2.0", "format 1.4", "supported: 1.0 to 1.4"});
+                      {"m.json", "version 2.0", "format 1.5", "supported: 1.0 to 1.5"});
   expect_format_error([] { format::check_version({0, 3}, "m.json"); }, FormatError::Kind::version,
-                      {"version 0.3", "supported: 1.0 to 1.4", "rebuild the bundle"});
+                      {"version 0.3", "supported: 1.0 to 1.5", "rebuild the bundle"});
 
   for (auto [major, minor] : {std::pair{1, 99}, std::pair{2, 0}}) {
     SCOPED_TRACE(major * 100 + minor);
     Json j = fixture_json();
     j["format_version"] = {{"major", major}, {"minor", minor}};
     expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::version,
-                        {fmt::format("version {}.{}", major, minor), "supported: 1.0 to 1.4"});
+                        {fmt::format("version {}.{}", major, minor), "supported: 1.0 to 1.5"});
   }
 }
 
@@ -106,7 +106,7 @@ TEST(BundleFormat, VersionIsCheckedBeforeAnyOtherField) {
   // A 2.0 manifest may look like anything else; the reader must say "version", not "missing field".
   Json j = {{"format", "decodepack-bundle"}, {"format_version", {{"major", 2}, {"minor", 0}}}, {"v2", true}};
   expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::version,
-                      {"version 2.0", "supported: 1.0 to 1.4"});
+                      {"version 2.0", "supported: 1.0 to 1.5"});
   j["format"] = "something-else";
   expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::schema,
                       {"field format is \"something-else\", expected \"decodepack-bundle\""});
@@ -119,7 +119,7 @@ TEST(BundleFormat, BundleOpenRefusesANewerMinorAsInput) {
   j["format_version"]["minor"] = 99;
   std::ofstream(t / "b/manifest.json", std::ios::trunc) << j.dump() << "\n";
   test::expect_error([&] { Bundle::open(t / "b"); }, Errc::input,
-                     {"manifest.json", "version 1.99", "format 1.4", "supported: 1.0 to 1.4"});
+                     {"manifest.json", "version 1.99", "format 1.5", "supported: 1.0 to 1.5"});
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -339,7 +339,26 @@ TEST_F(BrokenManifest, IndexerKernelsNeedFormat12AndAnIndexer) {
   // Other roles are still refused, and the message lists indexer among the known ones.
   Manifest other = ok;
   other.kernels[0].role = "indexr";
-  expect_invalid(other, {"role \"indexr\"", "expected final_norm, prefetch, layer or indexer"});
+  expect_invalid(other, {"role \"indexr\"", "expected final_norm, lm_head, prefetch, layer or indexer"});
+}
+
+// Kernels of role "lm_head" (the LM head GEMM of one width) exist since 1.5.
+TEST_F(BrokenManifest, LmHeadKernelsNeedFormat15AndAWidth) {
+  auto with_head = [](Manifest m, int minor) {
+    m.format_version = {1, minor};
+    for (format::KernelEntry& k : m.kernels)
+      if (k.width == 1) k.role = "lm_head";  // the fixture's final norms stand in for LM heads
+    return m;
+  };
+  const Manifest ok = with_head(m_, 5);
+  EXPECT_NO_THROW(format::validate(ok, "m.json"));
+  const Manifest again = format::from_json(format::to_json(ok), "m.json");
+  EXPECT_NO_THROW(format::validate(again, "m.json"));
+  expect_invalid(with_head(m_, 4), {"m.json", "role lm_head in a 1.4 manifest (since 1.5)"});
+  Manifest no_width = ok;
+  for (format::KernelEntry& k : no_width.kernels)
+    if (k.role == "lm_head") k.width = 0;
+  expect_invalid(no_width, {"role lm_head with width 0"});
 }
 
 // from_json's type and range checks name the field path, the actual and the expected value.

@@ -42,7 +42,7 @@ TEST(Plan, KernelNamesAreDeterministicAndCoverEveryClassWidthAndTarget) {
     if (k.role == "layer") {
       EXPECT_TRUE(used.count(k.target + "/" + k.name)) << k.name;
     } else {
-      EXPECT_TRUE(k.role == "final_norm" || k.role == "prefetch") << k.role;
+      EXPECT_TRUE(k.role == "final_norm" || k.role == "lm_head" || k.role == "prefetch") << k.role;
     }
   }
   EXPECT_TRUE(keys.count("sm_90a/kda_step_w4_q1_nh32_d128_cv4_fr128_gr128_sg0_on0"));
@@ -263,7 +263,56 @@ TEST(Plan, K3PlansWithoutWeights) {
   // No K3 layer program in this version: only the final norm and the prefetch kernel are built.
   ASSERT_FALSE(p.programs.empty());
   for (const LayerProgram& pr : p.programs) EXPECT_NE(pr.unavailable.find("Kimi-K3"), std::string::npos) << pr.unavailable;
-  for (const KernelInstance& k : p.kernels) EXPECT_TRUE(k.role == "final_norm" || k.role == "prefetch") << k.name;
+  for (const KernelInstance& k : p.kernels)
+    EXPECT_TRUE(k.role == "final_norm" || k.role == "lm_head" || k.role == "prefetch") << k.name;
+}
+
+// The LM head (format 1.5): one fp32-output GEMM per (target, width) over the rank's vocabulary shard,
+// none where the rows exceed one GEMM launch or tensor_parallel does not divide the vocabulary.
+TEST(Plan, LmHeadIsOneGemmPerWidthOverTheVocabularyShard) {
+  model::Model m = model::load_model("kimi-linear-48b-a3b");
+  Json d = base_deploy();
+  d["tensor_parallel"] = 2;
+  Plan p = make_plan(m, deploy_of(d), "deploy.json");
+  std::set<std::pair<std::string, int64_t>> seen;
+  for (const KernelInstance& k : p.kernels) {
+    if (k.role != "lm_head") continue;
+    EXPECT_EQ(k.op, "gemm");
+    EXPECT_EQ(k.param("w"), k.width);
+    EXPECT_EQ(k.param("k"), m.hidden);
+    EXPECT_EQ(k.param("na"), m.vocab / 2);
+    EXPECT_EQ(k.param("nb"), 0);
+    EXPECT_EQ(k.param("f"), 1);
+    EXPECT_TRUE(seen.insert({k.target, k.width}).second) << k.name;
+  }
+  EXPECT_EQ(seen.size(), 2u * 8);  // 2 targets x widths 1..8
+  EXPECT_TRUE(seen.count({"sm_90a", 8}));
+
+  // q = 2 (one speculative token): 2 rows per request, so widths 17.. exceed the 32 rows of one GEMM.
+  Json wide = base_deploy();
+  wide["max_num_seqs"] = 20;
+  wide["num_speculative_tokens"] = 1;
+  const deploy::Deploy dw = deploy_of(wide);
+  Plan q = make_plan(m, dw, "deploy.json");
+  std::set<int64_t> widths;
+  for (const KernelInstance& k : q.kernels)
+    if (k.role == "lm_head") {
+      widths.insert(k.width);
+      EXPECT_EQ(k.param("w"), 2 * k.width) << k.name;
+    }
+  EXPECT_EQ(widths.size(), 16u);
+  EXPECT_FALSE(widths.count(17));
+  EXPECT_EQ(lm_head_kernel_gap(m, dw, 17), "width 17 x q 2 = 34 rows, the GEMM takes at most 32");
+  EXPECT_EQ(lm_head_kernel_gap(m, dw, 16), "");
+
+  // A vocabulary beyond the GEMM's 2^20 rows gives no LM head, and still a plan.
+  model::Model big = model::load_model("kimi-linear-tiny");
+  big.vocab = int64_t{1} << 21;
+  const deploy::Deploy d1 = deploy_of(base_deploy());
+  EXPECT_EQ(lm_head_kernel_gap(big, d1, 1), "a vocabulary shard of 2097152 rows or hidden size 256, the GEMM takes at "
+                                            "most 2^20 of each");
+  Plan pb = make_plan(big, d1, "deploy.json");
+  for (const KernelInstance& k : pb.kernels) EXPECT_NE(k.role, "lm_head") << k.name;
 }
 
 // The sparse-attention indexer's prefill ops: six width-independent kernels per target for a model whose

@@ -229,6 +229,50 @@ TEST_F(BindingTest, LoadingNeedsADeviceAndPlanningNeedsFinalizedWeights) {
 
 // ---- KV caches ----------------------------------------------------------------------------------------
 
+// ---- LM head (format 1.5) ------------------------------------------------------------------------------
+
+TEST_F(BindingTest, LmHeadBindsTheHostsWeightOnce) {
+  dp_bundle_info i{};
+  i.size = sizeof(i);
+  DP_EXPECT_OK(dp_bundle_get_info(b_, &i));
+  EXPECT_EQ(i.vocab_size, 1024);
+  const dp_tensor t = bf16(kAddr, {1024, 256});
+  DP_EXPECT_OK(dp_session_bind_lm_head(s_, &t));
+  DP_EXPECT_OK(dp_session_bind_lm_head(s_, &t));  // the same address again: accepted
+  const dp_tensor moved = bf16(kAddr + 0x100000, {1024, 256});
+  DP_EXPECT_STATUS(dp_session_bind_lm_head(s_, &moved), DP_ERR_REBIND, "LM head weight (rank 0)", "already bound",
+                   "weight reloads are not supported");
+}
+
+TEST_F(BindingTest, LmHeadChecksShapeDtypeAndAddress) {
+  const dp_tensor short_vocab = bf16(kAddr, {1000, 256});
+  DP_EXPECT_STATUS(dp_session_bind_lm_head(s_, &short_vocab), DP_ERR_SHAPE, "LM head weight (rank 0)",
+                   "shape [1000, 256], expected [1024, 256]");
+  dp_tensor f32 = bf16(kAddr, {1024, 256});
+  f32.dtype = DP_DTYPE_F32;
+  DP_EXPECT_STATUS(dp_session_bind_lm_head(s_, &f32), DP_ERR_DTYPE, "dtype F32, expected BF16");
+  const dp_tensor odd = bf16(kAddr + 8, {1024, 256});
+  DP_EXPECT_STATUS(dp_session_bind_lm_head(s_, &odd), DP_ERR_ALIGNMENT, "LM head weight");
+  DP_EXPECT_STATUS(dp_session_bind_lm_head(s_, nullptr), DP_ERR_INVALID_ARGUMENT, "weight");
+}
+
+TEST_F(BindingTest, LmHeadOfATensorParallelRankIsItsVocabularyShard) {
+  open(bundles().tp2, 1);
+  const dp_tensor whole = bf16(kAddr, {1024, 256});
+  DP_EXPECT_STATUS(dp_session_bind_lm_head(s_, &whole), DP_ERR_SHAPE, "LM head weight (rank 1)",
+                   "expected [512, 256]");
+  const dp_tensor shard = bf16(kAddr, {512, 256});
+  DP_EXPECT_OK(dp_session_bind_lm_head(s_, &shard));
+}
+
+TEST_F(BindingTest, LaunchingTheLmHeadNeedsADevice) {
+  dp_lm_head_io io;
+  dp_lm_head_io_init(&io);
+  EXPECT_EQ(io.size, sizeof(io));
+  DP_EXPECT_STATUS(dp_launch_lm_head(s_, nullptr, &io, nullptr), DP_ERR_NO_DEVICE, "host-only session");
+  DP_EXPECT_STATUS(dp_launch_lm_head(s_, nullptr, nullptr, nullptr), DP_ERR_INVALID_ARGUMENT, "io");
+}
+
 TEST_F(BindingTest, KvLayoutsOfTheDefaultDeploy) {
   dp_tensor t;
   // kimi-linear-tiny: KDA 2 heads x 128, conv kernel 4; MLA kv_lora_rank 512 + rope 64; bf16, block 64.

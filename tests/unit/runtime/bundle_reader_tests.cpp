@@ -217,14 +217,14 @@ TEST_F(BundleReaderTest, SymlinkInDirectoryIsRefused) {
 TEST_F(BundleReaderTest, NewerFormatVersionIsRefusedFirst) {
   const fs::path d = copy_dir();
   std::string m = read_text(d / "manifest.json");
-  const std::string from = "\"format_version\":{\"major\":1,\"minor\":4}";
+  const std::string from = "\"format_version\":{\"major\":1,\"minor\":5}";
   ASSERT_NE(m.find(from), std::string::npos);
   m.replace(m.find(from), from.size(), "\"format_version\":{\"major\":1,\"minor\":99}");
   // Also break a later field: the version must be reported, not the schema problem.
   m.replace(m.find("\"kernels\":"), 10, "\"kernelz\":");
   write_text(d / "manifest.json", m);
   expect_format_error([&] { BundleReader::open(d); }, FormatError::Kind::version,
-                      {"1.99", "format 1.4", "supported: 1.0 to 1.4", "upgrade decodepack"});
+                      {"1.99", "format 1.5", "supported: 1.0 to 1.5", "upgrade decodepack"});
 }
 
 TEST_F(BundleReaderTest, ManifestThatIsNotJson) {

@@ -169,7 +169,7 @@ TEST_F(CApiTest, BundleInfo) {
   i.size = sizeof(i);
   DP_EXPECT_OK(dp_bundle_get_info(b_, &i));
   EXPECT_EQ(i.format_major, 1);
-  EXPECT_EQ(i.format_minor, 4);
+  EXPECT_EQ(i.format_minor, 5);
   EXPECT_EQ(i.indexer_heads, 0);  // kimi-linear has no sparse-attention indexer
   EXPECT_EQ(i.indexer_prefill_workspace_bytes, 0u);
   EXPECT_EQ(std::string(i.digest).rfind("sha256:", 0), 0u);
@@ -200,6 +200,8 @@ TEST_F(CApiTest, BundleInfo) {
   const auto manifest = nlohmann::json::parse(i.manifest_json);
   EXPECT_EQ(manifest.at("deploy"), deploy);
   EXPECT_EQ(manifest.at("model").at("config_digest"), i.config_digest);
+  EXPECT_EQ(i.vocab_size, manifest.at("model").at("vocab_size").get<int64_t>());
+  EXPECT_GT(i.vocab_size, 0);
   EXPECT_EQ(dp::format::sha256_hex({reinterpret_cast<const uint8_t*>(i.manifest_json), std::strlen(i.manifest_json)}),
             std::string(i.digest).substr(7));
 }
@@ -264,10 +266,10 @@ TEST_F(CApiTest, OpenErrorsCarryTheirCodes) {
   fs::remove_all(d);
   fs::copy(bundles().tiny_dir, d, fs::copy_options::recursive);
   std::string m = read_text(d / "manifest.json");
-  const std::string v = "\"format_version\":{\"major\":1,\"minor\":4}";
+  const std::string v = "\"format_version\":{\"major\":1,\"minor\":5}";
   m.replace(m.find(v), v.size(), "\"format_version\":{\"major\":2,\"minor\":1}");
   write_text(d / "manifest.json", m);
-  DP_EXPECT_STATUS(dp_bundle_open(d.c_str(), nullptr, &b), DP_ERR_FORMAT_VERSION, "2.1", "supported: 1.0 to 1.4");
+  DP_EXPECT_STATUS(dp_bundle_open(d.c_str(), nullptr, &b), DP_ERR_FORMAT_VERSION, "2.1", "supported: 1.0 to 1.5");
   m.replace(m.find("\"major\":2"), 9, "\"major\":1");
   const std::string field = "\"hidden_size\":256,";
   m.erase(m.find(field), field.size());

@@ -252,6 +252,9 @@ TEST_F(PlanningTest, StepsAreOwnedBySessionAndStable) {
   EXPECT_EQ(dp_step_layer_kernel(a.step, 99), 0);
   EXPECT_EQ(dp_step_layer_kernel(nullptr, 0), 0);
   EXPECT_EQ(dp_step_width(nullptr), 0);
+  EXPECT_EQ(dp_step_lm_head(a.step), 1);  // format 1.5: the LM head of every width of at most 32 rows
+  EXPECT_EQ(dp_step_lm_head(c.step), 1);
+  EXPECT_EQ(dp_step_lm_head(nullptr), 0);
 }
 
 TEST_F(PlanningTest, ArgumentErrors) {

@@ -1,0 +1,312 @@
+#!/usr/bin/env python3
+"""`decodepack generate` (the whole model on the GPU through libdecodepack) against Hugging Face
+transformers' KimiLinearForCausalLM on the same checkpoint (issue 17, first agreement check).
+
+One command from the repository root, given a built tree (needs build/ci/tools/decodepack, the CUDA
+driver, and a Python with PyTorch (CUDA) and transformers 5.17):
+
+    python3 tests/gpu/generate_check.py --decodepack build/ci/tools/decodepack
+
+--decodepack is a command line, so a device kit (bench/make_device_kit.sh) works too, e.g.
+    python3 tests/gpu/generate_check.py --decodepack "env LD_LIBRARY_PATH=build/device-kit/lib build/device-kit/bin/decodepack"
+
+Skips (exit 77) without torch, transformers or a CUDA GPU; exit 0 when every gate passes, 1 otherwise.
+
+What it does, per checkpoint (both written by transformers' own save_pretrained through
+hf_make_checkpoint.py, the kimi-linear-tiny preset's geometry, seed 0):
+  - "flat": the random initialisation as it is. Random weights give nearly flat logits (top-2 gaps of
+    0.001 to 0.5), where HF's own bf16 and fp32 greedy paths part after a few tokens.
+  - "confident": the same with lm_head.weight x 30 (top-2 gaps of several units). Note that scaling the
+    LM head scales the bf16 noise of the logits too, so what counts as a near-tie (relative to the
+    measured noise, below) is the same on both; the scaled one checks larger logits.
+1. builds a bundle for sm_90a, widths 1, 2, 4, 8 (deploy-generate.json);
+2. prompts: 8 requests of lengths 1 to 40 (random ids, seed 0);
+3. HF fp32 greedy: --max-tokens new tokens per request (full forwards, no cache), giving G32 and HF fp32's
+   logits at every fed position of prompt + G32[:-1]; HF bf16's logits on the same sequence;
+4. decodepack teacher-forced: `generate` with prompt + G32[:-1] as the prompts and --max-tokens 1
+   (--logits: every fed position's fp32 logits). Requests of different lengths leave the batch as they
+   finish, so the steps run at widths 8, 4, 2, 1 (join, leave, width change and padded rows);
+5. decodepack free-running: `generate` with the prompts and --max-tokens N, eagerly, with --graph, and
+   with --width 8 (every step at width 8, finished requests' rows padded).
+Gates (PASS/FAIL lines):
+  - logits: per fed position p, e_dp(p) = ||L_dp(p) - L_fp32(p)|| / ||L_fp32(p)|| and e_bf16(p) the same
+    for HF bf16; decodepack no further from HF fp32 than HF bf16 is: mean e_dp <= 1.5 mean e_bf16 and
+    max e_dp <= 2 max e_bf16 (both figures printed per request);
+  - argmax: where HF fp32's top-2 gap exceeds 2 tau, tau = max_p ||L_bf16(p) - L_fp32(p)||_inf the bf16
+    noise (a flip needs two entries to move, each by up to the noise), decodepack's argmax equals HF
+    fp32's (count and tau printed);
+  - --graph tokens equal the eager tokens (same kernels, same data);
+  - free-running greedy tokens equal HF fp32's for --max-tokens tokens per request, except after a
+    divergence at a near-tie (HF fp32's top-2 gap < 2 tau there; the gap is printed), for the eager and
+    the --width 8 runs.
+Figures: decodepack steps per second (device time of the step's launches, eager and graph) and HF
+transformers' bf16 cached greedy decode (batch 1, per request) on the same machine, side by side.
+Results: WORK/summary.json (default WORK: build/ci/generate-check).
+"""
+
+import argparse
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+SKIP = 77
+LENGTHS = [1, 3, 7, 12, 18, 25, 33, 40]
+
+
+def skip(msg):
+    print("SKIPPED: " + msg)
+    sys.exit(SKIP)
+
+
+def die(msg):
+    print("FAIL: " + msg)
+    sys.exit(1)
+
+
+def run(cmd, **kw):
+    print("+ " + " ".join(cmd), flush=True)
+    # stderr (progress) is kept and shown only when the command fails
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+    if r.returncode != 0:
+        sys.stderr.write(r.stderr)
+        die("%s exited %d" % (cmd[0], r.returncode))
+    return r.stdout
+
+
+def prompts_for(vocab, seed=0):
+    rnd = random.Random(seed)
+    return [[rnd.randrange(3, vocab) for _ in range(n)] for n in LENGTHS]
+
+
+def write_prompts(path, prompts):
+    with open(path, "w") as f:
+        for p in prompts:
+            f.write(" ".join(str(t) for t in p) + "\n")
+
+
+def generate(dp, bundle, ckpt, prompts_file, max_tokens, extra, logits=None):
+    cmd = dp + ["generate", bundle, "--model", ckpt, "--prompts", prompts_file, "--max-tokens", str(max_tokens),
+           "--json"] + extra
+    if logits:
+        cmd += ["--logits", logits]
+    return json.loads(run(cmd))
+
+
+def hf_models(torch, ckpt):
+    from transformers import KimiLinearForCausalLM
+    out = {}
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        m, info = KimiLinearForCausalLM.from_pretrained(ckpt, dtype=dt, output_loading_info=True)
+        bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        if bad:
+            die("transformers loaded %s with problems: %s" % (ckpt, bad))
+        out[name] = m.to("cuda").eval()
+    return out
+
+
+def hf_greedy_fp32(torch, model, prompt, n):
+    """HF fp32 greedy by full forwards (no cache); returns (tokens, logits [len(prompt)+n-1, V] fp64 at
+    every fed position of prompt + tokens[:-1])."""
+    ids = list(prompt)
+    logits = None
+    with torch.no_grad():
+        for _ in range(n):
+            out = model(input_ids=torch.tensor([ids], device="cuda"), use_cache=False).logits[0].double()
+            logits = out
+            ids.append(int(torch.argmax(out[-1])))
+    return ids[len(prompt):], logits.cpu()
+
+
+def hf_logits(torch, model, seq):
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([seq], device="cuda"), use_cache=False).logits[0].double().cpu()
+
+
+def hf_timed_decode(torch, model, prompt, n):
+    """HF bf16 cached greedy, batch 1: seconds of the n - 1 decode steps after the prefill."""
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt], device="cuda"), use_cache=True)
+        cache, tok = out.past_key_values, int(torch.argmax(out.logits[0, -1]))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            out = model(input_ids=torch.tensor([[tok]], device="cuda"), past_key_values=cache, use_cache=True)
+            cache, tok = out.past_key_values, int(torch.argmax(out.logits[0, -1]))
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
+def top2_gap(row):
+    v = row.topk(2).values
+    return float(v[0] - v[1])
+
+
+def first_divergence(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+class Gates:
+    def __init__(self):
+        self.results = []
+
+    def check(self, ok, what):
+        self.results.append({"ok": bool(ok), "what": what})
+        print("%s: %s" % ("PASS" if ok else "FAIL", what), flush=True)
+
+    def ok(self):
+        return all(r["ok"] for r in self.results)
+
+
+def check_checkpoint(args, torch, np, name, scale, gates):
+    import hf_make_checkpoint
+    work = os.path.join(args.work, name)
+    ckpt = os.path.join(work, "checkpoint")
+    os.makedirs(work, exist_ok=True)
+    print("\n=== checkpoint %s (lm_head x %g) ===" % (name, scale), flush=True)
+    hf_make_checkpoint.make(ckpt, seed=0, geometry="tiny", lm_head_scale=scale)
+    bundle = os.path.join(work, "generate.dpk")
+    run(args.decodepack + ["build", "--model", ckpt, "--deploy", os.path.join(HERE, "deploy-generate.json"), "-o", bundle,
+         "--cache-dir", os.path.join(args.work, "cache")])
+    models = hf_models(torch, ckpt)
+    vocab = models["fp32"].config.vocab_size
+    prompts = prompts_for(vocab)
+    n = args.max_tokens
+
+    # HF: fp32 greedy, fp32 and bf16 logits on the fed sequence prompt + G32[:-1].
+    g32, l32, lbf = [], [], []
+    for p in prompts:
+        toks, logits = hf_greedy_fp32(torch, models["fp32"], p, n)
+        g32.append(toks)
+        l32.append(logits)
+        lbf.append(hf_logits(torch, models["bf16"], p + toks[:-1]))
+    tau = max(float((b - a).abs().max()) for a, b in zip(l32, lbf))
+
+    # decodepack, teacher-forced on the same sequences.
+    tf_file = os.path.join(work, "teacher.txt")
+    write_prompts(tf_file, [p + t[:-1] for p, t in zip(prompts, g32)])
+    logits_file = os.path.join(work, "teacher.logits.f32")
+    tf = generate(args.decodepack, bundle, ckpt, tf_file, 1, [], logits_file)
+    raw = np.fromfile(logits_file, dtype="<f4").reshape(-1, vocab)
+    widths = sorted({s["width"] for s in tf["steps"]}, reverse=True)
+    print("teacher-forced run: %d steps at widths %s" % (len(tf["steps"]), widths))
+    gates.check(len(widths) > 1 and any(s["requests"] < s["width"] for s in tf["steps"]),
+                "%s: the batch shrank through widths %s with padded rows" % (name, widths))
+
+    rows = []
+    e_dp_all, e_bf_all, agree, confident = [], [], 0, 0
+    print("%-8s %-6s %-12s %-12s %-12s %-12s %s" % ("request", "fed", "mean e_dp", "mean e_bf16", "max e_dp",
+                                                     "max e_bf16", "argmax agree (gap > 2 tau)"))
+    for i, (p, req) in enumerate(zip(prompts, tf["requests"])):
+        fed = len(p) + n - 1
+        dp = torch.from_numpy(raw[req["logits_row"]:req["logits_row"] + fed].astype("float64"))
+        a, b = l32[i], lbf[i]
+        e_dp = ((dp - a).norm(dim=1) / a.norm(dim=1)).tolist()
+        e_bf = ((b - a).norm(dim=1) / a.norm(dim=1)).tolist()
+        gaps = [top2_gap(a[j]) for j in range(fed)]
+        ag = [int(torch.argmax(dp[j])) == int(torch.argmax(a[j])) for j in range(fed)]
+        conf = [j for j in range(fed) if gaps[j] > 2 * tau]
+        agree += sum(ag[j] for j in conf)
+        confident += len(conf)
+        e_dp_all += e_dp
+        e_bf_all += e_bf
+        rows.append({"request": i, "prompt": len(p), "e_dp": e_dp, "e_bf16": e_bf, "gap_fp32": gaps,
+                     "argmax_agrees": ag})
+        print("%-8d %-6d %-12.3e %-12.3e %-12.3e %-12.3e %d/%d" % (
+            i, fed, sum(e_dp) / fed, sum(e_bf) / fed, max(e_dp), max(e_bf), sum(ag[j] for j in conf), len(conf)))
+    mean_dp, mean_bf = sum(e_dp_all) / len(e_dp_all), sum(e_bf_all) / len(e_bf_all)
+    gates.check(mean_dp <= 1.5 * mean_bf and max(e_dp_all) <= 2 * max(e_bf_all),
+                "%s: teacher-forced logits vs HF fp32: decodepack mean %.3e max %.3e, HF bf16 mean %.3e max %.3e "
+                "(%d positions)" % (name, mean_dp, max(e_dp_all), mean_bf, max(e_bf_all), len(e_dp_all)))
+    gates.check(agree == confident, "%s: argmax equals HF fp32's at %d of %d positions whose top-2 gap exceeds 2 tau "
+                "(bf16 noise tau = %.4f)" % (name, agree, confident, tau))
+
+    # decodepack free-running: eager, graph, fixed width 8.
+    pf = os.path.join(work, "prompts.txt")
+    write_prompts(pf, prompts)
+    eager = generate(args.decodepack, bundle, ckpt, pf, n, [])
+    graph = generate(args.decodepack, bundle, ckpt, pf, n, ["--graph"])
+    fixed = generate(args.decodepack, bundle, ckpt, pf, n, ["--width", "8"])
+    te = [r["tokens"] for r in eager["requests"]]
+    gates.check(te == [r["tokens"] for r in graph["requests"]], "%s: --graph tokens equal the eager tokens" % name)
+    free = []
+    for label, run_ in (("eager", eager), ("width 8", fixed)):
+        for i, r in enumerate(run_["requests"]):
+            k = first_divergence(r["tokens"], g32[i])
+            gap = None if k is None else top2_gap(l32[i][len(prompts[i]) - 1 + k])
+            free.append({"run": label, "request": i, "diverges_at": k, "gap_fp32": gap})
+            print("free-running %-8s request %d: %s" % (label, i, "equal to HF fp32 for %d tokens" % n if k is None
+                                                         else "diverges at token %d (HF fp32 top-2 gap %.4f)" % (k, gap)))
+        bad = [f for f in free if f["run"] == label and f["diverges_at"] is not None and f["gap_fp32"] >= 2 * tau]
+        ties = [f for f in free if f["run"] == label and f["diverges_at"] is not None and f["gap_fp32"] < 2 * tau]
+        gates.check(not bad, "%s: %s free-running greedy tokens equal HF fp32's for %d tokens per request except after "
+                    "a near-tie (gap < 2 tau = %.4f): %d requests part at a near-tie, %d at a larger gap" %
+                    (name, label, n, 2 * tau, len(ties), len(bad)))
+
+    def steps_per_s(r, mode):
+        ms = [s["ms"] for s in r["steps"] if s["mode"] == mode]
+        return (1e3 * len(ms) / sum(ms)) if ms else 0.0, len(ms)
+    hf_s = [hf_timed_decode(torch, models["bf16"], p, n) for p in prompts]
+    timing = {"decodepack_eager_steps_per_s": steps_per_s(eager, "eager")[0],
+              "decodepack_graph_steps_per_s": steps_per_s(graph, "graph")[0],
+              "decodepack_graph_replays": steps_per_s(graph, "graph")[1],
+              "decodepack_batch_tokens_per_s_graph": 1e3 * sum(s["requests"] for s in graph["steps"]) /
+              sum(s["ms"] for s in graph["steps"]),
+              "hf_bf16_decode_steps_per_s_batch1": (n - 1) * len(prompts) / sum(hf_s)}
+    print("timing: decodepack %.1f steps/s eager, %.1f steps/s graph (device time, batch of up to 8); HF bf16 "
+          "cached decode %.1f steps/s (batch 1)" % (timing["decodepack_eager_steps_per_s"],
+                                                    timing["decodepack_graph_steps_per_s"],
+                                                    timing["hf_bf16_decode_steps_per_s_batch1"]))
+    return {"checkpoint": name, "lm_head_scale": scale, "tau": tau, "mean_e_dp": mean_dp, "mean_e_bf16": mean_bf,
+            "max_e_dp": max(e_dp_all), "max_e_bf16": max(e_bf_all), "argmax_agree": agree,
+            "argmax_confident": confident, "teacher_forced": rows, "free_running": free,
+            "hf_fp32_tokens": g32, "decodepack_tokens": te, "timing": timing,
+            "device": eager["device"], "digest": eager["digest"]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--decodepack", default=os.path.join(ROOT, "build", "ci", "tools", "decodepack"))
+    ap.add_argument("--work", default=os.path.join(ROOT, "build", "ci", "generate-check"))
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--only", choices=["flat", "confident"], help="one checkpoint only")
+    args = ap.parse_args()
+    try:
+        import numpy as np
+        import torch
+        from transformers import KimiLinearForCausalLM  # noqa: F401
+    except ImportError as e:
+        skip("needs numpy, torch and transformers with KimiLinearForCausalLM (%s)" % e)
+    if not torch.cuda.is_available():
+        skip("no CUDA GPU visible to PyTorch")
+    args.decodepack = shlex.split(args.decodepack)
+    if len(args.decodepack) == 1 and not os.access(args.decodepack[0], os.X_OK):
+        die("--decodepack %s is not an executable (build the tree first)" % args.decodepack[0])
+    sys.path.insert(0, HERE)
+    os.makedirs(args.work, exist_ok=True)
+    gates = Gates()
+    out = []
+    for name, scale in (("flat", 1.0), ("confident", 30.0)):
+        if args.only and args.only != name:
+            continue
+        out.append(check_checkpoint(args, torch, np, name, scale, gates))
+    summary = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gates": gates.results,
+               "checkpoints": out, "ok": gates.ok()}
+    with open(os.path.join(args.work, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print("\n%s: %d gates, %d failed (%s)" % ("PASS" if gates.ok() else "FAIL", len(gates.results),
+                                             sum(not r["ok"] for r in gates.results),
+                                             os.path.join(args.work, "summary.json")))
+    return 0 if gates.ok() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
