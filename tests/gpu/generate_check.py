@@ -13,14 +13,15 @@ driver, and a Python with PyTorch (CUDA) and transformers 5.17):
 Skips (exit 77) without torch, transformers or a CUDA GPU; exit 0 when every gate passes, 1 otherwise.
 
 What it does, per checkpoint (both written by transformers' own save_pretrained through
-hf_make_checkpoint.py, the kimi-linear-tiny preset's geometry, seed 0):
+hf_make_checkpoint.py, seed 0, in each of --geometries: tiny, the kimi-linear-tiny preset's shapes, and
+wide, hidden 1024 with 8 KDA and 8 MLA heads and 32 experts):
   - "flat": the random initialisation as it is. Random weights give nearly flat logits (top-2 gaps of
     0.001 to 0.5), where HF's own bf16 and fp32 greedy paths part after a few tokens.
   - "confident": the same with lm_head.weight x 30 (top-2 gaps of several units). Note that scaling the
     LM head scales the bf16 noise of the logits too, so what counts as a near-tie (relative to the
     measured noise, below) is the same on both; the scaled one checks larger logits.
 1. builds a bundle for sm_90a, widths 1, 2, 4, 8 (deploy-generate.json);
-2. prompts: 8 requests of lengths 1 to 40 (random ids, seed 0);
+2. prompts: 8 requests of lengths 1 to 130 (random ids, seed 0);
 3. HF fp32 greedy: --max-tokens new tokens per request (full forwards, no cache), giving G32 and HF fp32's
    logits at every fed position of prompt + G32[:-1]; HF bf16's logits on the same sequence;
 4. decodepack teacher-forced: `generate` with prompt + G32[:-1] as the prompts and --max-tokens 1
@@ -56,7 +57,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 SKIP = 77
-LENGTHS = [1, 3, 7, 12, 18, 25, 33, 40]
+LENGTHS = [1, 4, 11, 23, 40, 64, 97, 130]
 
 
 def skip(msg):
@@ -166,13 +167,14 @@ class Gates:
         return all(r["ok"] for r in self.results)
 
 
-def check_checkpoint(args, torch, np, name, scale, gates):
+def check_checkpoint(args, torch, np, geometry, name, scale, gates):
     import hf_make_checkpoint
+    name = "%s-%s" % (geometry, name)
     work = os.path.join(args.work, name)
     ckpt = os.path.join(work, "checkpoint")
     os.makedirs(work, exist_ok=True)
     print("\n=== checkpoint %s (lm_head x %g) ===" % (name, scale), flush=True)
-    hf_make_checkpoint.make(ckpt, seed=0, geometry="tiny", lm_head_scale=scale)
+    hf_make_checkpoint.make(ckpt, seed=0, geometry=geometry, lm_head_scale=scale)
     bundle = os.path.join(work, "generate.dpk")
     run(args.decodepack + ["build", "--model", ckpt, "--deploy", os.path.join(HERE, "deploy-generate.json"), "-o", bundle,
          "--cache-dir", os.path.join(args.work, "cache")])
@@ -265,7 +267,7 @@ def check_checkpoint(args, torch, np, name, scale, gates):
           "cached decode %.1f steps/s (batch 1)" % (timing["decodepack_eager_steps_per_s"],
                                                     timing["decodepack_graph_steps_per_s"],
                                                     timing["hf_bf16_decode_steps_per_s_batch1"]))
-    return {"checkpoint": name, "lm_head_scale": scale, "tau": tau, "mean_e_dp": mean_dp, "mean_e_bf16": mean_bf,
+    return {"checkpoint": name, "geometry": geometry, "lm_head_scale": scale, "tau": tau, "mean_e_dp": mean_dp, "mean_e_bf16": mean_bf,
             "max_e_dp": max(e_dp_all), "max_e_bf16": max(e_bf_all), "argmax_agree": agree,
             "argmax_confident": confident, "teacher_forced": rows, "free_running": free,
             "hf_fp32_tokens": g32, "decodepack_tokens": te, "timing": timing,
@@ -276,7 +278,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--decodepack", default=os.path.join(ROOT, "build", "ci", "tools", "decodepack"))
     ap.add_argument("--work", default=os.path.join(ROOT, "build", "ci", "generate-check"))
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--geometries", default="tiny,wide",
+                    help="comma-separated hf_make_checkpoint.py geometries (tiny, wide)")
     ap.add_argument("--only", choices=["flat", "confident"], help="one checkpoint only")
     args = ap.parse_args()
     try:
@@ -294,10 +298,11 @@ def main():
     os.makedirs(args.work, exist_ok=True)
     gates = Gates()
     out = []
-    for name, scale in (("flat", 1.0), ("confident", 30.0)):
-        if args.only and args.only != name:
-            continue
-        out.append(check_checkpoint(args, torch, np, name, scale, gates))
+    for geometry in args.geometries.split(","):
+        for name, scale in (("flat", 1.0), ("confident", 30.0)):
+            if args.only and args.only != name:
+                continue
+            out.append(check_checkpoint(args, torch, np, geometry, name, scale, gates))
     summary = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gates": gates.results,
                "checkpoints": out, "ok": gates.ok()}
     with open(os.path.join(args.work, "summary.json"), "w") as f:
