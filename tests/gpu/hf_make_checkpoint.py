@@ -22,11 +22,20 @@ kernels run with the block counts, K-slices and row tiles of real models rather 
 1024, KDA 8 heads of 128, MLA 8 heads (kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128), 32 experts top-4
 of width 256 plus 1 shared, dense width 2048; about 150 MB in bf16.
 
---lm-head-scale S multiplies lm_head.weight by S before the cast: random weights give nearly flat logits
-(top-2 gaps of 0.001 to 0.5), where bf16 rounding alone flips greedy choices; a scale of about 30 gives
-top-2 gaps of several units, so free-running greedy tokens can be compared (tests/gpu/generate_check.py).
+--lm-head-scale S multiplies lm_head.weight by S before the cast. Random weights give nearly flat logits
+(top-2 gaps of 0.001 to 0.5), where bf16 rounding alone flips greedy choices; scaling the head does not
+help, since it scales the rounding noise of the logits with them (measured on the H200: HF bf16's logits
+sit about 5% from HF fp32's, relative, whatever the scale).
+
+--lm-head permutation replaces lm_head.weight by the embedding rows in a fixed random order, scaled:
+row pi(t) = c * embed_tokens[t], c chosen so that a hidden state equal to token t's embedding scores
+pi(t) at about 20 after the final norm. The residual stream still carries the current token's
+embedding after every layer, so the next token is nearly always pi(current token) and its logit leads
+by several units; the layers still move every logit (the others by about c * |embedding| each), so
+they stay checked. This is the "confident" checkpoint of tests/gpu/generate_check.py.
 
 Usage: hf_make_checkpoint.py OUT_DIR [--seed 0] [--geometry tiny|wide] [--lm-head-scale S]
+       [--lm-head random|permutation]
        (needs torch and transformers 5.17)
 """
 
@@ -83,7 +92,7 @@ WIDE = {
 GEOMETRIES = {"tiny": GEOMETRY, "wide": dict(GEOMETRY, **WIDE)}
 
 
-def make(out_dir, seed=0, geometry="tiny", lm_head_scale=1.0):
+def make(out_dir, seed=0, geometry="tiny", lm_head_scale=1.0, lm_head="random"):
     import torch
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
     torch.manual_seed(seed)
@@ -101,6 +110,13 @@ def make(out_dir, seed=0, geometry="tiny", lm_head_scale=1.0):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.rand(b.shape, generator=g) * 0.1 - 0.05)
+        if lm_head == "permutation":
+            emb = model.model.embed_tokens.weight
+            perm = torch.randperm(emb.shape[0], generator=g)
+            c = 20.0 / (emb.norm(dim=1).mean() * emb.shape[1] ** 0.5)
+            model.lm_head.weight.copy_(c * emb[torch.argsort(perm)])  # row perm[t] = c * emb[t]
+        elif lm_head != "random":
+            raise SystemExit("--lm-head %s: random or permutation" % lm_head)
         if lm_head_scale != 1.0:
             model.lm_head.weight.mul_(lm_head_scale)
     model = model.to(torch.bfloat16).eval()
@@ -115,8 +131,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="tiny")
     ap.add_argument("--lm-head-scale", type=float, default=1.0)
+    ap.add_argument("--lm-head", choices=("random", "permutation"), default="random")
     args = ap.parse_args()
-    make(args.out_dir, args.seed, args.geometry, args.lm_head_scale)
+    make(args.out_dir, args.seed, args.geometry, args.lm_head_scale, args.lm_head)
     print("wrote %s" % args.out_dir)
     return 0
 
