@@ -588,6 +588,10 @@ class Plan:
         """True when the bundle has layer `layer`'s program at this width."""
         return bool(self.step) and _lib().dp_step_layer_kernel(self.step, layer) != 0
 
+    def lm_head(self):
+        """True when the bundle has the LM head's GEMM at this width (format 1.5 bundles)."""
+        return bool(self.step) and _lib().dp_step_lm_head(self.step) != 0
+
     def __repr__(self):
         if self.reason == REASON_NONE:
             return "Plan(width=%d, q=%d)" % (self.width, self.q)
