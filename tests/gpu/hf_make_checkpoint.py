@@ -27,12 +27,13 @@ of width 256 plus 1 shared, dense width 2048; about 150 MB in bf16.
 help, since it scales the rounding noise of the logits with them (measured on the H200: HF bf16's logits
 sit about 5% from HF fp32's, relative, whatever the scale).
 
---lm-head permutation replaces lm_head.weight by the embedding rows in a fixed random order, scaled:
-row pi(t) = c * embed_tokens[t], c chosen so that a hidden state equal to token t's embedding scores
-pi(t) at about 20 after the final norm. The residual stream still carries the current token's
-embedding after every layer, so the next token is nearly always pi(current token) and its logit leads
-by several units; the layers still move every logit (the others by about c * |embedding| each), so
-they stay checked. This is the "confident" checkpoint of tests/gpu/generate_check.py.
+--lm-head permutation scales the embedding to rms 1 (transformers initialises it at 0.02, far below what
+the layers add to the residual stream) and replaces lm_head.weight by the embedding rows in a fixed
+random order, scaled: row pi(t) = c * embed_tokens[t], c chosen so that a hidden state equal to token
+t's embedding scores pi(t) at about 20 after the final norm. The residual stream then still carries
+the current token's embedding after every layer, so the next token is nearly always pi(current token)
+and its logit leads by several units; the layers still move every logit, so they stay checked. This is
+the "confident" checkpoint of tests/gpu/generate_check.py and host_check.py.
 
 Usage: hf_make_checkpoint.py OUT_DIR [--seed 0] [--geometry tiny|wide] [--lm-head-scale S]
        [--lm-head random|permutation]
@@ -112,6 +113,7 @@ def make(out_dir, seed=0, geometry="tiny", lm_head_scale=1.0, lm_head="random"):
                 b.copy_(torch.rand(b.shape, generator=g) * 0.1 - 0.05)
         if lm_head == "permutation":
             emb = model.model.embed_tokens.weight
+            emb.mul_(1.0 / emb.pow(2).mean().sqrt())   # rms 1: the residual stream carries the token
             perm = torch.randperm(emb.shape[0], generator=g)
             c = 20.0 / (emb.norm(dim=1).mean() * emb.shape[1] ** 0.5)
             model.lm_head.weight.copy_(c * emb[torch.argsort(perm)])  # row perm[t] = c * emb[t]

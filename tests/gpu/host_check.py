@@ -27,7 +27,10 @@ per width. Then:
      token at two steps of three and a wrong token at the third, so that both outcomes occur; the
      host's own proposer, prompt lookup, rarely hits on random prompts), FULL graphs, two forced
      transformers steps.
-Gates: every request's tokens equal HF fp32's greedy tokens (full forwards, no cache) for all the tokens
+Gates: each step's logits (first row of each request), grouped by path (graph replay, transformers),
+no further from HF fp32's at the same position than HF bf16's are (mean <= 1.5x, max <= 2x; this is
+what checks the state moved between the two caches: the confident checkpoint's tokens would survive a
+wrong state); every request's tokens equal HF fp32's greedy tokens (full forwards, no cache) for all the tokens
 it asked for, except after a divergence at a near-tie (HF fp32's top-2 gap < 2 tau(p), tau(p) the bf16
 noise at that position, as in generate_check.py); the paths the run should take were taken (graph
 replays with padded rows, width changes, refused steps run by transformers with their reason).
@@ -96,13 +99,36 @@ def run_geometry(args, torch, geometry, gates):
     vocab = models["fp32"].config.vocab_size
     prompts = gc.prompts_for(vocab)
     n = args.max_tokens
-    g32, l32, tau = [], [], []
+    g32, l32, tau, ebf = [], [], [], []
     for p in prompts:
         toks, logits = gc.hf_greedy_fp32(torch, models["fp32"], p, n)
         lbf = gc.hf_logits(torch, models["bf16"], p + toks[:-1])
         g32.append(toks)
         l32.append(logits)
         tau.append((lbf - logits).abs().max(dim=1).values.tolist())
+        ebf.append(((lbf - logits).norm(dim=1) / logits.norm(dim=1)).tolist())
+
+    def logits_gate(label, trace, outputs):
+        """Each step's first-row logits against HF fp32's at the same position (while the request's tokens
+        still equal HF fp32's), per path, no further than HF bf16's at those positions."""
+        err = {}
+        for s in trace:
+            for rid, k, row in s.get("logits", []):
+                i = rid % len(prompts)
+                if outputs[rid][:k] != g32[i][:k] or k >= len(g32[i]):
+                    continue
+                j = len(prompts[i]) - 1 + k
+                ref = l32[i][j]
+                e = err.setdefault(s["path"], ([], []))
+                e[0].append(float((row - ref).norm() / ref.norm()))
+                e[1].append(ebf[i][j])
+        for path, (e_host, e_bf) in sorted(err.items()):
+            m, mb = sum(e_host) / len(e_host), sum(e_bf) / len(e_bf)
+            gates.check(m <= 1.5 * mb and max(e_host) <= 2 * max(e_bf),
+                        "%s: %s-path logits vs HF fp32 at %d positions: mean %.3e max %.3e, HF bf16 mean %.3e max %.3e"
+                        % (label, path, len(e_host), m, max(e_host), mb, max(e_bf)))
+        return {p: {"positions": len(e[0]), "mean": sum(e[0]) / len(e[0]), "mean_bf16": sum(e[1]) / len(e[1])}
+                for p, e in err.items()}
     del models["fp32"]
     model = models["bf16"]
     out = {"geometry": geometry}
@@ -119,7 +145,7 @@ def run_geometry(args, torch, geometry, gates):
                 "%s: the profiling step without KV was refused (DP_REASON_NO_KV) and run by transformers" % name)
     gates.check(sorted(host.graphs) == [1, 2, 4, 8], "%s: FULL graphs captured at widths %s" % (name, sorted(host.graphs)))
     want = {i: n - 6 * i for i in range(len(prompts))}
-    res = host.generate({i: p for i, p in enumerate(prompts)}, want, force_host_steps=range(10, 13))
+    res = host.generate({i: p for i, p in enumerate(prompts)}, want, force_host_steps=range(10, 13), keep_logits=True)
     trace = host.trace
     widths = []
     for s in trace:
@@ -136,14 +162,16 @@ def run_geometry(args, torch, geometry, gates):
                 % (name, widths, padded, forced))
     out["A"] = near_tie_gate(gates, "%s A (q=1, graphs, 3 forced host steps)" % name,
                              {i: res[i] for i in res}, prompts, g32, l32, tau)
-    out["A"]["trace"] = trace
+    out["A"]["logits"] = logits_gate("%s A" % name, trace, res)
+    out["A"]["trace"] = [{k: v for k, v in s.items() if k != "logits"} for s in trace]
     stats_a = json.loads(json.dumps(host.stats))
 
     extra = {len(prompts) + k: prompts[k] for k in range(3)}
-    all_b = dict({i: p for i, p in enumerate(prompts)}, **extra)
+    all_b = {i: p for i, p in enumerate(prompts)}
+    all_b.update(extra)
     host.stats["reasons"] = {}
     want_b = {i: (n if i < len(prompts) else 16) for i in all_b}   # the three extra leave after 16 steps
-    res_b = host.generate(all_b, want_b)
+    res_b = host.generate(all_b, want_b, keep_logits=True)
     host_steps = sum(1 for s in host.trace if s["path"] == "host")
     refused = host.stats["reasons"].get("DP_REASON_TOO_MANY_REQUESTS", 0)
     print("B: %d steps, %d by transformers (reasons %s), then %d graph replays" % (
@@ -152,6 +180,7 @@ def run_geometry(args, torch, geometry, gates):
                 "%s B: 11 requests: %d steps refused (TOO_MANY_REQUESTS) and run by transformers, then the graphs"
                 % (name, refused))
     out["B"] = near_tie_gate(gates, "%s B (11 requests)" % name, res_b, prompts, g32, l32, tau)
+    out["B"]["logits"] = logits_gate("%s B" % name, host.trace, res_b)
 
     # timing: a fresh run of A's requests without forced steps
     host.stats["seconds"], host.stats["tokens"] = {}, {}
@@ -181,7 +210,8 @@ def run_geometry(args, torch, geometry, gates):
         k = len(tokens) - len(r.prompt)
         right = g32[r.id][k] if k < len(g32[r.id]) else 0
         return right if k % 3 else (right + 1) % vocab
-    res_c = host.generate({i: p for i, p in enumerate(prompts)}, n, force_host_steps=(5, 6), proposer=proposer)
+    res_c = host.generate({i: p for i, p in enumerate(prompts)}, n, force_host_steps=(5, 6), proposer=proposer,
+                          keep_logits=True)
     proposed = sum(1 for s in host.trace)  # steps
     replays = sum(1 for s in host.trace if s["path"] == "graph")
     forced = sum(1 for s in host.trace if s["path"] == "host")
@@ -193,6 +223,7 @@ def run_geometry(args, torch, geometry, gates):
                 "%s C: speculative-verify steps replay graphs, accept some proposals (%d tokens in %d request-steps), "
                 "2 forced transformers steps" % (name, emitted, sum(s["requests"] for s in host.trace)))
     out["C"] = near_tie_gate(gates, "%s C (q=2 spec verify)" % name, res_c, prompts, g32, l32, tau)
+    out["C"]["logits"] = logits_gate("%s C" % name, host.trace, res_c)
     out["C"]["tokens_per_request_step"] = emitted / max(1, sum(s["requests"] for s in host.trace))
     sec = host.stats["seconds"].get("graph", 0.0)
     out["timing"]["host_q2_graph_tokens_per_s"] = host.stats["tokens"].get("graph", 0) / sec if sec else 0.0

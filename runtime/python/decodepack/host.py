@@ -248,6 +248,7 @@ class KimiLinearHost:
         self.session.finalize_weights()
         self.session.verify_weights()   # the bound bytes against the bundle's fingerprints
         self._lm_head = model.lm_head.weight.detach()
+        self._embed = model.model.embed_tokens.weight.detach()
         self.session.bind_lm_head(self._lm_head)
         self.session.load_kernels()     # every width, before profiling and graph capture
         self.caches = {}
@@ -393,7 +394,7 @@ class KimiLinearHost:
         torch, io, s = self.torch, self.io, self.session
         stream = torch.cuda.current_stream(self.device)
         rows = plan.width * self.q
-        torch.index_select(self.model.model.embed_tokens.weight, 0, io["ids"][:rows], out=io["hid"][0][:rows])
+        torch.index_select(self._embed, 0, io["ids"][:rows], out=io["hid"][0][:rows])
         meta = dict(positions=io["positions"], state_indices=io["state_indices"], block_table=io["block_table"],
                     block_table_stride=self.cols, seq_lens=io["seq_lens"], slot_mapping=io["slot_mapping"],
                     num_accepted=io["num_accepted"])
@@ -501,10 +502,11 @@ class KimiLinearHost:
             r.output.extend(emitted[:r.max_new_tokens - len(r.output)])
         return logits
 
-    def generate(self, prompts, max_new_tokens, force_host_steps=(), proposer=None):
+    def generate(self, prompts, max_new_tokens, force_host_steps=(), proposer=None, keep_logits=False):
         """Continuous batching: every request joins (prefill), the running ones step together, finished
         ones leave, and the step's width follows the batch. prompts: {id: [token ids]}; max_new_tokens:
-        an int or {id: int}. Returns {id: tokens} and keeps per-step records in self.trace."""
+        an int or {id: int}. Returns {id: tokens} and keeps per-step records in self.trace (keep_logits:
+        with each request's first-row logits, on the CPU, as (id, tokens generated before the step, row))."""
         todo = list(prompts.items())
         running, done, self.trace = [], {}, []
         while todo or running:
@@ -526,10 +528,14 @@ class KimiLinearHost:
                 continue
             step_no = self.stats["steps"]
             before = (self.stats["host_steps"], self.stats["graph_replays"])
-            self.step(running, force_host=step_no in force_host_steps, proposer=proposer)
+            k = [len(r.output) for r in running]
+            logits = self.step(running, force_host=step_no in force_host_steps, proposer=proposer)
             self.trace.append({"requests": len(running),
                                "path": "host" if self.stats["host_steps"] > before[0] else
                                "graph" if self.stats["graph_replays"] > before[1] else "eager"})
+            if keep_logits:
+                rows = logits[:, 0].double().cpu()
+                self.trace[-1]["logits"] = [(r.id, k[i], rows[i]) for i, r in enumerate(running)]
         return done
 
     # -- transformers' cache <-> decodepack's caches
