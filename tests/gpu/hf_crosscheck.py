@@ -28,7 +28,7 @@ What it does
      each layer with HF's layer input and prefill caches. It tells which side is right where HF and
      decodepack disagree; it does not gate.
   3. decodepack half (CUDA GPU): opens the bundle built from the same checkpoint, creates a session on
-     cuda:0, binds HF's parameters as the weights (bundle names mapped onto HF's runtime names: hf_source();
+     cuda:0, binds HF's parameters as the weights (bundle names mapped onto HF's runtime names: decodepack.host.hf_weight();
      F32 copies where the bundle wants F32 and HF keeps bf16; expert groups as strided views into HF's fused
      [E, 2I, H] / [E, H, I] tensors), checks the bound bytes against the bundle's fingerprints (in Python and
      with dp_session_verify_weights), loads the kernels, allocates decodepack-layout caches filled from HF's
@@ -89,7 +89,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import sys
 import tarfile
 
@@ -642,63 +641,6 @@ def torch_dtype(code):
     return table[code]
 
 
-def hf_source(name, params):
-    """The HF runtime tensor for a bundle weight name (checkpoint naming, "{e}" for expert groups), and
-    the HF name it came from. Mapping (tests/fixtures/hf-kimi-linear/NOTES.md):
-      self_attn.{q,k,v}_conv1d.weight [P,1,K]   <- self_attn.conv1d.weight [3P,1,K] rows [iP, (i+1)P)
-      self_attn.{f_a_proj,f_b_proj}.weight, self_attn.{dt_bias,A_log} <- self_attn.forget_gate.*
-      block_sparse_moe.*                          <- mlp.*
-      block_sparse_moe.experts.{e}.w1 (gate)      <- mlp.experts.gate_up_proj[:, :I, :]  (view, [E, I, H])
-      block_sparse_moe.experts.{e}.w3 (up)        <- mlp.experts.gate_up_proj[:, I:, :]  (view)
-      block_sparse_moe.experts.{e}.w2 (down)      <- mlp.experts.down_proj                ([E, H, I])
-      everything else (incl. the dense layer's mlp.*) under the same name."""
-    m = re.match(r"(model\.layers\.\d+\.)(.*)$", name)
-    if not m:
-        return params[name], name
-    p, rest = m.group(1), m.group(2)
-    cm = re.match(r"self_attn\.([qkv])_conv1d\.weight$", rest)
-    if cm:
-        full = params[p + "self_attn.conv1d.weight"]
-        P = full.shape[0] // 3
-        i = "qkv".index(cm.group(1))
-        return full[i * P:(i + 1) * P], "%sself_attn.conv1d.weight[%d:%d]" % (p, i * P, (i + 1) * P)
-    fm = re.match(r"self_attn\.(f_a_proj\.weight|f_b_proj\.weight|dt_bias|A_log)$", rest)
-    if fm:
-        n = p + "self_attn.forget_gate." + fm.group(1)
-        return params[n], n
-    if rest.startswith("block_sparse_moe."):
-        rest = "mlp." + rest[len("block_sparse_moe."):]
-    em = re.match(r"mlp\.experts\.\{e\}\.(w[123])\.weight$", rest)
-    if em:
-        which = em.group(1)
-        if p + "mlp.experts.gate_up_proj" in params:
-            if which == "w2":
-                n = p + "mlp.experts.down_proj"
-                return params[n], n
-            gu = params[p + "mlp.experts.gate_up_proj"]
-            im = gu.shape[1] // 2
-            if which == "w1":
-                return gu[:, :im, :], p + "mlp.experts.gate_up_proj[:, :%d]" % im
-            return gu[:, im:, :], p + "mlp.experts.gate_up_proj[:, %d:]" % im
-        # a layout with one module per expert: stack copies
-        import torch
-        alt = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}[which]
-        e = 0
-        parts = []
-        while True:
-            cands = [p + "mlp.experts.%d.%s.weight" % (e, which), p + "mlp.experts.%d.%s.weight" % (e, alt)]
-            hit = next((c for c in cands if c in params), None)
-            if hit is None:
-                break
-            parts.append(params[hit])
-            e += 1
-        if not parts:
-            raise KeyError(p + "mlp.experts.* (%s)" % which)
-        return torch.stack(parts), p + "mlp.experts.{e}.%s (stacked copy)" % which
-    n = p + rest
-    return params[n], n
-
-
 def tensor_bytes(t):
     import torch
     t = t.detach().to("cpu").contiguous()
@@ -710,6 +652,7 @@ def tensor_bytes(t):
 def bind_weights(session, bundle, model, manifest, rep):
     """Binds every weight the bundle lists for rank 0; returns the tensors to keep alive."""
     import decodepack as dp
+    from decodepack.host import hf_weight  # bundle names onto transformers' runtime tensors
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     fps = {w["name"]: w for w in manifest["ranks"][0]["weights"]} if manifest.get("weights_fingerprinted") else {}
@@ -718,7 +661,7 @@ def bind_weights(session, bundle, model, manifest, rep):
     fp_bad = []
     for w in bundle.weights(0):
         try:
-            src, src_name = hf_source(w.name, params)
+            src, src_name = hf_weight(w.name, params)
         except KeyError as e:
             die("bundle weight %s: no HF tensor %s" % (w.name, e))
         want = torch_dtype(w.dtype)

@@ -5,7 +5,7 @@ half (the host driving the bundle and transformers) is tests/gpu/host_check.py."
 import unittest
 
 import decodepack as dp
-from decodepack.host import Pool, Request, accept, propose, step_metadata
+from decodepack.host import Pool, Request, accept, hf_weight, propose, step_metadata
 
 
 class PoolTest(unittest.TestCase):
@@ -82,6 +82,48 @@ class ProposeAcceptTest(unittest.TestCase):
     def test_empty_prompt_refused(self):
         with self.assertRaisesRegex(ValueError, "empty prompt"):
             Request("x", [], 4)
+
+
+class Fake:
+    """A stand-in for a tensor: its name, shape and the index it was sliced with."""
+
+    def __init__(self, name, shape, index=None):
+        self.name, self.shape, self.index = name, shape, index
+
+    def __getitem__(self, index):
+        return Fake(self.name, None, index)
+
+
+class HfWeightTest(unittest.TestCase):
+    """Bundle weight names (checkpoint naming) onto transformers 5.17's fused runtime tensors."""
+
+    def setUp(self):
+        L = "model.layers.1."
+        self.p = {n: Fake(n, s) for n, s in (
+            (L + "self_attn.conv1d.weight", (3 * 256, 1, 4)),
+            (L + "self_attn.forget_gate.f_a_proj.weight", (128, 256)),
+            (L + "mlp.experts.gate_up_proj", (16, 2 * 128, 256)),
+            (L + "mlp.experts.down_proj", (16, 256, 128)),
+            (L + "mlp.gate.weight", (16, 256)),
+            ("model.norm.weight", (256,)))}
+
+    def test_mapping(self):
+        L = "model.layers.1."
+        t, src = hf_weight(L + "self_attn.k_conv1d.weight", self.p)
+        self.assertEqual((t.name, t.index, src), (L + "self_attn.conv1d.weight", slice(256, 512),
+                                                  L + "self_attn.conv1d.weight[256:512]"))
+        t, src = hf_weight(L + "self_attn.f_a_proj.weight", self.p)
+        self.assertEqual(src, L + "self_attn.forget_gate.f_a_proj.weight")
+        t, src = hf_weight(L + "block_sparse_moe.experts.{e}.w1.weight", self.p)   # gate: first half
+        self.assertEqual(t.index, (slice(None), slice(None, 128), slice(None)))
+        t, src = hf_weight(L + "block_sparse_moe.experts.{e}.w3.weight", self.p)   # up: second half
+        self.assertEqual(t.index, (slice(None), slice(128, None), slice(None)))
+        t, src = hf_weight(L + "block_sparse_moe.experts.{e}.w2.weight", self.p)
+        self.assertEqual((t.index, src), (None, L + "mlp.experts.down_proj"))
+        self.assertEqual(hf_weight(L + "block_sparse_moe.gate.weight", self.p)[1], L + "mlp.gate.weight")
+        self.assertEqual(hf_weight("model.norm.weight", self.p)[1], "model.norm.weight")
+        with self.assertRaises(KeyError):
+            hf_weight(L + "self_attn.o_proj.weight", self.p)
 
 
 if __name__ == "__main__":
