@@ -32,11 +32,11 @@ std::string module_of(const std::string& weight) {
 }
 
 // Why an FP8 weight, its scale or an unquantized linear weight of an FP8 model is expected as it is.
-std::string quant_note(const Model& model, const WeightSpec& w, InventoryIssue::Kind kind) {
+// `q`: the weight that `w` scales, when `w` is a scale tensor.
+std::string quant_note(const Model& model, const WeightSpec& w, const WeightSpec* q, InventoryIssue::Kind kind) {
   if (model.quant.method != QuantMethod::fp8_block) return {};
   const std::string config = fmt::format("quantization_config: {}", describe(model.quant));
   if (!w.scale_of.empty()) {
-    const WeightSpec* q = model.find(w.scale_of);
     if (!q || q->shape.size() != 2 || q->quant.block.size() != 2) return {};
     const std::string of = fmt::format("the fp32 weight_scale_inv of FP8 weight {} {}: one scale per {}x{} block",
                                        w.scale_of, shape_string(q->shape), q->quant.block[0], q->quant.block[1]);
@@ -60,8 +60,17 @@ Inventory check_inventory(const Model& model, const st::Checkpoint& ckpt) {
   Inventory inv;
   inv.resolved.assign(model.weights.size(), nullptr);
   std::unordered_set<std::string> used;
+  // Names to IR entries, for the scales' weights and the scales a checkpoint has too many of (a model
+  // holds 10^5 weights: no linear search per issue).
+  std::unordered_map<std::string_view, size_t> index;
+  for (size_t i = 0; i < model.weights.size(); ++i) index.emplace(model.weights[i].name, i);
+  auto find = [&](std::string_view name) -> const WeightSpec* {
+    auto it = index.find(name);
+    return it == index.end() ? nullptr : &model.weights[it->second];
+  };
   for (size_t i = 0; i < model.weights.size(); ++i) {
     const WeightSpec& w = model.weights[i];
+    const WeightSpec* scaled = w.scale_of.empty() ? nullptr : find(w.scale_of);
     const st::TensorInfo* t = ckpt.find(w.name);
     for (size_t a = 0; !t && a < w.aliases.size(); ++a) t = ckpt.find(w.aliases[a]);
     if (!t) {
@@ -69,10 +78,10 @@ Inventory check_inventory(const Model& model, const st::Checkpoint& ckpt) {
       for (const std::string& a : w.aliases) names += " (or " + a + ")";
       InventoryIssue issue{InventoryIssue::Kind::missing, names,
                            fmt::format("{} {}", shape_string(w.shape), dtype_name(w.dtype)), "", "",
-                           quant_note(model, w, InventoryIssue::Kind::missing)};
+                           quant_note(model, w, scaled, InventoryIssue::Kind::missing)};
       // A missing scale: name the file holding its weight (IR order puts the weight first).
-      if (const WeightSpec* q = w.scale_of.empty() ? nullptr : model.find(w.scale_of); q && !issue.note.empty())
-        if (const st::TensorInfo* qt = inv.resolved[static_cast<size_t>(q - model.weights.data())])
+      if (scaled && !issue.note.empty())
+        if (const st::TensorInfo* qt = inv.resolved[static_cast<size_t>(scaled - model.weights.data())])
           issue.note += fmt::format("; the weight is in {}", ckpt.file_path(qt->file).filename().string());
       inv.issues.push_back(std::move(issue));
       continue;
@@ -82,14 +91,14 @@ Inventory check_inventory(const Model& model, const st::Checkpoint& ckpt) {
     const std::string file = ckpt.file_path(t->file).filename().string();
     if (t->shape != w.shape)
       inv.issues.push_back({InventoryIssue::Kind::shape, t->name, shape_string(w.shape), shape_string(t->shape), file,
-                            quant_note(model, w, InventoryIssue::Kind::shape)});
+                            quant_note(model, w, scaled, InventoryIssue::Kind::shape)});
     bool dtype_ok = t->dtype == w.dtype;
     for (DType d : w.alt_dtypes) dtype_ok = dtype_ok || t->dtype == d;
     if (!dtype_ok) {
       std::string expected(dtype_name(w.dtype));
       for (DType d : w.alt_dtypes) expected += fmt::format(" or {}", dtype_name(d));
       inv.issues.push_back({InventoryIssue::Kind::dtype, t->name, expected, std::string(dtype_name(t->dtype)), file,
-                            quant_note(model, w, InventoryIssue::Kind::dtype)});
+                            quant_note(model, w, scaled, InventoryIssue::Kind::dtype)});
     }
   }
   for (const st::TensorInfo& t : ckpt.tensors()) {
@@ -97,7 +106,7 @@ Inventory check_inventory(const Model& model, const st::Checkpoint& ckpt) {
     // A scale whose weight the model holds unquantized: say why it has none.
     std::string note;
     if (t.name.ends_with(".weight_scale_inv"))
-      if (const WeightSpec* w = model.find(t.name.substr(0, t.name.size() - 17) + ".weight"))
+      if (const WeightSpec* w = find(t.name.substr(0, t.name.size() - 17) + ".weight"))
         note = model.quant.method != QuantMethod::fp8_block
                    ? fmt::format("the config has no FP8 quantization_config, so {} has no scale", excerpt(w->name))
                : w->quant.excluded
