@@ -244,6 +244,23 @@ TEST(Quant, Fp8PlanCountsBytesAndRunsNoLayerOnFp8Weights) {
   const Json j = plan::to_json(p, m, d);
   EXPECT_EQ(j["model"]["quantization"]["method"], "fp8");
   EXPECT_EQ(j["model"]["checkpoint_bytes"], m.total_weight_bytes());
+  // The e4m3 bytes and the scale bytes, counted apart: one byte per value, 4 per 128x128 block.
+  uint64_t values = 0, scales = 0;
+  size_t n = 0;
+  for (const WeightSpec& w : m.weights)
+    if (w.quant.method == QuantMethod::fp8_block) {
+      ++n;
+      values += static_cast<uint64_t>(w.shape[0] * w.shape[1]);
+      scales += static_cast<uint64_t>((w.shape[0] + 127) / 128 * ((w.shape[1] + 127) / 128) * 4);
+    }
+  const Json& jq = j["model"]["quantization"];
+  EXPECT_EQ(jq["quantized_bytes"], values);
+  EXPECT_EQ(jq["scale_bytes"], scales);
+  EXPECT_EQ(jq["scales"], n);
+  EXPECT_EQ(jq["quantized_weights"], n);
+  const std::string text = plan::to_text(p, m, d);
+  EXPECT_NE(text.find(fmt::format("quant     fp8 e4m3 128x128 blocks: {} quantized weights (", n)), std::string::npos)
+      << text.substr(0, 400);
 }
 
 TEST(Quant, Fp8ShardsMustKeepWholeBlocksPerRank) {
