@@ -110,7 +110,7 @@ with tempfile.TemporaryDirectory(prefix="dp-json-") as tmp:
     if synth8 and plan8:
         q = plan8["model"].get("quantization") or {}
         check(synth8["quantize"] == "fp8" and q.get("method") == "fp8", f"fp8: synth {synth8}, plan {q}")
-        check(0 < q.get("scale_bytes", 0) < q.get("quantized_bytes", 0) < plan8["model"]["weight_bytes"],
+        check(0 < q.get("scale_bytes", 0) < q.get("quantized_bytes", 0) < plan8["model"]["checkpoint_bytes"],
               f"fp8 bytes: {q}")
         check(q.get("scales") == q.get("quantized_weights"), f"fp8: one scale tensor per FP8 weight: {q}")
     run("plan", "--model", "kimi-linear-tiny", "--deploy", f"{tmp}/missing.json", "--json", expect=4)
