@@ -1,6 +1,7 @@
 #include "model/synth.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -79,19 +80,24 @@ Fp8Blocks synth_fp8(const WeightSpec& w, uint64_t seed) {
 
 }  // namespace
 
-Json fp8_quantization_config() {
-  // What stays bf16, besides what no FP8 checkpoint quantizes (embeddings, norms, convolutions, A_log,
-  // dt_bias, biases): the LM head and the MoE router (their outputs are the logits and the expert
-  // choice), and the KDA gate and beta projections (f_a/f_b, g_a/g_b, b_proj: low-rank or num_heads
-  // wide, feeding exponentials and sigmoids; b_proj's num_heads rows cannot be cut on 128-row block
-  // edges for tensor parallelism).
+Json fp8_quantization_config(const Model& m) {
+  // What stays bf16, besides what no FP8 checkpoint quantizes (norms, convolutions, A_log, dt_bias,
+  // biases): the embeddings and the LM head, the MoE router (its output is the expert choice), and the
+  // KDA gate and beta projections (f_a/f_b, g_a/g_b, b_proj: low-rank or num_heads wide, feeding
+  // exponentials and sigmoids; b_proj's num_heads rows cannot be cut on 128-row block edges for tensor
+  // parallelism). Listed by full module name, in model order.
+  static constexpr std::array<std::string_view, 6> kKept = {
+      "block_sparse_moe.gate.weight", "self_attn.f_a_proj.weight", "self_attn.f_b_proj.weight",
+      "self_attn.g_a_proj.weight",    "self_attn.g_b_proj.weight", "self_attn.b_proj.weight"};
+  Json kept = Json::array({"model.embed_tokens", "lm_head"});
+  for (const WeightSpec& w : m.weights)
+    if (w.layer >= 0 && std::find(kKept.begin(), kKept.end(), w.key) != kKept.end())
+      kept.push_back(w.name.substr(0, w.name.size() - 7));  // less ".weight"
   return Json{{"quant_method", "fp8"},
               {"fmt", "e4m3"},
               {"activation_scheme", "dynamic"},
               {"weight_block_size", {kFp8Block, kFp8Block}},
-              {"modules_to_not_convert",
-               {"lm_head", "model.embed_tokens", "block_sparse_moe.gate", "self_attn.f_a_proj", "self_attn.f_b_proj",
-                "self_attn.g_a_proj", "self_attn.g_b_proj", "self_attn.b_proj"}}};
+              {"modules_to_not_convert", std::move(kept)}};
 }
 
 std::vector<uint8_t> synth_tensor(const WeightSpec& w, DType dtype, uint64_t seed) {
@@ -172,7 +178,7 @@ SynthResult synthesize(const SynthOptions& opt) {
     if (m.quant.method != QuantMethod::none)
       fail(Errc::usage, "--quantize fp8: {} already has a quantization_config ({}); --quantize starts from a bf16 "
            "config", m.config_source, describe(m.quant));
-    cfg["quantization_config"] = fp8_quantization_config();
+    cfg["quantization_config"] = fp8_quantization_config(m);
     m = model_from_config(cfg, m.config_source + " with --quantize fp8");
   }
   const bool hf = opt.layout == CheckpointLayout::transformers;

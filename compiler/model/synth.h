@@ -23,9 +23,10 @@ enum class CheckpointLayout {
 // What `synth --quantize` writes: the preset's own dtypes, or FP8 block quantization (model/quant.h).
 enum class SynthQuantize { none, fp8 };
 
-// The quantization_config `synth --quantize fp8` adds to a Kimi-Linear config: e4m3 weights, dynamic
-// activation scales, 128 x 128 blocks, and modules_to_not_convert naming what stays bf16.
-Json fp8_quantization_config();
+// The quantization_config `synth --quantize fp8` adds to the config of the bf16 model `m`: e4m3 weights,
+// dynamic activation scales, 128 x 128 blocks, and modules_to_not_convert naming, by full module name
+// (which HF's substring match and vLLM's exact match both read), what stays bf16.
+Json fp8_quantization_config(const Model& m);
 
 struct SynthOptions {
   std::string preset;                 // preset name or config path

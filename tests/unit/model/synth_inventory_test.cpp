@@ -148,7 +148,16 @@ TEST(SynthFp8, WritesE4m3WeightsWithBlockScalesOfTheBf16Values) {
   EXPECT_EQ(qc.at("fmt"), "e4m3");
   EXPECT_EQ(qc.at("activation_scheme"), "dynamic");
   EXPECT_EQ(qc.at("weight_block_size"), Json({128, 128}));
-  EXPECT_EQ(qc.at("modules_to_not_convert"), fp8_quantization_config().at("modules_to_not_convert"));
+  // Full module names: the embeddings, the LM head, each MoE layer's router, each KDA layer's five gate
+  // and beta projections.
+  const Json& kept = qc.at("modules_to_not_convert");
+  ASSERT_EQ(kept.size(), 2u + 3u + 3u * 5u) << kept.dump();
+  EXPECT_EQ(kept[0], "model.embed_tokens");
+  EXPECT_EQ(kept[1], "lm_head");
+  for (const char* n : {"model.layers.1.block_sparse_moe.gate", "model.layers.3.block_sparse_moe.gate",
+                        "model.layers.0.self_attn.f_a_proj", "model.layers.2.self_attn.b_proj"})
+    EXPECT_NE(std::find(kept.begin(), kept.end(), Json(n)), kept.end()) << n;
+  EXPECT_EQ(std::find(kept.begin(), kept.end(), Json("model.layers.3.self_attn.b_proj")), kept.end());  // MLA
 
   const Model m = load_model((t / "q").string());
   ASSERT_EQ(m.quant.method, QuantMethod::fp8_block);
