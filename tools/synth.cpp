@@ -13,7 +13,7 @@ void add_synth(CLI::App& app, Action& action) {
   auto* cmd = app.add_subcommand("synth", "Write a deterministic random checkpoint (safetensors shards, index, "
                                           "config.json) for a preset");
   struct Opts {
-    std::string preset, out, layout = "vllm";
+    std::string preset, out, layout = "vllm", quantize = "none";
     uint64_t seed = 0, shard_mb = 0;
     bool force = false, json = false;
   };
@@ -30,6 +30,11 @@ void add_synth(CLI::App& app, Action& action) {
                                          "(as HF transformers 5 save_pretrained writes them)")
       ->check(CLI::IsMember({"vllm", "transformers"}))
       ->capture_default_str();
+  cmd->add_option("--quantize", o->quantize, "none (the preset's dtypes) or fp8 (e4m3 weights with an fp32 "
+                                             "weight_scale_inv per 128x128 block, as DeepSeek-style FP8 checkpoints; the "
+                                             "config gains the quantization_config)")
+      ->check(CLI::IsMember({"none", "fp8"}))
+      ->capture_default_str();
   cmd->add_flag("--json", o->json, "Print the result as JSON");
   cmd->callback([o, &action] {
     action = [o] {
@@ -40,12 +45,13 @@ void add_synth(CLI::App& app, Action& action) {
       so.seed = o->seed;
       so.shard_bytes = o->shard_mb << 20;
       so.layout = o->layout == "vllm" ? model::CheckpointLayout::vllm : model::CheckpointLayout::transformers;
+      so.quantize = o->quantize == "fp8" ? model::SynthQuantize::fp8 : model::SynthQuantize::none;
       so.progress = stderr;
       so.progress_tty = stderr_is_tty();
       model::SynthResult r = model::synthesize(so);
       if (o->json) {
         print_json({{"checkpoint", o->out}, {"checkpoint_tensors", r.tensors}, {"files", r.shards},
-                    {"bytes", r.bytes}, {"preset", o->preset}, {"seed", o->seed}});
+                    {"bytes", r.bytes}, {"preset", o->preset}, {"quantize", o->quantize}, {"seed", o->seed}});
       } else {
         std::printf("wrote %s: %zu tensors in %zu shards, %llu bytes\n", o->out.c_str(), r.tensors, r.shards,
                     static_cast<unsigned long long>(r.bytes));

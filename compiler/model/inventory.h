@@ -16,6 +16,7 @@ struct InventoryIssue {
   std::string expected;  // "[4096, 2304]", "BF16", ...
   std::string found;
   std::string file;      // shard holding it, when known
+  std::string note;      // why the expectation is what it is (FP8 weights and their scales), or empty
   std::string message() const;
 };
 
@@ -27,7 +28,9 @@ struct Inventory {
 };
 
 // Matches every IR weight by name or alias, then checks shape and dtype (the canonical dtype or one
-// of the accepted alternatives). Tensors the IR does not know are "unexpected".
+// of the accepted alternatives). Tensors the IR does not know are "unexpected". Issues about an FP8
+// block-quantized weight or its weight_scale_inv say what the quantization expects, and a scale the
+// model has no FP8 weight for says so.
 Inventory check_inventory(const Model& model, const st::Checkpoint& ckpt);
 
 // Throws dp::Error(verify) listing every issue (at most `max_listed`, then a count) when not ok().

@@ -4,10 +4,12 @@
 #include <array>
 #include <bitset>
 #include <cctype>
+#include <cmath>
 #include <optional>
 
 #include <fmt/ranges.h>
 
+#include "common/dtype.h"
 #include "common/error.h"
 
 namespace dp::model {
@@ -327,6 +329,27 @@ std::string describe(const Quantization& q) {
     case QuantMethod::fp8_block: return fmt::format("fp8 e4m3 {}x{} blocks", q.block[0], q.block[1]);
   }
   return "?";
+}
+
+Fp8Blocks quantize_fp8_blocks(const std::vector<float>& values, int64_t rows, int64_t cols, int64_t block) {
+  if (rows < 0 || cols < 0 || block < 1 || static_cast<uint64_t>(rows) * static_cast<uint64_t>(cols) != values.size())
+    fail(Errc::internal, "quantize_fp8_blocks: {} values for [{}, {}] in blocks of {}", values.size(), rows, cols, block);
+  const int64_t br = (rows + block - 1) / block, bc = (cols + block - 1) / block;
+  Fp8Blocks out;
+  out.values.resize(values.size());
+  out.scale_inv.assign(static_cast<size_t>(br * bc), 1.0f);
+  for (int64_t bi = 0; bi < br; ++bi)
+    for (int64_t bj = 0; bj < bc; ++bj) {
+      const int64_t r1 = std::min(rows, (bi + 1) * block), c1 = std::min(cols, (bj + 1) * block);
+      float amax = 0;
+      for (int64_t r = bi * block; r < r1; ++r)
+        for (int64_t c = bj * block; c < c1; ++c) amax = std::max(amax, std::fabs(values[r * cols + c]));
+      const float s = amax > 0 ? amax / kE4m3Max : 1.0f;
+      out.scale_inv[bi * bc + bj] = s;
+      for (int64_t r = bi * block; r < r1; ++r)
+        for (int64_t c = bj * block; c < c1; ++c) out.values[r * cols + c] = f32_to_e4m3_bits(values[r * cols + c] / s);
+    }
+  return out;
 }
 
 Quantization read_quantization(const Json& top, const Json& text, const std::string& where) {

@@ -40,4 +40,15 @@ bool is_quantizable_linear(std::string_view key);
 // How a config describes its quantization, for messages and the plan ("fp8 e4m3, 128x128 blocks").
 std::string describe(const Quantization& q);
 
+// FP8 block quantization of a [rows, cols] row-major matrix, as DeepSeek-style FP8 checkpoints store it:
+// per block of `block` x `block` values (the last ones in a row or column may be partial), scale_inv =
+// the block's largest magnitude / 448, and each value stored as the e4m3 nearest to value / scale_inv
+// (f32_to_e4m3_bits: round to nearest even, saturating), so that value ~ e4m3 * scale_inv. An all-zero
+// block gets scale_inv 1. `scale_inv` is [ceil(rows / block), ceil(cols / block)] row-major.
+struct Fp8Blocks {
+  std::vector<uint8_t> values;   // rows * cols e4m3 bytes
+  std::vector<float> scale_inv;  // one per block
+};
+Fp8Blocks quantize_fp8_blocks(const std::vector<float>& values, int64_t rows, int64_t cols, int64_t block);
+
 }  // namespace dp::model

@@ -1,6 +1,7 @@
 #include "model/synth.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -13,6 +14,8 @@
 #include "common/json.h"
 #include "common/output.h"
 #include "common/progress.h"
+#include "model/inventory.h"
+#include "model/quant.h"
 #include "model/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -59,7 +62,43 @@ Fill fill_for(const WeightSpec& w) {
   return Fill::linear;
 }
 
+// An FP8 weight and its scale tensor, quantized from the bf16 values synth writes for the weight in a
+// checkpoint without quantization (same seed, same name).
+Fp8Blocks synth_fp8(const WeightSpec& w, uint64_t seed) {
+  if (w.shape.size() != 2 || w.quant.block.size() != 2 || w.quant.block[0] != w.quant.block[1])
+    fail(Errc::internal, "synth: FP8 weight {} has shape {} and block {}", w.name, shape_string(w.shape),
+         shape_string(w.quant.block));
+  const std::vector<uint8_t> bf16 = synth_tensor(w, DType::BF16, seed);
+  std::vector<float> values(bf16.size() / 2);
+  for (size_t i = 0; i < values.size(); ++i) {
+    uint16_t b;
+    std::memcpy(&b, &bf16[2 * i], 2);
+    values[i] = bf16_bits_to_f32(b);
+  }
+  return quantize_fp8_blocks(values, w.shape[0], w.shape[1], w.quant.block[0]);
+}
+
 }  // namespace
+
+Json fp8_quantization_config(const Model& m) {
+  // What stays bf16, besides what no FP8 checkpoint quantizes (norms, convolutions, A_log, dt_bias,
+  // biases): the embeddings and the LM head, the MoE router (its output is the expert choice), and the
+  // KDA gate and beta projections (f_a/f_b, g_a/g_b, b_proj: low-rank or num_heads wide, feeding
+  // exponentials and sigmoids; b_proj's num_heads rows cannot be cut on 128-row block edges for tensor
+  // parallelism). Listed by full module name, in model order.
+  static constexpr std::array<std::string_view, 6> kKept = {
+      "block_sparse_moe.gate.weight", "self_attn.f_a_proj.weight", "self_attn.f_b_proj.weight",
+      "self_attn.g_a_proj.weight",    "self_attn.g_b_proj.weight", "self_attn.b_proj.weight"};
+  Json kept = Json::array({"model.embed_tokens", "lm_head"});
+  for (const WeightSpec& w : m.weights)
+    if (w.layer >= 0 && std::find(kKept.begin(), kKept.end(), w.key) != kKept.end())
+      kept.push_back(w.name.substr(0, w.name.size() - 7));  // less ".weight"
+  return Json{{"quant_method", "fp8"},
+              {"fmt", "e4m3"},
+              {"activation_scheme", "dynamic"},
+              {"weight_block_size", {kFp8Block, kFp8Block}},
+              {"modules_to_not_convert", std::move(kept)}};
+}
 
 std::vector<uint8_t> synth_tensor(const WeightSpec& w, DType dtype, uint64_t seed) {
   Rng rng{name_seed(seed, w.key, w.layer, w.expert)};
@@ -126,7 +165,22 @@ SynthResult synthesize(const SynthOptions& opt) {
   plan_output(opt.out, OutputKind::directory, opt.force, "a checkpoint", synth_own_files);
   remove_stale_staging(opt.out);
 
+  // config.json: the preset's own JSON, byte for byte as decodepack reads it (plus the quantization
+  // config with --quantize).
   Model m = load_model(opt.preset, "--preset");
+  Json cfg;
+  if (auto data = embedded_file("presets/" + opt.preset + ".json")) cfg = parse_json(*data, opt.preset);
+  else cfg = load_json_file(fs::is_directory(opt.preset) ? fs::path(opt.preset) / "config.json" : fs::path(opt.preset));
+  if (opt.quantize == SynthQuantize::fp8) {
+    if (m.type != ModelType::kimi_linear)
+      fail(Errc::usage, "--quantize fp8: FP8 block quantization is written for kimi_linear models, not {} ({})",
+           to_string(m.type), m.config_source);
+    if (m.quant.method != QuantMethod::none)
+      fail(Errc::usage, "--quantize fp8: {} already has a quantization_config ({}); --quantize starts from a bf16 "
+           "config", m.config_source, describe(m.quant));
+    cfg["quantization_config"] = fp8_quantization_config(m);
+    m = model_from_config(cfg, m.config_source + " with --quantize fp8");
+  }
   const bool hf = opt.layout == CheckpointLayout::transformers;
   if (hf && m.type != ModelType::kimi_linear)
     fail(Errc::usage, "--layout transformers: HF transformers implements kimi_linear only, not {}",
@@ -162,6 +216,7 @@ SynthResult synthesize(const SynthOptions& opt) {
 
   StagingDir stage(opt.out);
   std::map<std::string, std::string> weight_map;
+  std::map<std::string, std::vector<uint8_t>> fp8_scales;  // scale name -> bytes, between weight and scale
   const size_t ns = shards.size();
   Progress bar(opt.progress, opt.progress_tty, fmt::format("writing {} safetensors files", ns), total,
                Progress::Unit::bytes);
@@ -170,7 +225,21 @@ SynthResult synthesize(const SynthOptions& opt) {
     std::vector<st::TensorData> tensors;
     for (size_t i : shards[s]) {
       const Planned& p = plan[i];
-      tensors.push_back({p.name, p.dtype, p.w->shape, synth_tensor(*p.w, p.dtype, opt.seed)});
+      if (p.w->quant.method == QuantMethod::fp8_block) {
+        Fp8Blocks q = synth_fp8(*p.w, opt.seed);
+        std::vector<uint8_t> scale(q.scale_inv.size() * sizeof(float));
+        std::memcpy(scale.data(), q.scale_inv.data(), scale.size());
+        fp8_scales[p.w->quant.scale] = std::move(scale);
+        tensors.push_back({p.name, p.dtype, p.w->shape, std::move(q.values)});
+      } else if (!p.w->scale_of.empty() && m.find(p.w->scale_of)->quant.method == QuantMethod::fp8_block) {
+        // The weight comes first in IR order, so its scales are waiting (in this shard or an earlier one).
+        auto it = fp8_scales.find(p.w->name);
+        if (it == fp8_scales.end()) fail(Errc::internal, "synth: scale {} before its weight {}", p.w->name, p.w->scale_of);
+        tensors.push_back({p.name, p.dtype, p.w->shape, std::move(it->second)});
+        fp8_scales.erase(it);
+      } else {
+        tensors.push_back({p.name, p.dtype, p.w->shape, synth_tensor(*p.w, p.dtype, opt.seed)});
+      }
       weight_map[p.name] = file;
     }
     st::write_file(stage.path() / file, tensors, {{"format", "pt"}});
@@ -181,10 +250,6 @@ SynthResult synthesize(const SynthOptions& opt) {
   bar.finish();
   st::write_index(stage.path(), weight_map, total);
 
-  // config.json: the preset's own JSON, byte for byte as decodepack reads it.
-  Json cfg;
-  if (auto data = embedded_file("presets/" + opt.preset + ".json")) cfg = parse_json(*data, opt.preset);
-  else cfg = load_json_file(fs::is_directory(opt.preset) ? fs::path(opt.preset) / "config.json" : fs::path(opt.preset));
   write_file_atomic(stage.path() / "config.json", cfg.dump(2) + "\n");
   std::vector<std::string> written;
   for (const fs::directory_entry& e : fs::directory_iterator(stage.path())) written.push_back(e.path().filename().string());

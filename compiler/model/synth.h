@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "common/json.h"
 #include "model/ir.h"
 
 namespace dp::model {
@@ -18,6 +19,14 @@ enum class CheckpointLayout {
   vllm,          // names and dtypes as the Hub ships them and vLLM loads them
   transformers,  // as HF transformers 5 writes them (layer-0 MLP under block_sparse_moe., fp32 params in bf16)
 };
+
+// What `synth --quantize` writes: the preset's own dtypes, or FP8 block quantization (model/quant.h).
+enum class SynthQuantize { none, fp8 };
+
+// The quantization_config `synth --quantize fp8` adds to the config of the bf16 model `m`: e4m3 weights,
+// dynamic activation scales, 128 x 128 blocks, and modules_to_not_convert naming, by full module name
+// (which HF's substring match and vLLM's exact match both read), what stays bf16.
+Json fp8_quantization_config(const Model& m);
 
 struct SynthOptions {
   std::string preset;                 // preset name or config path
@@ -28,6 +37,10 @@ struct SynthOptions {
   uint64_t seed = 0;
   uint64_t shard_bytes = 0;           // target shard size; 0: about a third of the model (>= 2 shards)
   CheckpointLayout layout = CheckpointLayout::vllm;
+  // fp8: the config gains fp8_quantization_config() and every linear weight it quantizes is written as
+  // e4m3 plus its fp32 weight_scale_inv, quantized (quantize_fp8_blocks) from the bf16 values the
+  // unquantized checkpoint of the same seed holds.
+  SynthQuantize quantize = SynthQuantize::none;
   std::FILE* progress = nullptr;      // progress of the bytes written (common/progress.h) goes here when set
   bool progress_tty = false;
 };

@@ -348,6 +348,23 @@ DecodeWeights decode_weights(const RankPlan& r, const Model& m) {
   return dw;
 }
 
+namespace {
+// How a quantized model's weight bytes divide: quantized weights, their scales, and the rest.
+struct QuantBytes {
+  size_t quantized = 0, excluded = 0, scales = 0;
+  uint64_t quantized_bytes = 0, scale_bytes = 0;
+};
+QuantBytes quant_bytes(const Model& m) {
+  QuantBytes q;
+  for (const model::WeightSpec& w : m.weights) {
+    if (w.quant.method != model::QuantMethod::none) ++q.quantized, q.quantized_bytes += w.bytes();
+    if (!w.scale_of.empty()) ++q.scales, q.scale_bytes += w.bytes();
+    q.excluded += w.quant.excluded;
+  }
+  return q;
+}
+}  // namespace
+
 Json to_json(const Plan& p, const Model& m, const deploy::Deploy& d) {
   Json j;
   j["model"] = {{"model_type", m.model_type},
@@ -362,17 +379,16 @@ Json to_json(const Plan& p, const Model& m, const deploy::Deploy& d) {
                 {"checkpoint_tensors", m.weights.size()},
                 {"checkpoint_bytes", m.total_weight_bytes()}};
   if (m.quant.method != model::QuantMethod::none) {
-    size_t quantized = 0, excluded = 0;
-    for (const model::WeightSpec& w : m.weights) {
-      quantized += w.quant.method != model::QuantMethod::none;
-      excluded += w.quant.excluded;
-    }
+    const QuantBytes qb = quant_bytes(m);
     j["model"]["quantization"] = {{"method", model::to_string(m.quant.method)},
                                   {"quant_method", m.quant.quant_method},
                                   {"block", m.quant.block},
                                   {"ignore", m.quant.ignore},
-                                  {"quantized_weights", quantized},
-                                  {"excluded_weights", excluded}};
+                                  {"quantized_weights", qb.quantized},
+                                  {"excluded_weights", qb.excluded},
+                                  {"quantized_bytes", qb.quantized_bytes},
+                                  {"scales", qb.scales},
+                                  {"scale_bytes", qb.scale_bytes}};
   }
   if (m.indexer.present())
     j["indexer"] = {{"heads", m.indexer.num_heads},
@@ -473,6 +489,13 @@ std::string to_text(const Plan& p, const Model& m, const deploy::Deploy& d) {
        m.quant.method == model::QuantMethod::none ? model::to_string(m.moe.expert_format) : model::describe(m.quant),
        m.weights.size(), human_bytes(m.total_weight_bytes()));
   // Checkpoint tensors include the embeddings and LM head; a rank's bundle lists only decode weights.
+  if (m.quant.method != model::QuantMethod::none) {
+    const QuantBytes qb = quant_bytes(m);
+    line_to(out, "quant     {}: {} quantized weights ({}) + {} scale tensors ({}); {} linear weights kept unquantized "
+            "by the ignore list; the rest {}", model::describe(m.quant), qb.quantized, human_bytes(qb.quantized_bytes),
+            qb.scales, human_bytes(qb.scale_bytes), qb.excluded,
+            human_bytes(m.total_weight_bytes() - qb.quantized_bytes - qb.scale_bytes));
+  }
   line_to(out, "deploy    targets {}; tensor_parallel {} (ranks {}); widths {}; q {}; kv {} block {}",
        fmt::join(d.targets, ","), d.tensor_parallel, fmt::join(d.ranks, ","), fmt::join(d.widths, ","), d.q(),
        deploy::to_string(d.kv_cache.dtype), d.kv_cache.block_size);

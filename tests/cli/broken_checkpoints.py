@@ -136,6 +136,63 @@ def flatten_o_proj(dst):
     _write(shard, header, body)
 
 
+# FP8 checkpoints (issue 21): each edits the `synth --quantize fp8` checkpoint that setup wrote at dst.
+FP8_SCALE = "model.layers.1.self_attn.q_proj.weight_scale_inv"
+
+
+def _fp8_edit(dst, name, fn):
+    with open(os.path.join(dst, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    shard = os.path.join(dst, index["weight_map"][name])
+    header, body = _read(shard)
+    body = fn(header, body, index) or body
+    _write(shard, header, body)
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f)
+
+
+def fp8_scale_byte(dst):
+    """Flips the lowest mantissa bit of the first fp32 scale of layer 1's q_proj (still a finite scale)."""
+    def fn(header, body, index):
+        begin = header[FP8_SCALE]["data_offsets"][0]
+        return body[:begin] + bytes([body[begin] ^ 1]) + body[begin + 1:]
+    _fp8_edit(dst, FP8_SCALE, fn)
+
+
+def fp8_missing_scale(dst):
+    """Drops layer 1's q_proj scale from its shard and the index (the shard stays a valid file)."""
+    def fn(header, body, index):
+        begin, end = header.pop(FP8_SCALE)["data_offsets"]
+        del index["weight_map"][FP8_SCALE]
+        for key, t in header.items():
+            if key != "__metadata__" and t["data_offsets"][0] >= end:
+                t["data_offsets"] = [t["data_offsets"][0] - (end - begin), t["data_offsets"][1] - (end - begin)]
+        return body[:begin] + body[end:]
+    _fp8_edit(dst, FP8_SCALE, fn)
+
+
+def fp8_scale_shape(dst):
+    """Labels layer 1's q_proj scale [2, 2] as [4, 1] (same bytes)."""
+    _fp8_edit(dst, FP8_SCALE, lambda h, b, i: h[FP8_SCALE].update(shape=[4, 1]))
+
+
+def fp8_scale_dtype(dst):
+    """Labels layer 1's q_proj scale F32 as I32 (same bytes)."""
+    _fp8_edit(dst, FP8_SCALE, lambda h, b, i: h[FP8_SCALE].update(dtype="I32"))
+
+
+def fp8_extra_scale(dst):
+    """Adds a weight_scale_inv for layer 1's b_proj, which the ignore list keeps bf16."""
+    name = "model.layers.1.self_attn.b_proj.weight"
+    extra = "model.layers.1.self_attn.b_proj.weight_scale_inv"
+
+    def fn(header, body, index):
+        header[extra] = {"dtype": "F32", "shape": [1, 2], "data_offsets": [len(body), len(body) + 8]}
+        index["weight_map"][extra] = index["weight_map"][name]
+        return body + bytes(8)
+    _fp8_edit(dst, name, fn)
+
+
 def _bundle_members():
     with tarfile.open(BUNDLE_V1) as t:
         return [(m.name, t.extractfile(m).read()) for m in t.getmembers() if m.isfile()]

@@ -104,6 +104,15 @@ with tempfile.TemporaryDirectory(prefix="dp-json-") as tmp:
 
     plan = run("plan", "--model", f"{tmp}/m", "--deploy", deploy, "--json")
     run("plan", "--model", "kimi-k3", "--json")  # a quantized model: model.quantization
+    # An FP8 checkpoint: synth says --quantize, plan's model.quantization counts the e4m3 and scale bytes.
+    synth8 = run("synth", "--preset", "kimi-linear-tiny", "--quantize", "fp8", "-o", f"{tmp}/m8", "--json")
+    plan8 = run("plan", "--model", f"{tmp}/m8", "--deploy", deploy, "--json")
+    if synth8 and plan8:
+        q = plan8["model"].get("quantization") or {}
+        check(synth8["quantize"] == "fp8" and q.get("method") == "fp8", f"fp8: synth {synth8}, plan {q}")
+        check(0 < q.get("scale_bytes", 0) < q.get("quantized_bytes", 0) < plan8["model"]["checkpoint_bytes"],
+              f"fp8 bytes: {q}")
+        check(q.get("scales") == q.get("quantized_weights"), f"fp8: one scale tensor per FP8 weight: {q}")
     run("plan", "--model", "kimi-linear-tiny", "--deploy", f"{tmp}/missing.json", "--json", expect=4)
 
     built = run("build", "--model", f"{tmp}/m", "--deploy", deploy, "-o", f"{tmp}/b", "--cache-dir", cache, "-j", "2",

@@ -2,7 +2,10 @@
 // tensor, or refused naming the key, the method and what is supported.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
+
+#include "common/dtype.h"
 
 #include "common/embedded.h"
 #include "common/json.h"
@@ -241,6 +244,23 @@ TEST(Quant, Fp8PlanCountsBytesAndRunsNoLayerOnFp8Weights) {
   const Json j = plan::to_json(p, m, d);
   EXPECT_EQ(j["model"]["quantization"]["method"], "fp8");
   EXPECT_EQ(j["model"]["checkpoint_bytes"], m.total_weight_bytes());
+  // The e4m3 bytes and the scale bytes, counted apart: one byte per value, 4 per 128x128 block.
+  uint64_t values = 0, scales = 0;
+  size_t n = 0;
+  for (const WeightSpec& w : m.weights)
+    if (w.quant.method == QuantMethod::fp8_block) {
+      ++n;
+      values += static_cast<uint64_t>(w.shape[0] * w.shape[1]);
+      scales += static_cast<uint64_t>((w.shape[0] + 127) / 128 * ((w.shape[1] + 127) / 128) * 4);
+    }
+  const Json& jq = j["model"]["quantization"];
+  EXPECT_EQ(jq["quantized_bytes"], values);
+  EXPECT_EQ(jq["scale_bytes"], scales);
+  EXPECT_EQ(jq["scales"], n);
+  EXPECT_EQ(jq["quantized_weights"], n);
+  const std::string text = plan::to_text(p, m, d);
+  EXPECT_NE(text.find(fmt::format("quant     fp8 e4m3 128x128 blocks: {} quantized weights (", n)), std::string::npos)
+      << text.substr(0, 400);
 }
 
 TEST(Quant, Fp8ShardsMustKeepWholeBlocksPerRank) {
@@ -269,6 +289,43 @@ TEST(Quant, Fp8ShardsMustKeepWholeBlocksPerRank) {
   test::expect_error([&] { deploy::check_against_model(d, small, "deploy.json"); }, Errc::input,
                      {"deploy.json: tensor_parallel 2 splits dim 0 (192) of", "q_proj.weight [192, 2304] into 96 rows "
                       "per rank, not a multiple of its FP8 block of 128 (valid: 1)"});
+}
+
+TEST(Quant, Fp8BlocksScaleByTheBlockMaximumOver448) {
+  // A 3 x 3 matrix in blocks of 2: full, partial column, partial row, and a one-value corner block.
+  const std::vector<float> v = {1, -2, 0.5f,  //
+                                4, 0.25f, 0,  //
+                                0, 0, 896};
+  const Fp8Blocks q = quantize_fp8_blocks(v, 3, 3, 2);
+  ASSERT_EQ(q.scale_inv.size(), 4u);
+  EXPECT_FLOAT_EQ(q.scale_inv[0], 4.0f / 448);    // rows 0-1, columns 0-1: max |4|
+  EXPECT_FLOAT_EQ(q.scale_inv[1], 0.5f / 448);    // rows 0-1, column 2
+  EXPECT_FLOAT_EQ(q.scale_inv[2], 1.0f);          // row 2, columns 0-1: all zero
+  EXPECT_FLOAT_EQ(q.scale_inv[3], 896.0f / 448);  // row 2, column 2
+  // 1 / (4/448) = 112 = 7/4 * 2^6 -> 0x6e; -224 -> 0xf6; 448 -> 0x7e; 28 = 7/4 * 2^4 -> 0x5e.
+  const std::vector<uint8_t> want = {0x6e, 0xf6, 0x7e, 0x7e, 0x5e, 0x00, 0x00, 0x00, 0x7e};
+  EXPECT_EQ(q.values, want);
+  for (size_t i = 0; i < v.size(); ++i) {
+    const size_t block = (i / 3 / 2) * 2 + (i % 3) / 2;
+    EXPECT_FLOAT_EQ(e4m3_bits_to_f32(q.values[i]) * q.scale_inv[block], v[i]) << i;
+  }
+  test::expect_error([] { quantize_fp8_blocks({1, 2}, 3, 3, 2); }, Errc::internal, {"2 values for [3, 3]"});
+}
+
+TEST(Quant, Fp8BlocksDequantiseWithinHalfAStep) {
+  // 130 x 260: blocks of 128 with partial ones on both edges; every value comes back within e4m3's
+  // relative step (2^-4 of the value, or of the block's smallest normal for tiny ones).
+  std::vector<float> v(130 * 260);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = std::sin(static_cast<float>(i) * 0.37f) * (1 + static_cast<float>(i % 7));
+  const Fp8Blocks q = quantize_fp8_blocks(v, 130, 260, 128);
+  ASSERT_EQ(q.scale_inv.size(), 2u * 3u);
+  for (int64_t r = 0; r < 130; ++r)
+    for (int64_t c = 0; c < 260; ++c) {
+      const float s = q.scale_inv[static_cast<size_t>((r / 128) * 3 + c / 128)];
+      const float x = v[static_cast<size_t>(r * 260 + c)];
+      const float back = e4m3_bits_to_f32(q.values[static_cast<size_t>(r * 260 + c)]) * s;
+      EXPECT_LE(std::fabs(back - x), std::max(std::fabs(x) * 0x1p-4f, s * 0x1p-10f) * 1.0001f) << r << "," << c;
+    }
 }
 
 }  // namespace

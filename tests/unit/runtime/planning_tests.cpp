@@ -602,3 +602,66 @@ TEST_F(LayerProgramTest, DeployBlockOutsideTheDeployReadersBoundsIsRefused) {
 
 }  // namespace
 }  // namespace dp::rttest
+
+namespace dp::rttest {
+namespace {
+
+// A bundle of an FP8 checkpoint (synth --quantize fp8): its weight table lists the e4m3 weights and their
+// fp32 scales as they are bound, and, until kernels dequantise FP8 blocks, no layer has a program: the
+// runtime plans every layer for the host and a launch says why.
+TEST(Fp8Bundle, ListsWeightsAndScalesAndRunsNoLayerKernel) {
+  if (!bundles().error.empty()) GTEST_FAIL() << bundles().error;
+  dp_bundle* b = nullptr;
+  ASSERT_EQ(outcome(dp_bundle_open(bundles().fp8.c_str(), nullptr, &b)).message, "");
+  bool weight = false, scale = false;
+  for (int32_t i = 0; i < dp_bundle_weight_count(b, 0); ++i) {
+    dp_weight_info w;
+    w.size = sizeof(w);
+    DP_EXPECT_OK(dp_bundle_get_weight(b, 0, i, &w));
+    const std::string name = w.name;
+    if (name == "model.layers.1.self_attn.q_proj.weight") {
+      weight = true;
+      EXPECT_EQ(w.dtype, DP_DTYPE_F8_E4M3);
+    }
+    if (name == "model.layers.1.self_attn.q_proj.weight_scale_inv") {
+      scale = true;
+      EXPECT_EQ(w.dtype, DP_DTYPE_F32);
+      ASSERT_EQ(w.ndim, 2);
+      EXPECT_EQ(w.shape[0], 2);
+      EXPECT_EQ(w.shape[1], 2);
+    }
+    if (name == "model.layers.1.self_attn.b_proj.weight") {  // the ignore list keeps it bf16
+      EXPECT_EQ(w.dtype, DP_DTYPE_BF16);
+    }
+  }
+  EXPECT_TRUE(weight && scale);
+
+  dp_session* s = nullptr;
+  dp_session_options o = host_options(0);
+  ASSERT_EQ(outcome(dp_session_create(b, &o, &s)).message, "");
+  const Outcome w = bind_all_weights(b, s, 0);
+  ASSERT_TRUE(w.ok()) << w.message;
+  DP_EXPECT_OK(dp_session_finalize_weights(s));
+  ASSERT_TRUE(bind_all_kv(b, s, kSlots, kBlocks).ok());
+  const Step step = decode(2);
+  const dp_step_desc d = step.desc();
+  dp_plan_result r;
+  dp_plan_result_init(&r);
+  DP_EXPECT_OK(dp_plan(s, &d, &r));
+  EXPECT_EQ(r.width, 2) << r.message;
+  ASSERT_NE(r.step, nullptr);
+  dp_layer_io io;
+  dp_layer_io_init(&io);
+  io.hidden = io.out = io.residual = io.residual_out = 0x7a0000000000ull;
+  for (int32_t l = 0; l < 4; ++l) {
+    EXPECT_EQ(dp_step_layer_kernel(r.step, l), 0) << l;
+    DP_EXPECT_STATUS(dp_launch_layer(s, r.step, l, &io, nullptr), DP_ERR_NO_KERNEL,
+                     "the build made no program: FP8 block-quantized weights (fp8 e4m3 128x128 blocks",
+                     "have no decode kernels in this version", "the host runs its own layer");
+  }
+  dp_session_destroy(s);
+  dp_bundle_close(b);
+}
+
+}  // namespace
+}  // namespace dp::rttest

@@ -74,6 +74,7 @@ struct Bundles {
   fs::path spec;     // .dpk: sm_90a, widths 1,2,4, one speculative token, conv ds/float32, kv fp8/16
   fs::path tp2;      // .dpk: sm_90a, TP 2 (ranks 0 and 1), widths 1-4
   fs::path multi;    // .dpk: sm_80, sm_90, sm_90a, width 1
+  fs::path fp8;      // .dpk: synth --quantize fp8 of kimi-linear-tiny, sm_90a, widths 1-2, with fingerprints
   std::string error; // non-empty when building failed (the CLI's output)
 };
 
@@ -89,6 +90,7 @@ inline Bundles ensure_bundles() {
   b.spec = b.dir / "spec.dpk";
   b.tp2 = b.dir / "tp2.dpk";
   b.multi = b.dir / "multi.dpk";
+  b.fp8 = b.dir / "fp8.dpk";
   if (prebuilt && *prebuilt) {
     for (const fs::path& p : {b.tiny, b.tiny_dir, b.spec, b.tp2, b.multi})
       if (!fs::exists(p)) b.error = "DECODEPACK_TEST_WORK=" + b.dir.string() + " lacks " + p.filename().string();
@@ -101,7 +103,7 @@ inline Bundles ensure_bundles() {
   struct stat st {};
   ::stat(DP_CLI_PATH, &st);
   const std::string stamp = std::string(DP_CLI_PATH) + " " + std::to_string(st.st_size) + " " +
-                            std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + " v3\n";
+                            std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + " v4\n";
   const fs::path stamp_file = b.dir / "stamp";
   if (!fs::exists(stamp_file) || read_text(stamp_file) != stamp) {
     fs::remove(stamp_file);
@@ -126,11 +128,14 @@ inline Bundles ensure_bundles() {
          "-j", "2", "--deploy", deploy("tp2.json", R"({"targets": ["sm_90a"], "tensor_parallel": 2, "max_num_seqs": 4})")},
         {"build", "--model", b.model.string(), "--no-weights", "-o", b.multi.string(), "--cache-dir", cache.string(),
          "-j", "2", "--deploy", deploy("multi.json", R"({"targets": ["sm_80", "sm_90", "sm_90a"], "widths": [1]})")},
+        {"synth", "--preset", "kimi-linear-tiny", "--quantize", "fp8", "--seed", "0", "-o", (b.dir / "model-fp8").string()},
+        {"build", "--model", (b.dir / "model-fp8").string(), "-o", b.fp8.string(), "--cache-dir", cache.string(), "-j",
+         "2", "--deploy", deploy("fp8.json", R"({"targets": ["sm_90a"], "widths": [1, 2]})")},
     };
     for (auto& args : steps) {
       // A killed earlier run may have left an output behind; the CLI replaces files but wants a
       // fresh directory for `synth`.
-      if (args[0] == "synth") fs::remove_all(b.model);
+      if (args[0] == "synth") fs::remove_all(args.back());
       if (int rc = run_cli(args, log); rc != 0) {
         b.error = "decodepack " + args[0] + " failed (exit " + std::to_string(rc) + "):\n" + read_text(log);
         break;
