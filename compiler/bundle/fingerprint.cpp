@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
@@ -43,6 +44,23 @@ class Reader {
   int fd_;
 };
 
+// An FP8 block scale (fp32 weight_scale_inv) multiplies every weight of its 128x128 block: NaN, an
+// infinity, zero or a negative value would silently decode as garbage, so the bytes hashed for the
+// bundle are checked as they stream by. `first` is the index of buf's first element in the tensor.
+void check_block_scales(const st::Checkpoint& ckpt, const st::TensorInfo& t, const std::vector<uint8_t>& buf,
+                        uint64_t first) {
+  const int64_t cols = t.shape.size() == 2 ? t.shape[1] : 1;
+  for (size_t i = 0; i + 4 <= buf.size(); i += 4) {
+    float v;
+    std::memcpy(&v, buf.data() + i, 4);
+    if (std::isfinite(v) && v > 0.0f) continue;
+    const uint64_t e = first + i / 4;
+    fail(Errc::input, "{}: FP8 block scale {} [{}, {}] is {}: every weight_scale_inv must be finite and positive",
+         ckpt.file_path(t.file).string(), t.name, e / static_cast<uint64_t>(cols), e % static_cast<uint64_t>(cols),
+         std::isnan(v) ? std::string("NaN") : fmt::format("{}", v));
+  }
+}
+
 }  // namespace
 
 std::string fingerprint(const st::Checkpoint& ckpt, const ShardRef& s) {
@@ -55,6 +73,7 @@ std::string fingerprint(const st::Checkpoint& ckpt, const ShardRef& s) {
   const model::ShardLayout l = model::shard_layout(t.shape, elem, {s.split_dim, s.begin, s.end}, t.name);
 
   Reader r(ckpt.file_path(t.file));
+  const bool scales = t.dtype == DType::F32 && t.name.ends_with(".weight_scale_inv");
   Sha256 h;
   std::vector<uint8_t> buf, converted;
   for (uint64_t o = 0; o < l.outer; ++o) {
@@ -65,6 +84,7 @@ std::string fingerprint(const st::Checkpoint& ckpt, const ShardRef& s) {
       if (n == 0) n = static_cast<size_t>(left);
       buf.resize(n);
       r.read(pos, n, buf.data());
+      if (scales) check_block_scales(ckpt, t, buf, (pos - t.offset) / elem);
       if (t.dtype == s.dtype) {
         h.update(buf.data(), n);
       } else {

@@ -159,6 +159,23 @@ def fp8_scale_byte(dst):
     _fp8_edit(dst, FP8_SCALE, fn)
 
 
+def _fp8_set_scale(dst, element, value):
+    def fn(header, body, index):
+        at = header[FP8_SCALE]["data_offsets"][0] + 4 * element
+        return body[:at] + struct.pack("<f", value) + body[at + 4:]
+    _fp8_edit(dst, FP8_SCALE, fn)
+
+
+def fp8_scale_nan(dst):
+    """Sets the last fp32 scale ([1, 1]) of layer 1's q_proj to NaN."""
+    _fp8_set_scale(dst, 3, float("nan"))
+
+
+def fp8_scale_negative(dst):
+    """Sets the second fp32 scale ([0, 1]) of layer 1's q_proj to -0.5."""
+    _fp8_set_scale(dst, 1, -0.5)
+
+
 def fp8_missing_scale(dst):
     """Drops layer 1's q_proj scale from its shard and the index (the shard stays a valid file)."""
     def fn(header, body, index):
