@@ -15,7 +15,10 @@ import sys
 import tempfile
 
 import jsonschema
-import referencing
+try:
+    import referencing  # jsonschema >= 4.18
+except ImportError:     # Debian 12's python3-jsonschema 4.10: RefResolver
+    referencing = None
 
 import local_registry
 from local_registry import free_port
@@ -33,17 +36,23 @@ def load(path):
 
 # Each schema refers to error.schema.json and (plan, inspect) to the deploy and manifest schemas by
 # relative file names, resolved here as a validator resolves them beside the files.
-registry = referencing.Registry()
-for name in os.listdir(SCHEMAS):
-    registry = registry.with_resource(name, referencing.Resource.from_contents(load(os.path.join(SCHEMAS, name))))
-for name in ("deploy.schema.json", "bundle-manifest.schema.json"):
-    registry = registry.with_resource("../" + name, referencing.Resource.from_contents(
-        load(os.path.join(root, "manifests", name))))
+if referencing:
+    registry = referencing.Registry()
+    for name in os.listdir(SCHEMAS):
+        registry = registry.with_resource(name, referencing.Resource.from_contents(load(os.path.join(SCHEMAS, name))))
+    for name in ("deploy.schema.json", "bundle-manifest.schema.json"):
+        registry = registry.with_resource("../" + name, referencing.Resource.from_contents(
+            load(os.path.join(root, "manifests", name))))
 validators = {}
 for cmd in COMMANDS + ["error"]:
-    schema = load(os.path.join(SCHEMAS, f"{cmd}.schema.json"))
+    path = os.path.join(SCHEMAS, f"{cmd}.schema.json")
+    schema = load(path)
     jsonschema.Draft202012Validator.check_schema(schema)
-    validators[cmd] = jsonschema.Draft202012Validator(schema, registry=registry)
+    if referencing:
+        validators[cmd] = jsonschema.Draft202012Validator(schema, registry=registry)
+    else:  # relative references resolved against the schema file's own URI
+        resolver = jsonschema.RefResolver("file://" + os.path.abspath(path), schema)
+        validators[cmd] = jsonschema.Draft202012Validator(schema, resolver=resolver)
 
 failures = []
 seen = {cmd: set() for cmd in COMMANDS}  # "ok" / "error" per command
