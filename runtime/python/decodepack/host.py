@@ -352,12 +352,19 @@ class KimiLinearHost:
     def _alloc_io(self):
         torch, dev = self.torch, self.device
         W, q, H, V = self.widths[-1], self.q, self.cfg.hidden_size, self.cfg.vocab_size
-        R = W * q
+        R, C = W * q, self.cols
         z = lambda *shape, dtype: torch.zeros(shape, dtype=dtype, device=dev)  # noqa: E731
-        self.io = {"ids": z(R, dtype=torch.long), "positions": z(R, dtype=torch.long),
-                   "state_indices": z(W, q, dtype=torch.int32), "block_table": z(W, self.cols, dtype=torch.int32),
-                   "seq_lens": z(W, dtype=torch.int32), "slot_mapping": z(R, dtype=torch.long),
-                   "num_accepted": z(W, dtype=torch.int32),
+        # The step's metadata lives in two device tensors (int64: ids, positions, slot mapping; int32:
+        # state indices, block table, seq lens, accepted counts), each filled from a pinned staging copy
+        # with one asynchronous copy per step.
+        self._i64 = z(3 * R, dtype=torch.long)
+        self._i32 = z(R + W * C + 2 * W, dtype=torch.int32)
+        self._stage64 = torch.zeros(3 * R, dtype=torch.long).pin_memory()
+        self._stage32 = torch.zeros(R + W * C + 2 * W, dtype=torch.int32).pin_memory()
+        i32 = self._i32
+        self.io = {"ids": self._i64[:R], "positions": self._i64[R:2 * R], "slot_mapping": self._i64[2 * R:],
+                   "state_indices": i32[:R].view(W, q), "block_table": i32[R:R + W * C].view(W, C),
+                   "seq_lens": i32[R + W * C:R + W * C + W], "num_accepted": i32[R + W * C + W:],
                    "hid": [z(R, H, dtype=torch.bfloat16) for _ in range(2)],
                    "res": [z(R, H, dtype=torch.bfloat16) for _ in range(2)],
                    "norm": z(R, H, dtype=torch.bfloat16), "norm_res": z(R, H, dtype=torch.bfloat16),
@@ -374,19 +381,26 @@ class KimiLinearHost:
                                  block_table_cols=self.cols, graph_mode=graph_mode)
 
     def _fill(self, reqs, fed, width):
-        """The step's inputs into the static buffers (stream-ordered before the launches)."""
-        torch, io = self.torch, self.io
-        m = step_metadata(reqs, width, self.q, self.cols, self.block_size)
-        ids = [t for row in fed for t in row] + [0] * ((width - len(reqs)) * self.q)
-        rows = width * self.q
-        put = lambda dst, v, dt: dst.copy_(torch.tensor(v, dtype=dt).view(dst.shape), non_blocking=False)  # noqa
-        put(io["ids"][:rows], ids, torch.long)
-        put(io["positions"][:rows], m["positions"], torch.long)
-        put(io["slot_mapping"][:rows], m["slot_mapping"], torch.long)
-        put(io["state_indices"][:width], m["state_indices"], torch.int32)
-        put(io["block_table"][:width], m["block_table"], torch.int32)
-        put(io["seq_lens"][:width], m["seq_lens"], torch.int32)
-        put(io["num_accepted"][:width], m["num_accepted"], torch.int32)
+        """The step's inputs into the static buffers: two asynchronous copies from pinned staging
+        (stream-ordered before the launches; the staging is written only once the stream is idle, which
+        it already is between steps since the host reads each step's logits). Rows past `width` are left as zeros: nothing reads them."""
+        torch = self.torch
+        W, q, C = self.widths[-1], self.q, self.cols
+        R = W * q
+        m = step_metadata(reqs, width, q, C, self.block_size)
+        rows = width * q
+        pad = lambda v, n: v + [0] * (n - len(v))  # noqa: E731
+        ids = [t for row in fed for t in row]
+        l64 = pad(ids, R) + pad(m["positions"], R) + pad(m["slot_mapping"], R)
+        l32 = (pad([s for row in m["state_indices"] for s in row], R) +
+               pad([b for row in m["block_table"] for b in row], W * C) + pad(m["seq_lens"], W) +
+               pad(m["num_accepted"], W))
+        assert len(ids) <= rows
+        torch.cuda.current_stream(self.device).synchronize()  # the previous copies out of the staging are done
+        self._stage64.copy_(torch.tensor(l64, dtype=torch.long))
+        self._stage32.copy_(torch.tensor(l32, dtype=torch.int32))
+        self._i64.copy_(self._stage64, non_blocking=True)
+        self._i32.copy_(self._stage32, non_blocking=True)
 
     def _enqueue(self, plan):
         """The whole decode step on the current stream: embedding rows, every layer program (ping-pong
