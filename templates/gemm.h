@@ -147,6 +147,133 @@ __device__ __forceinline__ void dp_dot_rows(const dp_bf16* const (&w)[M],  // M 
   }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// FP8 block-quantized weights (DeepSeek-style: e4m3 values, one fp32 scale per 128 x 128 block; the real
+// weight is e4m3 * scale). A weight row is read as 16 e4m3 per 16-byte load, and the products of every
+// 128-column block are summed before they meet the block's scale (fp32), so the dequantised weights are
+// never rounded: the kernels compute the same sums as bf16 kernels over the exact dequantised weights.
+#define DP_FP8_BLOCK 128
+
+// Row r of an e4m3 matrix [N, K] and the scales of its 128-row block ([ceil(N/128), ceil(K/128)] fp32):
+// column c's weight is w[c] * s[c / 128].
+struct dp_fp8_row {
+  const dp_u8* w;
+  const float* s;
+};
+template <typename R>
+struct dp_is_fp8_row {
+  static constexpr bool value = false;
+};
+template <>
+struct dp_is_fp8_row<dp_fp8_row> {
+  static constexpr bool value = true;
+};
+template <int K>
+__device__ __forceinline__ dp_fp8_row dp_fp8_matrix_row(const dp_u8* w, const float* s, int r) {
+  return dp_fp8_row{w + (dp_u64)r * K, s + (dp_u64)(r / DP_FP8_BLOCK) * ((K + DP_FP8_BLOCK - 1) / DP_FP8_BLOCK)};
+}
+
+// Four e4m3 (one word, element 0 in the low byte) as exact fp32 values. NVIDIA: the hardware
+// conversion to f16 (exact: f16 holds every e4m3 value, subnormals included as normals), then to
+// fp32. Portable: exponent rebias for normal values (e4m3 bias 7, fp32 127), m * 2^-9 for subnormals.
+__device__ __forceinline__ void dp_e4m3x4_to_f32(dp_u32 w, float out[4]) {
+#if DP_VENDOR_NVIDIA
+  dp_u32 h[2];
+  asm("{ .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n}"
+      : "=r"(h[0]), "=r"(h[1])
+      : "r"(w));
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+    asm("{ .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;\n}"
+        : "=f"(out[2 * k]), "=f"(out[2 * k + 1])
+        : "r"(h[k]));
+#else
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const dp_u32 b = (w >> (8 * k)) & 0xffu, mag = b & 0x7fu;
+    const float f = mag < 8u ? (float)mag * 0.001953125f : dp_bits_to_f32((mag << 20) + (120u << 23));
+    out[k] = (b & 0x80u) ? -f : f;
+  }
+#endif
+}
+// Sixteen e4m3 of a 16-byte vector as fp32.
+__device__ __forceinline__ void dp_unpack16_e4m3(dp_u32x4 v, float out[16]) {
+  dp_e4m3x4_to_f32(v.x, out);
+  dp_e4m3x4_to_f32(v.y, out + 4);
+  dp_e4m3x4_to_f32(v.z, out + 8);
+  dp_e4m3x4_to_f32(v.w, out + 12);
+}
+
+#if DP_VENDOR_NVIDIA
+// Four e4m3 as two bf16x2 words (elements 0, 1 in lo; 2, 3 in hi; element 2k in the low half) holding
+// value * 2^-112, exactly: the magnitudes go through the hardware f16 conversion (f16 bits 0 eeeee mmm
+// 0000000, the low mantissa bits are zero for e4m3 values), shifted right by 3 they are bf16 bits with
+// the f16 exponent field, so value * 2^(15 - 127); the signs are put back from the bytes. Every result
+// is a normal bf16 (the smallest e4m3, 2^-9, becomes 2^-121) or zero, so the tensor cores see no
+// subnormal operand; the caller multiplies its sums by 2^112.
+__device__ __forceinline__ void dp_e4m3x4_to_bf16x4_shifted(dp_u32 w, dp_u32& lo, dp_u32& hi) {
+  const dp_u32 m = w & 0x7f7f7f7fu;
+  dp_u32 h0, h1;
+  asm("{ .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n}"
+      : "=r"(h0), "=r"(h1)
+      : "r"(m));
+  lo = (h0 >> 3) | (__byte_perm(w, 0u, 0x1404u) & 0x80008000u);  // bytes 0, 1 to bytes 1, 3: their signs to bits 15, 31
+  hi = (h1 >> 3) | (__byte_perm(w, 0u, 0x3424u) & 0x80008000u);  // bytes 2, 3 likewise
+}
+#define DP_FP8_UNSHIFT 0x1p112f  // undoes dp_e4m3x4_to_bf16x4_shifted's 2^-112
+
+#endif
+
+// Lane partials over e4m3 rows, as dp_dot_rows over vectors of 16 columns: v = v0 + lane + 32*i,
+// i < kIters, v < v_end; each vector's products are summed, then scaled by its block's scale (v / 8).
+template <int T, int M, int kIters>
+__device__ __forceinline__ void dp_dot_rows_fp8(const dp_fp8_row (&w)[M], const dp_bf16* const (&x)[T], int v0,
+                                                int v_end, int lane, float (&acc)[M][T]) {
+  constexpr int kUnroll = kIters < 4 ? kIters : 4;
+  for (int i0 = 0; i0 < kIters; i0 += kUnroll) {
+    dp_u32x4 wv[kUnroll][M];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int v = v0 + lane + DP_GROUP * (i0 + j);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        if (i0 + j < kIters && v < v_end) {
+          wv[j][m] = dp_load16(w[m].w + 16 * v);
+        } else {
+          wv[j][m].x = wv[j][m].y = wv[j][m].z = wv[j][m].w = 0u;
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int v = v0 + lane + DP_GROUP * (i0 + j);
+      if (i0 + j >= kIters || v >= v_end) continue;
+      // The weight vectors converted once, each activation row loaded and used in turn.
+      float wf[M][16];  // [M, 16] fp32
+      float sc[M];      // their block scales
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        dp_unpack16_e4m3(wv[j][m], wf[m]);
+        sc[m] = w[m].s[v / 8];
+      }
+#pragma unroll
+      for (int t = 0; t < T; ++t) {
+        if (!x[t]) continue;
+        float xf[16];
+        dp_unpack8_bf16(dp_load16(x[t] + 16 * v), xf);
+        dp_unpack8_bf16(dp_load16(x[t] + 16 * v + 8), xf + 8);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          float p = 0.0f;
+#pragma unroll
+          for (int k = 0; k < 16; ++k) p += wf[m][k] * xf[k];
+          acc[m][t] += p * sc[m];
+        }
+      }
+    }
+  }
+}
+
 // Sums every acc[m][t] over the group's lanes (all lanes get the totals). Uniform control flow.
 template <int T, int M>
 __device__ __forceinline__ void dp_group_reduce(float (&acc)[M][T]) {
@@ -248,7 +375,138 @@ __device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_
         }
   }
 }
+
+// Tensor-core dot products of one warp over e4m3 weight rows (dp_fp8_row): MT tiles of 16 rows against
+// NT tiles of 8 activation rows over the 128-column blocks [b0, b_end) of K; like dp_mma_rows, lane
+// (g, q) supplies the same columns for both operands, here [128b + 64h + 16q, +16) for h = 0, 1 (one
+// 16-byte load of each weight row, two of each activation row): converted to bf16, each load is four
+// 16-deep steps. Every block's products are summed apart and added to acc times the rows' block scale,
+// c[0], c[1] with row g's scale, c[2], c[3] with row g + 8's (the two may belong to different matrices).
+//   wrow(m): dp_fp8_row of weight row m (0 <= m < 16*MT); xrow(t): [K] bf16 or null (a zero row)
+template <int K, int MT, int NT, typename WRow, typename XRow>
+__device__ __forceinline__ void dp_mma_rows_fp8(WRow wrow, XRow xrow, int b0, int b_end, float (&acc)[MT][NT][4]) {
+  static_assert(K % 16 == 0, "fp8 weights: K must be a multiple of 16 (16-byte e4m3 vectors)");
+  constexpr int kUnroll = MT == 1 ? 2 : 1;  // blocks of loads in flight
+  const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
+  dp_fp8_row wr[MT][2];  // rows g, g+8 of each tile
+  const dp_bf16* xp[NT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    wr[mt][0] = wrow(16 * mt + g);
+    wr[mt][1] = wrow(16 * mt + g + 8);
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) xp[nt] = xrow(8 * nt + g);
+  for (int bb = b0; bb < b_end; bb += kUnroll) {
+    dp_u32x4 wv[kUnroll][MT][2][2];  // [block, tile, row g / g+8, column half]
+    float sc[kUnroll][MT][2];        // block scales of rows g, g+8
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int b = bb + u;
+          sc[u][mt][r] = b < b_end ? wr[mt][r].s[b] : 0.0f;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int col = DP_FP8_BLOCK * b + 64 * h + 16 * q;
+            if (b < b_end && col < K) {
+              wv[u][mt][r][h] = dp_load16(wr[mt][r].w + col);
+            } else {
+              wv[u][mt][r][h].x = wv[u][mt][r][h].y = wv[u][mt][r][h].z = wv[u][mt][r][h].w = 0u;
+            }
+          }
+        }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int b = bb + u;
+      float blk[MT][NT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) blk[mt][nt][0] = blk[mt][nt][1] = blk[mt][nt][2] = blk[mt][nt][3] = 0.0f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = DP_FP8_BLOCK * b + 64 * h + 16 * q;
+        const bool in = b < b_end && col < K;
+        dp_u32 xw[NT][8];  // activation row g's 16 columns as bf16 pairs
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          dp_u32x4 x0, x1;
+          if (in && xp[nt]) {
+            x0 = dp_load16(xp[nt] + col);
+            x1 = dp_load16(xp[nt] + col + 8);
+          } else {
+            x0.x = x0.y = x0.z = x0.w = 0u;
+            x1 = x0;
+          }
+          xw[nt][0] = x0.x; xw[nt][1] = x0.y; xw[nt][2] = x0.z; xw[nt][3] = x0.w;
+          xw[nt][4] = x1.x; xw[nt][5] = x1.y; xw[nt][6] = x1.z; xw[nt][7] = x1.w;
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          dp_u32 a[2][8];  // rows g, g+8: 16 columns as bf16 pairs (value * 2^-112)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const dp_u32x4 v = wv[u][mt][r][h];
+            dp_e4m3x4_to_bf16x4_shifted(v.x, a[r][0], a[r][1]);
+            dp_e4m3x4_to_bf16x4_shifted(v.y, a[r][2], a[r][3]);
+            dp_e4m3x4_to_bf16x4_shifted(v.z, a[r][4], a[r][5]);
+            dp_e4m3x4_to_bf16x4_shifted(v.w, a[r][6], a[r][7]);
+          }
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              dp_mma_16816(blk[mt][nt], a[0][2 * i], a[1][2 * i], a[0][2 * i + 1], a[1][2 * i + 1], xw[nt][2 * i],
+                           xw[nt][2 * i + 1]);
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int k = 0; k < 4; ++k) acc[mt][nt][k] += blk[mt][nt][k] * DP_FP8_UNSHIFT * sc[u][mt][k / 2];
+    }
+  }
+}
 #endif
+
+// A weight matrix [N, K] for the row accessors: bf16, or e4m3 with its block scales.
+template <int K>
+struct dp_bf16_matrix {
+  const dp_bf16* w;
+  __device__ __forceinline__ const dp_bf16* row(int r) const { return w + (dp_u64)r * K; }
+};
+template <int K>
+struct dp_fp8_matrix {
+  const dp_u8* w;
+  const float* s;
+  __device__ __forceinline__ dp_fp8_row row(int r) const { return dp_fp8_matrix_row<K>(w, s, r); }
+};
+
+#if DP_VENDOR_NVIDIA
+// dp_mma_rows or dp_mma_rows_fp8 (by what wrow returns) over the whole of K.
+template <int K, int MT, int NT, typename WRow, typename XRow>
+__device__ __forceinline__ void dp_mma_rows_all(WRow wrow, XRow xrow, float (&acc)[MT][NT][4]) {
+  if constexpr (dp_is_fp8_row<decltype(wrow(0))>::value)
+    dp_mma_rows_fp8<K, MT, NT>(wrow, xrow, 0, (K + DP_FP8_BLOCK - 1) / DP_FP8_BLOCK, acc);
+  else
+    dp_mma_rows<K, MT, NT>(wrow, xrow, 0, (K + 31) / 32, acc);
+}
+#endif
+
+// dp_dot_rows or dp_dot_rows_fp8 (by the row type) over the whole of K.
+template <int T, int M, int K, typename R>
+__device__ __forceinline__ void dp_dot_rows_all(const R (&w)[M], const dp_bf16* const (&x)[T], int lane,
+                                                float (&acc)[M][T]) {
+  if constexpr (dp_is_fp8_row<R>::value)
+    dp_dot_rows_fp8<T, M, (K / 16 + DP_GROUP - 1) / DP_GROUP>(w, x, 0, K / 16, lane, acc);
+  else
+    dp_dot_rows<T, M, (K / 8 + DP_GROUP - 1) / DP_GROUP>(w, x, 0, K / 8, lane, acc);
+}
 
 // Rows the lane-FMA loop walks at a time (dp_dot_rows' M): one activation row leaves each lane nothing
 // to do but stream weights, so it takes as many rows at once as keep about DP_FMA_LOADS 16-byte loads
@@ -271,9 +529,9 @@ __host__ __device__ constexpr int dp_fma_rows() {
 // with a barrier). The group's slot is group / S and its K-slice group % S; the S slices are summed in
 // a fixed order (deterministic). Rows of a slot beyond the matrix must still be given a readable row
 // (the caller repeats a valid one and ignores its result).
-//   wrow(slot, m): pointer to row m (< 16*MT) of the slot, [K] bf16
+//   wrow(slot, m): pointer to row m (< 16*MT) of the slot, [K] bf16; or its dp_fp8_row (e4m3 weights)
 //   xrow(t): pointer to activation row t (< T), [K] bf16, or null (masked: contributes 0)
-// NVIDIA with T >= 2: tensor cores (dp_mma_rows). T == 1, and AMD: the lane-FMA loop (dp_dot_rows),
+// NVIDIA with T >= 2, and e4m3 weights at any T: tensor cores (dp_mma_rows, dp_mma_rows_fp8). T == 1, and AMD: the lane-FMA loop (dp_dot_rows),
 // kFmaRows rows at a time (each lane streams 16-byte vectors of whole row slices: measured faster than
 // the tensor-core tile's 64-byte row pieces when one activation row leaves nothing to multiply).
 template <int T, int K, int MT, int S, typename WRow, typename XRow>
@@ -285,23 +543,34 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
   const int group = (int)threadIdx.x / DP_GROUP;
   const int lane = (int)threadIdx.x % DP_GROUP;
   const int slot = group / S, slice = group % S;
+  constexpr bool kFp8 = dp_is_fp8_row<decltype(wrow(0, 0))>::value;
+  // e4m3 rows: the K-slices are whole 128-column blocks.
+  constexpr int kBlocks = (K + DP_FP8_BLOCK - 1) / DP_FP8_BLOCK;
+  constexpr int kSliceBlocks = (kBlocks + S - 1) / S;
 #if DP_VENDOR_NVIDIA
-  constexpr bool kMma = T >= 2;
+  constexpr bool kMma = T >= 2 || kFp8;
 #else
   constexpr bool kMma = false;
 #endif
   if constexpr (kMma) {
 #if DP_VENDOR_NVIDIA
     constexpr int NT = (T + 7) / 8;
-    const int c0 = slice * G::kSliceChunks;
-    const int c_end = (c0 + G::kSliceChunks < G::kChunks) ? c0 + G::kSliceChunks : G::kChunks;
     float acc[MT][NT][4];  // [MT, NT, 4] fp32 accumulator fragments
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
-    dp_mma_rows<K, MT, NT>([&](int m) { return wrow(slot, m); }, [&](int t) { return t < T ? xrow(t) : nullptr; },
-                           c0, c_end, acc);
+    if constexpr (kFp8) {
+      const int b0 = slice * kSliceBlocks;
+      const int b_end = (b0 + kSliceBlocks < kBlocks) ? b0 + kSliceBlocks : kBlocks;
+      dp_mma_rows_fp8<K, MT, NT>([&](int m) { return wrow(slot, m); },
+                                 [&](int t) { return t < T ? xrow(t) : nullptr; }, b0, b_end, acc);
+    } else {
+      const int c0 = slice * G::kSliceChunks;
+      const int c_end = (c0 + G::kSliceChunks < G::kChunks) ? c0 + G::kSliceChunks : G::kChunks;
+      dp_mma_rows<K, MT, NT>([&](int m) { return wrow(slot, m); }, [&](int t) { return t < T ? xrow(t) : nullptr; },
+                             c0, c_end, acc);
+    }
     const int g = lane / 4, q = lane % 4;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -314,15 +583,18 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
         }
 #endif
   } else {
-    constexpr int kIters = (G::kSliceChunks * 4 + DP_GROUP - 1) / DP_GROUP;
+    // Vectors of 8 bf16, or of 16 e4m3 (8 per 128-column block).
+    constexpr int kSliceVecs = kFp8 ? kSliceBlocks * 8 : G::kSliceChunks * 4;
+    constexpr int kVecs = kFp8 ? K / 16 : G::kVecs;
+    constexpr int kIters = (kSliceVecs + DP_GROUP - 1) / DP_GROUP;
     constexpr int kFmaRows = dp_fma_rows<T, RS, kIters>();
-    const int v0 = slice * G::kSliceChunks * 4;
-    const int v_end = (v0 + G::kSliceChunks * 4 < G::kVecs) ? v0 + G::kSliceChunks * 4 : G::kVecs;
+    const int v0 = slice * kSliceVecs;
+    const int v_end = (v0 + kSliceVecs < kVecs) ? v0 + kSliceVecs : kVecs;
     const dp_bf16* xr[T];
 #pragma unroll
     for (int t = 0; t < T; ++t) xr[t] = xrow(t);
     for (int m0 = 0; m0 < RS; m0 += kFmaRows) {
-      const dp_bf16* w[kFmaRows];
+      decltype(wrow(0, 0)) w[kFmaRows];
 #pragma unroll
       for (int m = 0; m < kFmaRows; ++m) w[m] = wrow(slot, m0 + m);
       float acc[kFmaRows][T];  // [rows, T] fp32 lane partials
@@ -330,7 +602,10 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
       for (int m = 0; m < kFmaRows; ++m)
 #pragma unroll
         for (int t = 0; t < T; ++t) acc[m][t] = 0.0f;
-      dp_dot_rows<T, kFmaRows, kIters>(w, xr, v0, v_end, lane, acc);
+      if constexpr (kFp8)
+        dp_dot_rows_fp8<T, kFmaRows, kIters>(w, xr, v0, v_end, lane, acc);
+      else
+        dp_dot_rows<T, kFmaRows, kIters>(w, xr, v0, v_end, lane, acc);
       dp_group_reduce<T, kFmaRows>(acc);
       if (lane == 0) {
 #pragma unroll
@@ -365,15 +640,13 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
 // logits) instead of bf16 (rounded to nearest even, as torch stores a bf16 GEMM output).
 //
 // Launch: grid = sum over segments of ceil(N_s / RB) blocks (segment 0's tiles first), block 256.
-template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S>
-__device__ __forceinline__ void dp_gemm(const dp_bf16* __restrict__ x,  // [T, K] bf16
-                                        void* __restrict__ out,          // [T, Ntot] bf16 (fp32 if kOutF32)
-                                        const dp_bf16* __restrict__ w0,  // [N0, K] bf16
-                                        const dp_bf16* __restrict__ w1 = nullptr,  // [N1, K] bf16
-                                        const dp_bf16* __restrict__ w2 = nullptr,  // [N2, K] bf16
-                                        const dp_bf16* __restrict__ w3 = nullptr,  // [N3, K] bf16
-                                        const dp_bf16* __restrict__ w4 = nullptr,  // [N4, K] bf16
-                                        const dp_bf16* __restrict__ w5 = nullptr) {  // [N5, K] bf16
+// kQ8 (bit s: weight s is e4m3 with fp32 128 x 128 block scales s_s, dp_fp8_row) selects the weights'
+// storage per segment; dp_gemm is the all-bf16 form.
+template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S, int kQ8>
+__device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x,  // [T, K] bf16
+                                                 void* __restrict__ out,  // [T, Ntot] bf16 (fp32 if kOutF32)
+                                                 const void* const (&ws)[6],   // [N_s, K] bf16 or e4m3
+                                                 const float* const (&ss)[6]) {  // e4m3: [ceil(N_s/128), ceil(K/128)]
   typedef dp_gemm_geometry<K, MT, S> G;
   constexpr int kNtot = N0 + N1 + N2 + N3 + N4 + N5;
   static_assert(N0 > 0, "gemm: segment 0 must have rows");
@@ -382,9 +655,7 @@ __device__ __forceinline__ void dp_gemm(const dp_bf16* __restrict__ x,  // [T, K
 
   // Which segment and tile this block computes (unrolled over the six compile-time segments).
   const int ns[6] = {N0, N1, N2, N3, N4, N5};
-  const dp_bf16* const ws[6] = {w0, w1, w2, w3, w4, w5};
-  int b = (int)blockIdx.x, col0 = 0, n_seg = 0;
-  const dp_bf16* wseg = w0;
+  int b = (int)blockIdx.x, col0 = 0, n_seg = 0, seg = 0;
   bool found = false;
 #pragma unroll
   for (int s = 0; s < 6; ++s) {
@@ -393,7 +664,7 @@ __device__ __forceinline__ void dp_gemm(const dp_bf16* __restrict__ x,  // [T, K
       if (b < tiles) {
         found = true;
         n_seg = ns[s];
-        wseg = ws[s];
+        seg = s;
       } else {
         b -= tiles;
         col0 += ns[s];
@@ -404,12 +675,25 @@ __device__ __forceinline__ void dp_gemm(const dp_bf16* __restrict__ x,  // [T, K
   const int row0 = b * G::kRows;
 
   // Rows past the matrix re-read row 0 and are dropped.
-  dp_block_dot<T, K, MT, S>(
-      [&](int slot, int m) {
-        const int r = row0 + slot * G::kSlotRows + m;
-        return wseg + (dp_u64)(r < n_seg ? r : 0) * K;
-      },
-      [&](int t) { return x + (dp_u64)t * K; }, partial, result);
+  auto xrow = [&](int t) { return x + (dp_u64)t * K; };
+  if (kQ8 != 0 && ((kQ8 >> seg) & 1)) {
+    const dp_u8* wseg = (const dp_u8*)ws[seg];
+    const float* sseg = ss[seg];
+    dp_block_dot<T, K, MT, S>(
+        [&](int slot, int m) {
+          const int r = row0 + slot * G::kSlotRows + m;
+          return dp_fp8_matrix_row<K>(wseg, sseg, r < n_seg ? r : 0);
+        },
+        xrow, partial, result);
+  } else {
+    const dp_bf16* wseg = (const dp_bf16*)ws[seg];
+    dp_block_dot<T, K, MT, S>(
+        [&](int slot, int m) {
+          const int r = row0 + slot * G::kSlotRows + m;
+          return wseg + (dp_u64)(r < n_seg ? r : 0) * K;
+        },
+        xrow, partial, result);
+  }
 
   for (int i = (int)threadIdx.x; i < G::kRows * T; i += DP_GEMM_THREADS) {
     const int t = i % T;
@@ -421,4 +705,30 @@ __device__ __forceinline__ void dp_gemm(const dp_bf16* __restrict__ x,  // [T, K
     else
       ((dp_bf16*)out)[o] = dp_f32_to_bf16(result[i]);
   }
+}
+
+template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S>
+__device__ __forceinline__ void dp_gemm(const dp_bf16* __restrict__ x,  // [T, K] bf16
+                                        void* __restrict__ out,          // [T, Ntot] bf16 (fp32 if kOutF32)
+                                        const dp_bf16* __restrict__ w0,  // [N0, K] bf16
+                                        const dp_bf16* __restrict__ w1 = nullptr,  // [N1, K] bf16
+                                        const dp_bf16* __restrict__ w2 = nullptr,  // [N2, K] bf16
+                                        const dp_bf16* __restrict__ w3 = nullptr,  // [N3, K] bf16
+                                        const dp_bf16* __restrict__ w4 = nullptr,  // [N4, K] bf16
+                                        const dp_bf16* __restrict__ w5 = nullptr) {  // [N5, K] bf16
+  const void* const ws[6] = {w0, w1, w2, w3, w4, w5};
+  const float* const ss[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  dp_gemm_segments<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, 0>(x, out, ws, ss);
+}
+
+// The GEMM with e4m3 weights in the segments of kQ8: every segment's weight and its scales (null for
+// bf16 and absent segments).
+template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S, int kQ8>
+__device__ __forceinline__ void dp_gemm_q8(const dp_bf16* __restrict__ x, void* __restrict__ out, const void* w0,
+                                           const float* s0, const void* w1, const float* s1, const void* w2,
+                                           const float* s2, const void* w3, const float* s3, const void* w4,
+                                           const float* s4, const void* w5, const float* s5) {
+  const void* const ws[6] = {w0, w1, w2, w3, w4, w5};
+  const float* const ss[6] = {s0, s1, s2, s3, s4, s5};
+  dp_gemm_segments<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, kQ8>(x, out, ws, ss);
 }

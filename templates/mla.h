@@ -35,19 +35,20 @@
 // ---------------------------------------------------------------------------------------------------
 // Launch: grid T + N*ceil(L/128) blocks of 256: blocks [0, T) normalise and write one row's latent,
 // the rest compute one head's q_lat over 128 latent columns (16 per group) for all rows.
-template <int T, int Q, int N, int L, int R, int PN, int V, int BS>
+template <int T, int Q, int N, int L, int R, int PN, int V, int BS, int kQ8 = 0>
 __device__ __forceinline__ void dp_mla_prep(const dp_bf16* __restrict__ q,             // [T, stride_q] bf16
                                             dp_u32 stride_q,
                                             const dp_bf16* __restrict__ kv,            // [T, stride_kv] bf16
                                             dp_u32 stride_kv,
                                             const dp_bf16* __restrict__ kv_norm_w,     // [L] bf16
-                                            const dp_bf16* __restrict__ kv_b,          // [N*(PN+V), L] bf16
+                                            const void* kv_b,  // [N*(PN+V), L] bf16 (e4m3 if kQ8)
                                             const dp_i32* __restrict__ seq_lens,       // [W] i32
                                             const dp_i64* __restrict__ slot_mapping,   // [T] i64
                                             dp_bf16* cache,                            // [blocks, cache_stride] bf16
                                             dp_bf16* __restrict__ q_abs,               // [T, N, L+R] bf16
                                             float eps,
-                                            dp_u32 cache_stride) {  // elements between cache blocks
+                                            dp_u32 cache_stride,    // elements between cache blocks
+                                            const float* kv_b_scale = nullptr) {  // kQ8: [ceil(N*(PN+V)/128), ceil(L/128)]
   static_assert(L % 64 == 0 && R % 2 == 0 && PN % 8 == 0, "mla_prep: L multiple of 64, even R");
   static_assert(BS >= 1, "mla_prep: cache block size");
   constexpr int kCols = 16 * (DP_MLA_THREADS / DP_GROUP);  // latent columns per absorb block (128)
@@ -94,20 +95,23 @@ __device__ __forceinline__ void dp_mla_prep(const dp_bf16* __restrict__ q,      
     qn[e] = dp_bf16_to_f32(q[(dp_u64)t * stride_q + n * (PN + R) + j]);
   }
   const bool cols_in = col0 < L;  // per group (L is a multiple of 64, so of 16)
-  dp_u32x4 wv[kJIters][2];         // rows j = lane + 32*i, columns col0 .. col0 + 15
+  dp_u32x4 wv[kJIters][2];         // rows j = lane + 32*i, columns col0 .. col0 + 15 (e4m3: one vector)
+  float wsc[kJIters];              // e4m3: the block scale of each row's 16 columns
   if (cols_in) {
-    const dp_bf16* wk = kv_b + (dp_u64)n * (PN + V) * L + col0;  // W_UK_T[n][j][col0], row stride L
 #pragma unroll
     for (int i = 0; i < kJIters; ++i) {
       const int j = lane + DP_GROUP * i;
+      const dp_u64 row = (dp_u64)n * (PN + V) + j;  // W_UK_T[n][j], row stride L
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if (j < PN) {
-          wv[i][h] = dp_load16(wk + (dp_u64)j * L + 8 * h);
+        if (j < PN && (kQ8 == 0 || h == 0)) {
+          wv[i][h] = kQ8 ? dp_load16((const dp_u8*)kv_b + row * L + col0)
+                         : dp_load16((const dp_bf16*)kv_b + row * L + col0 + 8 * h);
         } else {
           wv[i][h].x = wv[i][h].y = wv[i][h].z = wv[i][h].w = 0u;
         }
       }
+      wsc[i] = kQ8 && j < PN ? kv_b_scale[(row / 128) * ((L + 127) / 128) + col0 / 128] : 0.0f;
     }
   }
   __syncthreads();  // qn
@@ -123,11 +127,16 @@ __device__ __forceinline__ void dp_mla_prep(const dp_bf16* __restrict__ q,      
         const int j = lane + DP_GROUP * i;
         if (j >= PN) continue;
         float wf[16];
-        dp_unpack8_bf16(wv[i][0], wf);
-        dp_unpack8_bf16(wv[i][1], wf + 8);
+        if constexpr (kQ8 != 0) {
+          dp_unpack16_e4m3(wv[i][0], wf);
+        } else {
+          dp_unpack8_bf16(wv[i][0], wf);
+          dp_unpack8_bf16(wv[i][1], wf + 8);
+        }
 #pragma unroll
         for (int tt = 0; tt < kRowChunk; ++tt) {
-          const float qv = t0 + tt < T ? qn[(t0 + tt) * PN + j] : 0.0f;
+          float qv = t0 + tt < T ? qn[(t0 + tt) * PN + j] : 0.0f;
+          if constexpr (kQ8 != 0) qv *= wsc[i];  // the block scale of these 16 weights
 #pragma unroll
           for (int c = 0; c < 16; ++c) acc[tt][c] += qv * wf[c];
         }
@@ -474,21 +483,23 @@ __device__ __forceinline__ void dp_mla_attn(const dp_bf16* __restrict__ q_abs,  
 // head's splits itself (the partials are L2-resident; a few times the bytes of one merge).
 // o_lat = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, rounded to bf16 (vLLM's attention output),
 // then o[v] = o_lat . W_UV[n][:, v], rounded to bf16, times sigmoid(gate) when kGate.
-template <int W, int Q, int N, int L, int PN, int V, int NS, int kGate>
+template <int W, int Q, int N, int L, int PN, int V, int NS, int kGate, int kQ8 = 0>
 __device__ __forceinline__ void dp_mla_combine(const float* __restrict__ part_o,     // [W, NS, Q, N, L] fp32
                                                const float* __restrict__ part_ml,    // [W, NS, Q, N, 2] fp32
                                                const dp_i32* __restrict__ seq_lens,  // [W] i32
-                                               const dp_bf16* __restrict__ kv_b,     // [N*(PN+V), L] bf16
+                                               const void* kv_b,  // [N*(PN+V), L] bf16 (e4m3 if kQ8)
                                                const dp_bf16* __restrict__ gate,     // [T, stride_g] bf16, K3
                                                dp_u32 stride_g,
-                                               dp_bf16* __restrict__ out) {          // [T, N*V] bf16
+                                               dp_bf16* __restrict__ out,            // [T, N*V] bf16
+                                               const float* kv_b_scale = nullptr) {  // kQ8: block scales of kv_b
   constexpr int T = W * Q;
   constexpr int kChunk = T < 8 ? T : 8;
-  constexpr int kVecs = L / 8;
+  constexpr int kVecs = kQ8 ? L / 16 : L / 8;  // 16-byte vectors of a W_UV row: 8 bf16 or 16 e4m3
+  constexpr int kVecElems = kQ8 ? 16 : 8;
   constexpr int kIters = (kVecs + DP_GROUP - 1) / DP_GROUP;
   constexpr int kVPerGroup = 4;  // output columns per group
   constexpr int kBlockV = kVPerGroup * (DP_MLA_THREADS / DP_GROUP);
-  static_assert(L % 8 == 0, "mla_combine: L multiple of 8");
+  static_assert(L % 8 == 0 && (kQ8 == 0 || L % 16 == 0), "mla_combine: L multiple of 8 (16 for e4m3)");
   __shared__ float olat[kChunk * L];  // [chunk, L] fp32 (bf16 values)
   __shared__ float wgt[kChunk * NS];  // [chunk, NS] merge weights e^(m_s - M) / sum
   const int n = (int)blockIdx.x, tid = (int)threadIdx.x, group = tid / DP_GROUP, lane = tid % DP_GROUP;
@@ -497,18 +508,21 @@ __device__ __forceinline__ void dp_mla_combine(const float* __restrict__ part_o,
 
   // This group's W_UV rows, all loads in flight before the merge (they do not depend on it).
   dp_u32x4 wv[kVPerGroup][kIters];
+  float wsc[kVPerGroup][kIters];  // e4m3: each vector's block scale
 #pragma unroll
   for (int k = 0; k < kVPerGroup; ++k) {
     const int v = v0 + k < V ? v0 + k : V - 1;
-    const dp_bf16* wrow = kv_b + ((dp_u64)n * (PN + V) + PN + v) * L;
+    const dp_u64 row = (dp_u64)n * (PN + V) + PN + v;
 #pragma unroll
     for (int it = 0; it < kIters; ++it) {
       const int vec = lane + DP_GROUP * it;
       if (vec < kVecs) {
-        wv[k][it] = dp_load16(wrow + 8 * vec);
+        wv[k][it] = kQ8 ? dp_load16((const dp_u8*)kv_b + row * L + 16 * vec)
+                        : dp_load16((const dp_bf16*)kv_b + row * L + 8 * vec);
       } else {
         wv[k][it].x = wv[k][it].y = wv[k][it].z = wv[k][it].w = 0u;
       }
+      wsc[k][it] = kQ8 && vec < kVecs ? kv_b_scale[(row / 128) * ((L + 127) / 128) + 16 * vec / 128] : 0.0f;
     }
   }
 
@@ -592,12 +606,23 @@ __device__ __forceinline__ void dp_mla_combine(const float* __restrict__ part_o,
       if (vec < kVecs) {
 #pragma unroll
         for (int k = 0; k < kVPerGroup; ++k) {
-          float wf[8];
-          dp_unpack8_bf16(wv[k][it], wf);
+          float wf[kVecElems];
+          if constexpr (kQ8 != 0) {
+            dp_unpack16_e4m3(wv[k][it], wf);
 #pragma unroll
-          for (int tt = 0; tt < kChunk; ++tt)
+            for (int tt = 0; tt < kChunk; ++tt) {
+              float p = 0.0f;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) acc[k][tt] += wf[j] * olat[tt * L + 8 * vec + j];
+              for (int j = 0; j < 16; ++j) p += wf[j] * olat[tt * L + 16 * vec + j];
+              acc[k][tt] += p * wsc[k][it];
+            }
+          } else {
+            dp_unpack8_bf16(wv[k][it], wf);
+#pragma unroll
+            for (int tt = 0; tt < kChunk; ++tt)
+#pragma unroll
+              for (int j = 0; j < 8; ++j) acc[k][tt] += wf[j] * olat[tt * L + 8 * vec + j];
+          }
         }
       }
     }

@@ -174,10 +174,10 @@ struct dp_gate_up_geometry {
   static constexpr int kFeatures = G::kSlots * kSlotFeatures;  // RB
 };
 
-template <int T, int D, int MT, int S, int kAct, typename XRow>
-__device__ __forceinline__ void dp_gate_up_tile(XRow xrow,                       // row t of [D] bf16, or null
-                                                const dp_bf16* __restrict__ wg,  // [Irows, D] bf16 gate rows
-                                                const dp_bf16* __restrict__ wu,  // [Irows, D] bf16 up rows
+template <int T, int D, int MT, int S, int kAct, typename XRow, typename WM>
+__device__ __forceinline__ void dp_gate_up_tile(XRow xrow,  // row t of [D] bf16, or null
+                                                WM wg,      // [Irows, D] gate rows (dp_bf16_matrix, dp_fp8_matrix)
+                                                WM wu,      // [Irows, D] up rows
                                                 int Irows, int row0, float act_beta, float act_lbeta,
                                                 float* partial, float* result,   // smem
                                                 float* act_out) {                // smem [RB, T] fp32
@@ -186,8 +186,7 @@ __device__ __forceinline__ void dp_gate_up_tile(XRow xrow,                      
   dp_block_dot<T, D, MT, S>(
       [&](int slot, int m) {
         const int f = row0 + slot * F::kSlotFeatures + 8 * (m / 16) + m % 8;  // feature of row m
-        const dp_u64 off = (dp_u64)(f < Irows ? f : 0) * D;  // features past the matrix re-read row 0
-        return (m % 16 < 8 ? wg : wu) + off;
+        return (m % 16 < 8 ? wg : wu).row(f < Irows ? f : 0);  // features past the matrix re-read row 0
       },
       xrow, partial, result);
   // result[(slot*16*MT + 16*mt + i)*T + t]: gate (i < 8) and up (i >= 8) of feature slot*8*MT + 8*mt + i%8.
@@ -210,21 +209,20 @@ __device__ __forceinline__ void dp_gate_up_tile(XRow xrow,                      
 //   xrow(t): activation row t (< T), [D] bf16, or null (masked: its outputs are not stored)
 //   store(t, f, v): v = act(gate, up) of feature f for row t
 #if DP_VENDOR_NVIDIA
-template <int T, int D, int kAct, typename XRow, typename Store>
-__device__ __forceinline__ void dp_gate_up_warp_tile(XRow xrow, const dp_bf16* __restrict__ wg,
-                                                     const dp_bf16* __restrict__ wu, int Irows, int f0,
+template <int T, int D, int kAct, typename XRow, typename WM, typename Store>
+__device__ __forceinline__ void dp_gate_up_warp_tile(XRow xrow, WM wg, WM wu, int Irows, int f0,
                                                      float act_beta, float act_lbeta, Store store) {
   constexpr int NT = (T + 7) / 8;
   const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
   float acc[1][NT][4];  // rows g (gate) and g + 8 (up) of the tile
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[0][nt][0] = acc[0][nt][1] = acc[0][nt][2] = acc[0][nt][3] = 0.0f;
-  dp_mma_rows<D, 1, NT>(
+  dp_mma_rows_all<D, 1, NT>(
       [&](int m) {
         const int f = f0 + m % 8;
-        return (m < 8 ? wg : wu) + (dp_u64)(f < Irows ? f : 0) * D;  // features past the matrix re-read row 0
+        return (m < 8 ? wg : wu).row(f < Irows ? f : 0);  // features past the matrix re-read row 0
       },
-      [&](int t) { return t < T ? xrow(t) : nullptr; }, 0, (D + 31) / 32, acc);
+      [&](int t) { return t < T ? xrow(t) : nullptr; }, acc);
   const int f = f0 + g;
   if (f >= Irows) return;
 #pragma unroll
@@ -247,20 +245,27 @@ __device__ __forceinline__ void dp_gate_up_warp_tile(XRow xrow, const dp_bf16* _
 //      expert's, walked by all warps of the grid with a stride (any grid; the compiler sizes it to the
 //      most tiles a step can have, at most about two blocks per SM). On AMD: the block tiles of 0,
 //      walked by the blocks of the grid with a stride.
-template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S, int kWarpTiles>
-__device__ __forceinline__ void dp_moe_up(
+template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S, int kWarpTiles, int kQ8>
+__device__ __forceinline__ void dp_moe_up_impl(
     const dp_bf16* __restrict__ x,             // [T, D] bf16 post-attention-norm rows (or latent)
-    const dp_bf16* __restrict__ w1,            // [E, stride_w1] bf16 expert gate (w1) weights, [I, D] each
-    const dp_bf16* __restrict__ w3,            // [E, stride_w3] bf16 expert up (w3) weights, [I, D] each
-    const dp_bf16* __restrict__ shared_gate,   // [SI, D] bf16 shared expert gate_proj (null if SI == 0)
-    const dp_bf16* __restrict__ shared_up,     // [SI, D] bf16 shared expert up_proj
+    const void* w1, const float* w1_scale,     // [E, stride_w1] expert gate (w1) weights, [I, D] each
+    const void* w3, const float* w3_scale,     // [E, stride_w3] expert up (w3) weights, [I, D] each
+    const void* shared_gate, const float* shared_gate_scale,  // [SI, D] shared expert gate_proj (null if SI == 0)
+    const void* shared_up, const float* shared_up_scale,      // [SI, D] shared expert up_proj
     const dp_i32* __restrict__ experts,        // [1 + U] i32 from dp_moe_route
     const dp_i32* __restrict__ expert_slots,   // [U, T] i32 from dp_moe_route
     dp_bf16* __restrict__ h,                   // [T, KT, I] bf16: activated product of row t's j-th expert
     dp_bf16* __restrict__ hs,                  // [T, SI] bf16: shared expert's activated product
-    dp_u32 stride_w1,                          // elements between experts of w1 (dense: I*D)
-    dp_u32 stride_w3,                          // elements between experts of w3 (dense: I*D)
-    float act_beta = 0.0f, float act_lbeta = 0.0f) {  // SiTU betas (kAct 1)
+    dp_u32 stride_w1, dp_u32 stride_w1_scale,  // elements between experts of w1 and of its scales
+    dp_u32 stride_w3, dp_u32 stride_w3_scale,  // elements between experts of w3 and of its scales
+    float act_beta, float act_lbeta) {         // SiTU betas (kAct 1)
+  // Expert (or shared expert) matrices: bf16, or e4m3 with their block scales (kQ8).
+  auto mat = [&](const void* w, const float* sc, dp_u64 w_off, dp_u64 s_off) {
+    if constexpr (kQ8 != 0)
+      return dp_fp8_matrix<D>{(const dp_u8*)w + w_off, sc + s_off};
+    else
+      return dp_bf16_matrix<D>{(const dp_bf16*)w + w_off};
+  };
 #if DP_VENDOR_NVIDIA
   if constexpr (kWarpTiles && T >= 2) {
     constexpr int tS = (SI + 7) / 8, tI = (I + 7) / 8;  // 8-feature tiles of the shared expert, of one expert
@@ -269,7 +274,8 @@ __device__ __forceinline__ void dp_moe_up(
     for (int it = (int)blockIdx.x * DP_GEMM_GROUPS + (int)threadIdx.x / DP_GROUP; it < total; it += warps) {
       if (it < tS) {
         dp_gate_up_warp_tile<T, D, kAct>(
-            [&](int t) { return x + (dp_u64)t * D; }, shared_gate, shared_up, SI, 8 * it, act_beta, act_lbeta,
+            [&](int t) { return x + (dp_u64)t * D; }, mat(shared_gate, shared_gate_scale, 0, 0),
+            mat(shared_up, shared_up_scale, 0, 0), SI, 8 * it, act_beta, act_lbeta,
             [&](int t, int f, float v) { hs[(dp_u64)t * SI + f] = dp_f32_to_bf16(v); });
       } else {
         const int u = (it - tS) / tI, f0 = 8 * ((it - tS) % tI);
@@ -277,7 +283,8 @@ __device__ __forceinline__ void dp_moe_up(
         const dp_i32* slots = expert_slots + u * T;
         dp_gate_up_warp_tile<T, D, kAct>(
             [&](int t) { return slots[t] >= 0 ? x + (dp_u64)t * D : nullptr; },  // rows that chose e
-            w1 + (dp_u64)e * stride_w1, w3 + (dp_u64)e * stride_w3, I, f0, act_beta, act_lbeta,
+            mat(w1, w1_scale, (dp_u64)e * stride_w1, (dp_u64)e * stride_w1_scale),
+            mat(w3, w3_scale, (dp_u64)e * stride_w3, (dp_u64)e * stride_w3_scale), I, f0, act_beta, act_lbeta,
             [&](int t, int f, float v) { h[((dp_u64)t * KT + slots[t]) * I + f] = dp_f32_to_bf16(v); });
       }
     }
@@ -300,8 +307,10 @@ __device__ __forceinline__ void dp_moe_up(
     __syncthreads();  // the previous tile's readers of slot_of and act are done
     if (b < nS) {
       const int row0 = b * RB;
-      dp_gate_up_tile<T, D, MT, S, kAct>([&](int t) { return x + (dp_u64)t * D; }, shared_gate, shared_up, SI, row0,
-                                         act_beta, act_lbeta, partial, result, act);
+      dp_gate_up_tile<T, D, MT, S, kAct>([&](int t) { return x + (dp_u64)t * D; },
+                                         mat(shared_gate, shared_gate_scale, 0, 0),
+                                         mat(shared_up, shared_up_scale, 0, 0), SI, row0, act_beta, act_lbeta, partial,
+                                         result, act);
       for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
         const int t = i % T, r = row0 + i / T;
         if (r < SI) hs[(dp_u64)t * SI + r] = dp_f32_to_bf16(act[i]);
@@ -315,7 +324,9 @@ __device__ __forceinline__ void dp_moe_up(
     const int row0 = tile * RB;
     dp_gate_up_tile<T, D, MT, S, kAct>(
         [&](int t) { return slot_of[t] >= 0 ? x + (dp_u64)t * D : nullptr; },  // rows that chose e
-        w1 + (dp_u64)e * stride_w1, w3 + (dp_u64)e * stride_w3, I, row0, act_beta, act_lbeta, partial, result, act);
+        mat(w1, w1_scale, (dp_u64)e * stride_w1, (dp_u64)e * stride_w1_scale),
+        mat(w3, w3_scale, (dp_u64)e * stride_w3, (dp_u64)e * stride_w3_scale), I, row0, act_beta, act_lbeta, partial,
+        result, act);
     for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
       const int t = i % T, r = row0 + i / T;
       const int j = slot_of[t];
@@ -324,13 +335,40 @@ __device__ __forceinline__ void dp_moe_up(
   }
 }
 
-// Dense MLP gate/up: h = act(gate x, up x). Launch: grid ceil(I/RB), block 256.
-template <int T, int D, int I, int kAct, int MT, int S>
-__device__ __forceinline__ void dp_mlp_up(const dp_bf16* __restrict__ x,       // [T, D] bf16
-                                          const dp_bf16* __restrict__ w_gate,  // [I, D] bf16 gate_proj
-                                          const dp_bf16* __restrict__ w_up,    // [I, D] bf16 up_proj
-                                          dp_bf16* __restrict__ h,             // [T, I] bf16
-                                          float act_beta = 0.0f, float act_lbeta = 0.0f) {
+// The bf16 entry (expert weights bf16) and the e4m3 one (every expert matrix, routed and shared, e4m3
+// with 128 x 128 block scales; the scale tensors of the experts stacked like the weights).
+template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S, int kWarpTiles>
+__device__ __forceinline__ void dp_moe_up(const dp_bf16* __restrict__ x, const dp_bf16* w1, const dp_bf16* w3,
+                                          const dp_bf16* shared_gate, const dp_bf16* shared_up,
+                                          const dp_i32* __restrict__ experts, const dp_i32* __restrict__ expert_slots,
+                                          dp_bf16* __restrict__ h, dp_bf16* __restrict__ hs, dp_u32 stride_w1,
+                                          dp_u32 stride_w3, float act_beta = 0.0f, float act_lbeta = 0.0f) {
+  dp_moe_up_impl<T, D, I, E, KT, SI, kAct, MT, S, kWarpTiles, 0>(x, w1, nullptr, w3, nullptr, shared_gate, nullptr,
+                                                                  shared_up, nullptr, experts, expert_slots, h, hs,
+                                                                  stride_w1, 0, stride_w3, 0, act_beta, act_lbeta);
+}
+template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S, int kWarpTiles>
+__device__ __forceinline__ void dp_moe_up_q8(const dp_bf16* __restrict__ x, const dp_u8* w1, const float* w1_scale,
+                                             const dp_u8* w3, const float* w3_scale, const dp_u8* shared_gate,
+                                             const float* shared_gate_scale, const dp_u8* shared_up,
+                                             const float* shared_up_scale, const dp_i32* __restrict__ experts,
+                                             const dp_i32* __restrict__ expert_slots, dp_bf16* __restrict__ h,
+                                             dp_bf16* __restrict__ hs, dp_u32 stride_w1, dp_u32 stride_w1_scale,
+                                             dp_u32 stride_w3, dp_u32 stride_w3_scale, float act_beta = 0.0f,
+                                             float act_lbeta = 0.0f) {
+  dp_moe_up_impl<T, D, I, E, KT, SI, kAct, MT, S, kWarpTiles, 1>(
+      x, w1, w1_scale, w3, w3_scale, shared_gate, shared_gate_scale, shared_up, shared_up_scale, experts, expert_slots,
+      h, hs, stride_w1, stride_w1_scale, stride_w3, stride_w3_scale, act_beta, act_lbeta);
+}
+
+// Dense MLP gate/up: h = act(gate x, up x). Launch: grid ceil(I/RB), block 256. dp_mlp_up: bf16 weights;
+// dp_mlp_up_q8: e4m3 gate_proj and up_proj with their 128 x 128 block scales.
+template <int T, int D, int I, int kAct, int MT, int S, typename WM>
+__device__ __forceinline__ void dp_mlp_up_impl(const dp_bf16* __restrict__ x,  // [T, D] bf16
+                                               WM w_gate,                      // [I, D] gate_proj
+                                               WM w_up,                        // [I, D] up_proj
+                                               dp_bf16* __restrict__ h,        // [T, I] bf16
+                                               float act_beta, float act_lbeta) {
   typedef dp_gate_up_geometry<T, D, MT, S> F;
   typedef typename F::G G;
   constexpr int RB = F::kFeatures;
@@ -345,6 +383,18 @@ __device__ __forceinline__ void dp_mlp_up(const dp_bf16* __restrict__ x,       /
     if (r < I) h[(dp_u64)t * I + r] = dp_f32_to_bf16(act[i]);
   }
 }
+template <int T, int D, int I, int kAct, int MT, int S>
+__device__ __forceinline__ void dp_mlp_up(const dp_bf16* __restrict__ x, const dp_bf16* w_gate, const dp_bf16* w_up,
+                                          dp_bf16* __restrict__ h, float act_beta = 0.0f, float act_lbeta = 0.0f) {
+  dp_mlp_up_impl<T, D, I, kAct, MT, S>(x, dp_bf16_matrix<D>{w_gate}, dp_bf16_matrix<D>{w_up}, h, act_beta, act_lbeta);
+}
+template <int T, int D, int I, int kAct, int MT, int S>
+__device__ __forceinline__ void dp_mlp_up_q8(const dp_bf16* __restrict__ x, const dp_u8* w_gate,
+                                             const float* w_gate_scale, const dp_u8* w_up, const float* w_up_scale,
+                                             dp_bf16* __restrict__ h, float act_beta = 0.0f, float act_lbeta = 0.0f) {
+  dp_mlp_up_impl<T, D, I, kAct, MT, S>(x, dp_fp8_matrix<D>{w_gate, w_gate_scale}, dp_fp8_matrix<D>{w_up, w_up_scale},
+                                       h, act_beta, act_lbeta);
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Down + weighted sum + shared expert:
@@ -357,22 +407,22 @@ __device__ __forceinline__ void dp_mlp_up(const dp_bf16* __restrict__ x,       /
 // M = 16 with T >= 2 on NVIDIA: the block's 16 rows of an item are one tensor-core tile (dp_mma_rows)
 // against the rows that chose the expert, each item's products scaled by their rows' weights as they
 // are added up. Otherwise (T = 1, AMD): the lane-FMA loop, at most 4 rows at a time.
-template <int T, int D, int I, int E, int KT, int SI, int M>
-__device__ __forceinline__ void dp_moe_down(
+template <int T, int D, int I, int E, int KT, int SI, int M, int kQ8>
+__device__ __forceinline__ void dp_moe_down_impl(
     const dp_bf16* __restrict__ h,             // [T, KT, I] bf16 from dp_moe_up
     const dp_bf16* __restrict__ hs,            // [T, SI] bf16 from dp_moe_up (null if SI == 0)
-    const dp_bf16* __restrict__ w2,            // [E, stride_w2] bf16 expert down (w2) weights, [D, I] each
-    const dp_bf16* __restrict__ shared_down,   // [D, SI] bf16 shared expert down_proj (null if SI == 0)
+    const void* w2, const float* w2_scale,     // [E, stride_w2] expert down (w2) weights, [D, I] each
+    const void* shared_down, const float* shared_down_scale,  // [D, SI] shared expert down_proj (null if SI == 0)
     const dp_i32* __restrict__ experts,        // [1 + U] i32 from dp_moe_route
     const dp_i32* __restrict__ expert_slots,   // [U, T] i32 from dp_moe_route
     const float* __restrict__ topk_weights,    // [T, KT] fp32 from dp_moe_route
     dp_bf16* __restrict__ out,                 // [T, D] bf16: the FFN output (next layer's hidden)
     float routed_scaling,
-    dp_u32 stride_w2) {                        // elements between experts of w2 (dense: D*I)
+    dp_u32 stride_w2, dp_u32 stride_w2_scale) {  // elements between experts of w2 (dense: D*I) and of its scales
   static_assert(I % 8 == 0 && SI % 8 == 0 && D % 8 == 0, "moe_down: widths must be multiples of 8");
   constexpr int kShared = SI > 0 ? 1 : 0;
 #if DP_VENDOR_NVIDIA
-  constexpr bool kMma = T >= 2 && M == 16;
+  constexpr bool kMma = (T >= 2 || kQ8 != 0) && M == 16;  // e4m3 weights: tensor cores also for one row
 #else
   constexpr bool kMma = false;
 #endif
@@ -386,10 +436,17 @@ __device__ __forceinline__ void dp_moe_down(
 
   // Item `item`'s weight row m of this block, its activation row t (null: row t does not use it) and
   // the weight of its products in row t's output.
-  auto weight_row = [&](int item, int m) -> const dp_bf16* {
+  auto weight_row = [&](int item, int m) {
     const int r = row0 + m < D ? row0 + m : 0;  // rows past the matrix re-read row 0 and are dropped
-    if (kShared && item == 0) return shared_down + (dp_u64)r * SI;
-    return w2 + (dp_u64)experts[1 + item - kShared] * stride_w2 + (dp_u64)r * I;
+    const bool sh = kShared && item == 0;
+    const dp_u64 e = sh ? 0 : (dp_u64)experts[1 + item - kShared];
+    if constexpr (kQ8 != 0) {
+      // The shared expert's rows are SI long, the routed ones I: one row function per width.
+      return sh ? dp_fp8_matrix_row<SI>((const dp_u8*)shared_down, shared_down_scale, r)
+                : dp_fp8_matrix_row<I>((const dp_u8*)w2 + e * stride_w2, w2_scale + e * stride_w2_scale, r);
+    } else {
+      return sh ? (const dp_bf16*)shared_down + (dp_u64)r * SI : (const dp_bf16*)w2 + e * stride_w2 + (dp_u64)r * I;
+    }
   };
   auto act_row = [&](int item, int t, float* coef) -> const dp_bf16* {
     if (kShared && item == 0) {
@@ -416,9 +473,9 @@ __device__ __forceinline__ void dp_moe_down(
       auto wrow = [&](int m) { return weight_row(item, m); };
       auto xrow = [&](int t) { return t < T ? act_row(item, t, nullptr) : nullptr; };
       if (kShared && item == 0)
-        dp_mma_rows<SI, 1, NT>(wrow, xrow, 0, (SI + 31) / 32, tmp);
+        dp_mma_rows_all<SI, 1, NT>(wrow, xrow, tmp);
       else
-        dp_mma_rows<I, 1, NT>(wrow, xrow, 0, (I + 31) / 32, tmp);
+        dp_mma_rows_all<I, 1, NT>(wrow, xrow, tmp);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -439,8 +496,6 @@ __device__ __forceinline__ void dp_moe_down(
       }
 #endif
   } else {
-    constexpr int kItersI = (I / 8 + DP_GROUP - 1) / DP_GROUP;
-    constexpr int kItersS = (SI / 8 + DP_GROUP - 1) / DP_GROUP;
     for (int m0 = 0; m0 < M; m0 += MF) {
       float acc[MF][T];  // [MF, T] fp32 lane partials of this group's items
 #pragma unroll
@@ -457,13 +512,13 @@ __device__ __forceinline__ void dp_moe_down(
         const dp_bf16* xr[T];
 #pragma unroll
         for (int t = 0; t < T; ++t) xr[t] = act_row(item, t, &coef[t]);
-        const dp_bf16* w[MF];
+        decltype(weight_row(0, 0)) w[MF];
 #pragma unroll
         for (int m = 0; m < MF; ++m) w[m] = weight_row(item, m0 + m);
         if (kShared && item == 0)
-          dp_dot_rows<T, MF, kItersS>(w, xr, 0, SI / 8, lane, tmp);
+          dp_dot_rows_all<T, MF, SI>(w, xr, lane, tmp);
         else
-          dp_dot_rows<T, MF, kItersI>(w, xr, 0, I / 8, lane, tmp);
+          dp_dot_rows_all<T, MF, I>(w, xr, lane, tmp);
 #pragma unroll
         for (int m = 0; m < MF; ++m)
 #pragma unroll
@@ -486,4 +541,26 @@ __device__ __forceinline__ void dp_moe_down(
     for (int g = 0; g < DP_GEMM_GROUPS; ++g) s += partial[(g * M + m) * T + t];
     if (row0 + m < D) out[(dp_u64)t * D + row0 + m] = dp_f32_to_bf16(s);
   }
+}
+
+template <int T, int D, int I, int E, int KT, int SI, int M>
+__device__ __forceinline__ void dp_moe_down(const dp_bf16* __restrict__ h, const dp_bf16* __restrict__ hs,
+                                            const dp_bf16* w2, const dp_bf16* shared_down,
+                                            const dp_i32* __restrict__ experts, const dp_i32* __restrict__ expert_slots,
+                                            const float* __restrict__ topk_weights, dp_bf16* __restrict__ out,
+                                            float routed_scaling, dp_u32 stride_w2) {
+  dp_moe_down_impl<T, D, I, E, KT, SI, M, 0>(h, hs, w2, nullptr, shared_down, nullptr, experts, expert_slots,
+                                             topk_weights, out, routed_scaling, stride_w2, 0);
+}
+// Every expert matrix (routed and shared) e4m3 with 128 x 128 block scales.
+template <int T, int D, int I, int E, int KT, int SI, int M>
+__device__ __forceinline__ void dp_moe_down_q8(const dp_bf16* __restrict__ h, const dp_bf16* __restrict__ hs,
+                                               const dp_u8* w2, const float* w2_scale, const dp_u8* shared_down,
+                                               const float* shared_down_scale, const dp_i32* __restrict__ experts,
+                                               const dp_i32* __restrict__ expert_slots,
+                                               const float* __restrict__ topk_weights, dp_bf16* __restrict__ out,
+                                               float routed_scaling, dp_u32 stride_w2, dp_u32 stride_w2_scale) {
+  dp_moe_down_impl<T, D, I, E, KT, SI, M, 1>(h, hs, w2, w2_scale, shared_down, shared_down_scale, experts,
+                                             expert_slots, topk_weights, out, routed_scaling, stride_w2,
+                                             stride_w2_scale);
 }

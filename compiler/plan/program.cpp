@@ -126,10 +126,20 @@ class StepBuilder {
              to_string(a.from));
       if (a.from == From::weight) {
         const WeightSpec& w = lw.get(a.name);
-        const char* dt = w.dtype == DType::F32 ? "fp32" : w.dtype == DType::BF16 ? "bf16" : "?";
-        if (p.shape.size() < 4 || p.shape.substr(p.shape.size() - 4) != dt)
+        const std::string dt = w.dtype == DType::F32    ? "fp32"
+                               : w.dtype == DType::BF16 ? "bf16"
+                               : w.dtype == DType::F8_E4M3 ? "e4m3"
+                                                           : "?";
+        if (!p.shape.ends_with(" " + dt)) {
+          // An e4m3 weight where the op reads bf16 (a projection this version dequantises nowhere): no
+          // program, with the reason; any other mismatch is a bug in this file.
+          if (w.dtype == DType::F8_E4M3)
+            throw Unavailable{fmt::format("FP8 weight {} is stored e4m3, but op {} reads its parameter {} as {} "
+                                          "(no e4m3 form of that op in this version)",
+                                          a.name, kernel_.op, p.name, p.shape)};
           fail(Errc::internal, "layer program: {}: parameter {} ({}) bound to {} of dtype {}", s.name, p.name, p.shape,
                a.name, dtype_name(w.dtype));
+        }
       }
       s.args.push_back(a);
       args_.erase(it);
@@ -203,15 +213,11 @@ class Builder {
   }
 
   void check_supported() const {
-    // Until the GEMV, fused projection and expert kernels dequantise FP8 blocks, no program reads FP8
-    // weights: bf16 kernels over e4m3 bytes would compute nonsense.
-    for (const model::LayerSpec& l : m_.layers)
-      if (layer_class(l) == cls_)
-        for (size_t i : l.weights)
-          if (m_.weights[i].quant.method == model::QuantMethod::fp8_block)
-            throw Unavailable{fmt::format("FP8 block-quantized weights ({}; {} first) have no decode kernels in this "
-                                          "version: the plan counts their bytes, the host runs these layers",
-                                          model::describe(m_.quant), m_.weights[i].key)};
+    // FP8 weights are read by the ops' e4m3 forms (Q8); a weight bound to an op without one makes the
+    // step Unavailable (StepBuilder::finish), and so do matrices of one op stored differently (fp8()).
+    if (m_.quant.method == model::QuantMethod::fp8_block &&
+        (m_.quant.block.size() != 2 || m_.quant.block[0] != 128 || m_.quant.block[1] != 128))
+      throw Unavailable{fmt::format("FP8 blocks of {}: the kernels read 128x128 blocks", model::describe(m_.quant))};
     if (m_.type == model::ModelType::kimi_k3)
       throw Unavailable{"Kimi-K3 layers (block attention residuals, latent MXFP4 experts, q_lora MLA, full-rank "
                         "KDA gate) have no layer program in this version"};
@@ -245,18 +251,50 @@ class Builder {
   void push(StepBuilder& b) { steps_.push_back(b.finish(lw_)); }
   void push(StepBuilder&& b) { push(b); }
 
+  // FP8: whether the weight `key` is stored e4m3 (its scales are the weight "<module>.weight_scale_inv").
+  bool fp8(const std::string& key) const {
+    return lw_.get(key).quant.method == model::QuantMethod::fp8_block && !lw_.get(key).quant.excluded;
+  }
+  static std::string scale_key(const std::string& key) { return key.substr(0, key.size() - 7) + ".weight_scale_inv"; }
+  // Whether the matrices of one op are all e4m3 (1) or all not (0); mixed ones have no kernel.
+  int64_t fp8_all(const char* what, std::initializer_list<std::string> keys) const {
+    int64_t n = 0;
+    for (const std::string& k : keys) n += fp8(k) ? 1 : 0;
+    if (n != 0 && n != static_cast<int64_t>(keys.size()))
+      throw Unavailable{fmt::format("{}: {} of its {} matrices are FP8 (e4m3) and the rest not; the kernel reads all "
+                                    "of one op's matrices in one format", what, n, keys.size())};
+    return n ? 1 : 0;
+  }
+  // Binds weight `key` to parameter `param` and, e4m3, its scales to `param`_scale.
+  void bind_weight(StepBuilder& b, const char* param, const std::string& key) {
+    b.weight(param, key);
+    if (fp8(key)) b.weight((std::string(param) + "_scale").c_str(), scale_key(key));
+  }
+  // The gemm of up to six weights over one input: NA..NF from their rows, Q8 from their storage.
+  StepBuilder gemm(int64_t k, const std::vector<std::string>& keys, bool f32 = false) {
+    static const char* seg[6] = {"NA", "NB", "NC", "ND", "NE", "NF"};
+    static const char* par[6] = {"w0", "w1", "w2", "w3", "w4", "w5"};
+    std::map<std::string, int64_t> params{{"W", t_}, {"K", k}, {"F", f32 ? 1 : 0}};
+    int64_t q8 = 0;
+    for (size_t i = 0; i < 6; ++i) {
+      params[seg[i]] = i < keys.size() ? lw_.rows(keys[i]) : 0;
+      if (i < keys.size() && fp8(keys[i])) q8 |= int64_t{1} << i;
+    }
+    if (q8) params["Q8"] = q8;
+    StepBuilder b("gemm", std::move(params));
+    for (size_t i = 0; i < keys.size(); ++i) bind_weight(b, par[i], keys[i]);
+    return b;
+  }
+
   void kda() {
     const model::KdaConfig& k = m_.kda;
     const int64_t H = m_.hidden, NH = k.num_heads / d_.tensor_parallel, D = k.head_dim, P = NH * D;
     const int64_t FR = lw_.rows("self_attn.f_a_proj.weight"), GR = lw_.rows("self_attn.g_a_proj.weight");
     const int64_t NP = 3 * P + FR + GR + NH;
     const uint64_t proj = ws_.take(t_ * NP * 2), o = ws_.take(t_ * P * 2);
-    push(StepBuilder("gemm", {{"W", t_}, {"K", H}, {"NA", P}, {"NB", P}, {"NC", P}, {"ND", FR}, {"NE", GR},
-                              {"NF", NH}, {"F", 0}})
-             .ws("x", x_).ws("out", proj)
-             .weight("w0", "self_attn.q_proj.weight").weight("w1", "self_attn.k_proj.weight")
-             .weight("w2", "self_attn.v_proj.weight").weight("w3", "self_attn.f_a_proj.weight")
-             .weight("w4", "self_attn.g_a_proj.weight").weight("w5", "self_attn.b_proj.weight"));
+    push(gemm(H, {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                  "self_attn.f_a_proj.weight", "self_attn.g_a_proj.weight", "self_attn.b_proj.weight"})
+             .ws("x", x_).ws("out", proj));
     const bool onorm_f32 = lw_.get("self_attn.o_norm.weight").dtype == DType::F32;
     StepBuilder step("kda_step", {{"W", w_}, {"Q", q_}, {"NH", NH}, {"D", D}, {"CV", k.conv_kernel}, {"FR", FR},
                                   {"GR", GR}, {"SG", 0}, {"ON", onorm_f32 ? 1 : 0}});
@@ -269,9 +307,7 @@ class Builder {
         .io("slots", "state_indices").ws("out", o).f32("lower_bound", 0).f32("onorm_eps", 1e-5);
     if (q_ > 1) step.io("num_accepted", "num_accepted"); else step.null("num_accepted");
     push(step);
-    push(StepBuilder("gemm", {{"W", t_}, {"K", P}, {"NA", H}, {"NB", 0}, {"NC", 0}, {"ND", 0}, {"NE", 0}, {"NF", 0},
-                              {"F", 0}})
-             .ws("x", o).weight("w0", "self_attn.o_proj.weight").ws("out", a_));
+    push(gemm(P, {"self_attn.o_proj.weight"}).ws("x", o).ws("out", a_));
   }
 
   void mla() {
@@ -286,38 +322,48 @@ class Builder {
     const uint64_t qkv = ws_.take(t_ * row * 2), qabs = ws_.take(t_ * N * (L + R) * 2);
     const uint64_t part_o = ws_.take(w_ * NS * q_ * N * L * 4), part_ml = ws_.take(w_ * NS * q_ * N * 2 * 4);
     const uint64_t o = ws_.take(t_ * N * V * 2);
-    push(StepBuilder("gemm", {{"W", t_}, {"K", H}, {"NA", QW}, {"NB", L + R}, {"NC", 0}, {"ND", 0}, {"NE", 0},
-                              {"NF", 0}, {"F", 0}})
-             .ws("x", x_).ws("out", qkv).weight("w0", "self_attn.q_proj.weight")
-             .weight("w1", "self_attn.kv_a_proj_with_mqa.weight"));
-    push(StepBuilder("mla_prep", {{"W", w_}, {"Q", q_}, {"N", N}, {"L", L}, {"R", R}, {"PN", PN}, {"V", V}, {"BS", BS}})
-             .ws("q", qkv).u32("stride_q", row).ws("kv", qkv + static_cast<uint64_t>(QW) * 2).u32("stride_kv", row)
-             .weight("kv_norm_w", "self_attn.kv_a_layernorm.weight").weight("kv_b", "self_attn.kv_b_proj.weight")
-             .io("seq_lens", "seq_lens").io("slot_mapping", "slot_mapping").kv("cache", "mla_latent")
-             .kv_stride("cache_stride", "mla_latent").ws("q_abs", qabs).f32("eps", m_.rms_norm_eps));
+    if (lw_.rows("self_attn.q_proj.weight") != QW || lw_.rows("self_attn.kv_a_proj_with_mqa.weight") != L + R)
+      fail(Errc::internal, "layer program: MLA projection rows differ from the config's head geometry");
+    push(gemm(H, {"self_attn.q_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"}).ws("x", x_).ws("out", qkv));
+    const std::string kv_b = "self_attn.kv_b_proj.weight";
+    std::map<std::string, int64_t> prep{{"W", w_}, {"Q", q_}, {"N", N}, {"L", L}, {"R", R}, {"PN", PN}, {"V", V},
+                                        {"BS", BS}};
+    if (fp8(kv_b)) prep["Q8"] = 1;
+    StepBuilder ps("mla_prep", prep);
+    ps.ws("q", qkv).u32("stride_q", row).ws("kv", qkv + static_cast<uint64_t>(QW) * 2).u32("stride_kv", row)
+        .weight("kv_norm_w", "self_attn.kv_a_layernorm.weight")
+        .io("seq_lens", "seq_lens").io("slot_mapping", "slot_mapping").kv("cache", "mla_latent")
+        .kv_stride("cache_stride", "mla_latent").ws("q_abs", qabs).f32("eps", m_.rms_norm_eps);
+    bind_weight(ps, "kv_b", kv_b);
+    push(ps);
     push(StepBuilder("mla_attn", {{"W", w_}, {"Q", q_}, {"N", N}, {"L", L}, {"R", R}, {"BS", BS}, {"NS", NS}})
              .ws("q_abs", qabs).kv("cache", "mla_latent").kv_stride("cache_stride", "mla_latent")
              .io("block_table", "block_table").io("stride_bt", "block_table_stride").io("seq_lens", "seq_lens")
              .ws("part_o", part_o).ws("part_ml", part_ml).f32("scale", 1.0 / std::sqrt(static_cast<double>(PN + R))));
-    push(StepBuilder("mla_combine", {{"W", w_}, {"Q", q_}, {"N", N}, {"L", L}, {"PN", PN}, {"V", V}, {"NS", NS}, {"OG", 0}})
-             .ws("part_o", part_o).ws("part_ml", part_ml).io("seq_lens", "seq_lens")
-             .weight("kv_b", "self_attn.kv_b_proj.weight").null("gate").u32("stride_g", 0).ws("out", o));
-    push(StepBuilder("gemm", {{"W", t_}, {"K", N * V}, {"NA", H}, {"NB", 0}, {"NC", 0}, {"ND", 0}, {"NE", 0},
-                              {"NF", 0}, {"F", 0}})
-             .ws("x", o).weight("w0", "self_attn.o_proj.weight").ws("out", a_));
+    std::map<std::string, int64_t> comb{{"W", w_}, {"Q", q_}, {"N", N}, {"L", L}, {"PN", PN}, {"V", V}, {"NS", NS},
+                                        {"OG", 0}};
+    if (fp8(kv_b)) comb["Q8"] = 1;
+    StepBuilder cs("mla_combine", comb);
+    cs.ws("part_o", part_o).ws("part_ml", part_ml).io("seq_lens", "seq_lens").null("gate").u32("stride_g", 0)
+        .ws("out", o);
+    bind_weight(cs, "kv_b", kv_b);
+    push(cs);
+    push(gemm(N * V, {"self_attn.o_proj.weight"}).ws("x", o).ws("out", a_));
   }
 
   void dense() {
     const int64_t H = m_.hidden, I = lw_.rows("mlp.gate_proj.weight");
     const uint64_t h = ws_.take(t_ * I * 2);
     const int64_t act = m_.activation == model::Activation::situ ? 1 : 0;
-    StepBuilder up("mlp_up", {{"W", t_}, {"D", H}, {"I", I}, {"ACT", act}});
-    up.ws("x", x2_).weight("w_gate", "mlp.gate_proj.weight").weight("w_up", "mlp.up_proj.weight").ws("h", h);
+    std::map<std::string, int64_t> upp{{"W", t_}, {"D", H}, {"I", I}, {"ACT", act}};
+    if (fp8_all("the dense MLP's gate/up", {"mlp.gate_proj.weight", "mlp.up_proj.weight"})) upp["Q8"] = 1;
+    StepBuilder up("mlp_up", upp);
+    up.ws("x", x2_).ws("h", h);
+    bind_weight(up, "w_gate", "mlp.gate_proj.weight");
+    bind_weight(up, "w_up", "mlp.up_proj.weight");
     if (act) up.f32("act_beta", m_.situ_beta).f32("act_linear_beta", m_.situ_linear_beta);
     push(up);
-    push(StepBuilder("gemm", {{"W", t_}, {"K", I}, {"NA", H}, {"NB", 0}, {"NC", 0}, {"ND", 0}, {"NE", 0}, {"NF", 0},
-                              {"F", 0}})
-             .ws("x", h).weight("w0", "mlp.down_proj.weight").io("out", "out"));
+    push(gemm(I, {"mlp.down_proj.weight"}).ws("x", h).io("out", "out"));
   }
 
   void moe() {
@@ -331,29 +377,48 @@ class Builder {
     const uint64_t logits = ws_.take(t_ * E * 4), ids = ws_.take(t_ * K * 4), tw = ws_.take(t_ * K * 4);
     const uint64_t experts = ws_.take((1 + U) * 4), slots = ws_.take(U * t_ * 4);
     const uint64_t h = ws_.take(t_ * K * I * 2), hs = ws_.take(t_ * std::max<int64_t>(S, 1) * 2);
-    push(StepBuilder("gemm", {{"W", t_}, {"K", H}, {"NA", E}, {"NB", 0}, {"NC", 0}, {"ND", 0}, {"NE", 0}, {"NF", 0},
-                              {"F", 1}})
-             .ws("x", x2_).weight("w0", "block_sparse_moe.gate.weight").ws("out", logits));
+    push(gemm(H, {"block_sparse_moe.gate.weight"}, /*f32=*/true).ws("x", x2_).ws("out", logits));
     push(StepBuilder("moe_route", {{"W", t_}, {"E", E}, {"K", K}, {"RN", e.renormalize ? 1 : 0}})
              .ws("logits", logits).weight("bias", "block_sparse_moe.gate.e_score_correction_bias")
              .ws("topk_ids", ids).ws("topk_weights", tw).ws("experts", experts).ws("expert_slots", slots));
-    StepBuilder up("moe_up", {{"W", t_}, {"D", H}, {"I", I}, {"E", E}, {"K", K}, {"S", S}, {"ACT", act}});
-    up.ws("x", x2_).weight("w1", ex + "w1.weight").weight("w3", ex + "w3.weight")
-        .expert_stride("stride_w1", ex + "w1.weight").expert_stride("stride_w3", ex + "w3.weight")
+    const std::string sh = "block_sparse_moe.shared_experts.";
+    const int64_t q8 = shared ? fp8_all("the MoE experts", {ex + "w1.weight", ex + "w3.weight", ex + "w2.weight",
+                                                             sh + "gate_proj.weight", sh + "up_proj.weight",
+                                                             sh + "down_proj.weight"})
+                              : fp8_all("the MoE experts", {ex + "w1.weight", ex + "w3.weight", ex + "w2.weight"});
+    std::map<std::string, int64_t> upp{{"W", t_}, {"D", H}, {"I", I}, {"E", E}, {"K", K}, {"S", S}, {"ACT", act}};
+    if (q8) upp["Q8"] = 1;
+    StepBuilder up("moe_up", upp);
+    up.ws("x", x2_).expert_stride("stride_w1", ex + "w1.weight").expert_stride("stride_w3", ex + "w3.weight")
         .ws("experts", experts).ws("expert_slots", slots).ws("h", h).ws("hs", hs);
-    if (shared)
-      up.weight("shared_gate", "block_sparse_moe.shared_experts.gate_proj.weight")
-          .weight("shared_up", "block_sparse_moe.shared_experts.up_proj.weight");
-    else
+    bind_weight(up, "w1", ex + "w1.weight");
+    bind_weight(up, "w3", ex + "w3.weight");
+    if (q8)
+      up.expert_stride("stride_w1_scale", scale_key(ex + "w1.weight"))
+          .expert_stride("stride_w3_scale", scale_key(ex + "w3.weight"));
+    if (shared) {
+      bind_weight(up, "shared_gate", sh + "gate_proj.weight");
+      bind_weight(up, "shared_up", sh + "up_proj.weight");
+    } else {
       up.null("shared_gate").null("shared_up");
+      if (q8) up.null("shared_gate_scale").null("shared_up_scale");
+    }
     if (act) up.f32("act_beta", m_.situ_beta).f32("act_linear_beta", m_.situ_linear_beta);
     push(up);
-    StepBuilder down("moe_down", {{"W", t_}, {"D", H}, {"I", I}, {"E", E}, {"K", K}, {"S", S}});
-    down.ws("h", h).ws("hs", hs).weight("w2", ex + "w2.weight").expert_stride("stride_w2", ex + "w2.weight")
+    std::map<std::string, int64_t> downp{{"W", t_}, {"D", H}, {"I", I}, {"E", E}, {"K", K}, {"S", S}};
+    if (q8) downp["Q8"] = 1;
+    StepBuilder down("moe_down", downp);
+    down.ws("h", h).ws("hs", hs).expert_stride("stride_w2", ex + "w2.weight")
         .ws("experts", experts).ws("expert_slots", slots).ws("topk_weights", tw).io("out", "out")
         .f32("routed_scaling", e.routed_scaling);
-    if (shared) down.weight("shared_down", "block_sparse_moe.shared_experts.down_proj.weight");
-    else down.null("shared_down");
+    bind_weight(down, "w2", ex + "w2.weight");
+    if (q8) down.expert_stride("stride_w2_scale", scale_key(ex + "w2.weight"));
+    if (shared) {
+      bind_weight(down, "shared_down", sh + "down_proj.weight");
+    } else {
+      down.null("shared_down");
+      if (q8) down.null("shared_down_scale");
+    }
     push(down);
   }
 

@@ -2,6 +2,8 @@
 // one launch. The block layout is in spec.h (shared with moe.cpp).
 #include "codegen/ops/spec.h"
 
+#include <fmt/format.h>
+
 #include "common/error.h"
 
 namespace dp::codegen::ops {
@@ -36,6 +38,8 @@ GemmGeometry gemm_geometry(int64_t /*t*/, int64_t k, int64_t n_total) {
 }
 
 constexpr const char* kGemmSegKeys[6] = {"NA", "NB", "NC", "ND", "NE", "NF"};
+constexpr const char* kWeightNames[6] = {"w0", "w1", "w2", "w3", "w4", "w5"};
+constexpr const char* kScaleNames[6] = {"w0_scale", "w1_scale", "w2_scale", "w3_scale", "w4_scale", "w5_scale"};
 
 int64_t gemm_ntot(const Params& p) {
   int64_t n = 0;
@@ -67,9 +71,15 @@ std::vector<OpSpec> gemm_ops() {
            {"ND", "nd", 0, 1 << 20, "rows of weight 3 (0: absent)", true},
            {"NE", "ne", 0, 1 << 20, "rows of weight 4 (0: absent)", true},
            {"NF", "nf", 0, 1 << 20, "rows of weight 5 (0: absent)", true},
-           {"F", "f", 0, 1, "1: fp32 output (router logits), 0: bf16", true}},
+           {"F", "f", 0, 1, "1: fp32 output (router logits), 0: bf16", true},
+           {"Q8", "q8", 0, 63, "bit s set: weight s is e4m3 with 128 x 128 block scales (0: all bf16)", true}},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"K"});
+            if (p.at("Q8")) check_multiple_of_16(p, who, {"K"});
+            for (int i = 0; i < 6; ++i)
+              if (((p.at("Q8") >> i) & 1) && p.at(kGemmSegKeys[i]) == 0)
+                fail(Errc::input, "{}: parameter Q8 = {} marks weight {} as e4m3, but {} = 0 (absent)", who,
+                     p.at("Q8"), i, kGemmSegKeys[i]);
             for (int i = 1; i < 6; ++i)
               if (p.at(kGemmSegKeys[i]) > 0 && p.at(kGemmSegKeys[i - 1]) == 0)
                 fail(Errc::input, "{}: parameter {} = {} follows {} = 0 (absent weights must be the last ones)", who,
@@ -77,8 +87,10 @@ std::vector<OpSpec> gemm_ops() {
           },
           [](const Params& p) {
             const GemmGeometry g = gemm_geometry(p.at("W"), p.at("K"), gemm_ntot(p));
-            return std::vector<int64_t>{p.at("W"), p.at("K"), p.at("NA"), p.at("NB"), p.at("NC"), p.at("ND"),
-                                        p.at("NE"), p.at("NF"), p.at("F"), g.mt, g.s};
+            std::vector<int64_t> a{p.at("W"),  p.at("K"),  p.at("NA"), p.at("NB"), p.at("NC"), p.at("ND"),
+                                   p.at("NE"), p.at("NF"), p.at("F"),  g.mt,       g.s};
+            if (p.at("Q8")) a.push_back(p.at("Q8"));
+            return a;
           },
           [](const Params& p) {
             const char* out_t = p.at("F") ? "fp32" : "bf16";
@@ -87,11 +99,19 @@ std::vector<OpSpec> gemm_ops() {
                 {"out", KernelParam::Kind::pointer, "void*", shape({p.at("W"), gemm_ntot(p)}, out_t),
                  "outputs of the weights side by side, in weight order"},
             };
-            static const char* names[6] = {"w0", "w1", "w2", "w3", "w4", "w5"};
-            for (int i = 0; i < 6; ++i)
-              if (p.at(kGemmSegKeys[i]) > 0)
-                a.push_back({names[i], KernelParam::Kind::pointer, "const dp_bf16*",
-                             shape({p.at(kGemmSegKeys[i]), p.at("K")}, "bf16"), "weight [out, in]"});
+            for (int i = 0; i < 6; ++i) {
+              const int64_t n = p.at(kGemmSegKeys[i]);
+              if (n == 0) continue;
+              if ((p.at("Q8") >> i) & 1) {
+                a.push_back({kWeightNames[i], KernelParam::Kind::pointer, "const dp_u8*", shape({n, p.at("K")}, "e4m3"),
+                             "weight [out, in], e4m3"});
+                a.push_back({kScaleNames[i], KernelParam::Kind::pointer, "const float*", scale_shape(n, p.at("K")),
+                             fmt::format("block scales of {}", kWeightNames[i])});
+              } else {
+                a.push_back({kWeightNames[i], KernelParam::Kind::pointer, "const dp_bf16*",
+                             shape({n, p.at("K")}, "bf16"), "weight [out, in]"});
+              }
+            }
             return a;
           },
           [](const Params& p) {
@@ -102,6 +122,18 @@ std::vector<OpSpec> gemm_ops() {
           },
           [](const Params&) { return kGemmThreads; },
           "DP_KERNEL_BOUNDS",
+          [](const Params& p) {
+            DeviceCall c;
+            if (!p.at("Q8")) return c;  // dp_gemm over the bf16 weights given
+            c.fn = "dp_gemm_q8";
+            c.args = {"x", "out"};
+            for (int i = 0; i < 6; ++i) {
+              const bool present = p.at(kGemmSegKeys[i]) > 0, fp8 = (p.at("Q8") >> i) & 1;
+              c.args.push_back(present ? kWeightNames[i] : "nullptr");
+              c.args.push_back(fp8 ? kScaleNames[i] : "nullptr");
+            }
+            return c;
+          },
       },
   };
 }

@@ -31,7 +31,8 @@ std::vector<OpSpec> mla_ops() {
            {"R", "r", 0, 1024, "qk_rope_head_dim (unrotated: NoPE), even"},
            {"PN", "pn", 8, 1024, "qk_nope_head_dim, a multiple of 8"},
            {"V", "v", 8, 1024, "v_head_dim"},
-           {"BS", "bs", 1, 1 << 16, "cache block size (tokens)"}},
+           {"BS", "bs", 1, 1 << 16, "cache block size (tokens)"},
+           q8_param("1: kv_b_proj e4m3 with 128 x 128 block scales")},
           [](const Params& p, const std::string& who) {
             if (p.at("W") * p.at("Q") > kMaxGemmRows)
               fail(Errc::input, "{}: W x Q = {} rows exceed {} (the absorbed query keeps every row in registers)",
@@ -41,12 +42,14 @@ std::vector<OpSpec> mla_ops() {
                    "(multiple of 8) do not fit the templates", who, p.at("L"), p.at("R"), p.at("PN"));
           },
           [](const Params& p) {
-            return std::vector<int64_t>{p.at("W") * p.at("Q"), p.at("Q"),  p.at("N"), p.at("L"),
-                                        p.at("R"),             p.at("PN"), p.at("V"), p.at("BS")};
+            std::vector<int64_t> a{p.at("W") * p.at("Q"), p.at("Q"),  p.at("N"), p.at("L"),
+                                   p.at("R"),             p.at("PN"), p.at("V"), p.at("BS")};
+            if (p.at("Q8")) a.push_back(1);
+            return a;
           },
           [](const Params& p) {
             const int64_t T = p.at("W") * p.at("Q"), N = p.at("N"), L = p.at("L"), R = p.at("R");
-            return std::vector<ArgSpec>{
+            std::vector<ArgSpec> a{
                 {"q", KernelParam::Kind::pointer, "const dp_bf16*", fmt::format("[{}, stride_q] bf16", T),
                  "q rows, head n at n*(PN+R): [nope | pe]"},
                 {"stride_q", KernelParam::Kind::u32, "dp_u32", "", "elements between q rows"},
@@ -54,8 +57,8 @@ std::vector<OpSpec> mla_ops() {
                  "kv_a_proj_with_mqa rows [c | k_pe]"},
                 {"stride_kv", KernelParam::Kind::u32, "dp_u32", "", "elements between kv rows"},
                 {"kv_norm_w", KernelParam::Kind::pointer, "const dp_bf16*", shape({L}, "bf16"), "kv_a_layernorm"},
-                {"kv_b", KernelParam::Kind::pointer, "const dp_bf16*",
-                 shape({N * (p.at("PN") + p.at("V")), L}, "bf16"), "kv_b_proj"},
+                {"kv_b", KernelParam::Kind::pointer, p.at("Q8") ? "const dp_u8*" : "const dp_bf16*",
+                 shape({N * (p.at("PN") + p.at("V")), L}, p.at("Q8") ? "e4m3" : "bf16"), "kv_b_proj"},
                 {"seq_lens", KernelParam::Kind::pointer, "const dp_i32*", shape({p.at("W")}, "i32"),
                  "tokens per request incl. the new ones; 0 = padded"},
                 {"slot_mapping", KernelParam::Kind::pointer, "const dp_i64*", shape({T}, "i64"),
@@ -71,6 +74,10 @@ std::vector<OpSpec> mla_ops() {
                  fmt::format("elements between cache blocks, a multiple of 8, at least {} (dense)",
                              p.at("BS") * (L + R))},
             };
+            if (p.at("Q8"))
+              a.push_back({"kv_b_scale", KernelParam::Kind::pointer, "const float*",
+                           scale_shape(N * (p.at("PN") + p.at("V")), L), "block scales of kv_b"});
+            return a;
           },
           [](const Params& p) {
             LaunchShape s;
@@ -155,28 +162,38 @@ std::vector<OpSpec> mla_ops() {
            {"PN", "pn", 8, 1024, "qk_nope_head_dim"},
            {"V", "v", 8, 1024, "v_head_dim"},
            {"NS", "ns", 1, 256, "KV splits per request"},
-           {"OG", "og", 0, 1, "1: K3 output gate sigmoid(g_proj x)"}},
-          [](const Params& p, const std::string& who) { check_multiple_of_8(p, who, {"L"}); },
+           {"OG", "og", 0, 1, "1: K3 output gate sigmoid(g_proj x)"},
+           q8_param("1: kv_b_proj e4m3 with 128 x 128 block scales")},
+          [](const Params& p, const std::string& who) {
+            check_multiple_of_8(p, who, {"L"});
+            if (p.at("Q8")) check_multiple_of_16(p, who, {"L"});
+          },
           [](const Params& p) {
-            return std::vector<int64_t>{p.at("W"),  p.at("Q"), p.at("N"),  p.at("L"),
-                                        p.at("PN"), p.at("V"), p.at("NS"), p.at("OG")};
+            std::vector<int64_t> a{p.at("W"),  p.at("Q"), p.at("N"),  p.at("L"),
+                                   p.at("PN"), p.at("V"), p.at("NS"), p.at("OG")};
+            if (p.at("Q8")) a.push_back(1);
+            return a;
           },
           [](const Params& p) {
             const int64_t W = p.at("W"), Q = p.at("Q"), N = p.at("N"), L = p.at("L"), NS = p.at("NS");
-            return std::vector<ArgSpec>{
+            std::vector<ArgSpec> a{
                 {"part_o", KernelParam::Kind::pointer, "const float*", shape({W, NS, Q, N, L}, "fp32"),
                  "from mla_attn"},
                 {"part_ml", KernelParam::Kind::pointer, "const float*", shape({W, NS, Q, N, 2}, "fp32"),
                  "from mla_attn"},
                 {"seq_lens", KernelParam::Kind::pointer, "const dp_i32*", shape({W}, "i32"), "0 = padded request"},
-                {"kv_b", KernelParam::Kind::pointer, "const dp_bf16*",
-                 shape({N * (p.at("PN") + p.at("V")), L}, "bf16"), "kv_b_proj (W_UV rows)"},
+                {"kv_b", KernelParam::Kind::pointer, p.at("Q8") ? "const dp_u8*" : "const dp_bf16*",
+                 shape({N * (p.at("PN") + p.at("V")), L}, p.at("Q8") ? "e4m3" : "bf16"), "kv_b_proj (W_UV rows)"},
                 {"gate", KernelParam::Kind::pointer, "const dp_bf16*", fmt::format("[{}, stride_g] bf16", W * Q),
                  "K3 g_proj output, head n at n*V (null when OG = 0)", true},
                 {"stride_g", KernelParam::Kind::u32, "dp_u32", "", "elements between gate rows"},
                 {"out", KernelParam::Kind::pointer, "dp_bf16*", shape({W * Q, N * p.at("V")}, "bf16"),
                  "o_proj input"},
             };
+            if (p.at("Q8"))
+              a.push_back({"kv_b_scale", KernelParam::Kind::pointer, "const float*",
+                           scale_shape(N * (p.at("PN") + p.at("V")), L), "block scales of kv_b"});
+            return a;
           },
           [](const Params& p) {
             LaunchShape s;

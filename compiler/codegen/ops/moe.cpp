@@ -22,9 +22,17 @@ int64_t moe_max_used(const Params& p) { return std::min(p.at("E"), p.at("W") * p
 bool moe_up_warp_tiles(const Params& p) { return p.at("W") >= 2; }
 
 // moe_down: output features per block (M). One activation row: every group keeps 4 x 1 lane-FMA
-// accumulators for its items and streams 4 rows of each. From 2 rows: a 16-row tensor-core tile per
-// item (on AMD the lane-FMA loop walks the 16 rows 4 at a time).
-int64_t moe_down_rows(int64_t t) { return t == 1 ? 4 : kTileRows; }
+// accumulators for its items and streams 4 rows of each. From 2 rows, and for e4m3 weights: a 16-row
+// tensor-core tile per item (on AMD the lane-FMA loop walks the 16 rows 4 at a time).
+int64_t moe_down_rows(const Params& p) { return p.at("W") == 1 && !p.at("Q8") ? 4 : kTileRows; }
+
+// The e4m3 variants call the device function's _q8 form with every parameter in order.
+DeviceCall q8_call(const Params& p, const char* fn) {
+  DeviceCall c;
+  if (!p.at("Q8")) return c;
+  c.fn = fn;
+  return c;
+}
 
 void check_topk(const Params& p, const std::string& who) {
   if (p.at("K") > p.at("E"))
@@ -80,9 +88,11 @@ std::vector<OpSpec> moe_ops() {
            {"E", "e", 1, 1024, "routed experts"},
            {"K", "k", 1, 32, "experts per token (top-k)"},
            {"S", "s", 0, 1 << 20, "shared expert width (this rank's shard); 0: none"},
-           {"ACT", "act", 0, 1, "0: silu(gate)*up, 1: K3 SiTU"}},
+           {"ACT", "act", 0, 1, "0: silu(gate)*up, 1: K3 SiTU"},
+           q8_param("1: every expert matrix (routed and shared) e4m3 with 128 x 128 block scales")},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"D", "I", "S"});
+            if (p.at("Q8")) check_multiple_of_16(p, who, {"D", "I", "S"});
             check_topk(p, who);
           },
           [](const Params& p) {
@@ -92,29 +102,52 @@ std::vector<OpSpec> moe_ops() {
           [](const Params& p) {
             const int64_t W = p.at("W"), D = p.at("D"), I = p.at("I"), E = p.at("E"), K = p.at("K"), S = p.at("S");
             const int64_t U = moe_max_used(p);
+            const bool q8 = p.at("Q8") != 0;
+            const char* wt = q8 ? "const dp_u8*" : "const dp_bf16*";
+            const char* dt = q8 ? "e4m3" : "bf16";
             std::vector<ArgSpec> a{
-                {"x", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, D}, "bf16"), "post-attention-norm rows"},
-                {"w1", KernelParam::Kind::pointer, "const dp_bf16*", fmt::format("[{}, stride_w1] bf16", E),
-                 fmt::format("expert gate weights: expert e's [{}, {}] at e*stride_w1", I, D)},
-                {"w3", KernelParam::Kind::pointer, "const dp_bf16*", fmt::format("[{}, stride_w3] bf16", E),
-                 fmt::format("expert up weights: expert e's [{}, {}] at e*stride_w3 (fused w13: w1 + {})", I, D,
-                             I * D)},
-                {"shared_gate", KernelParam::Kind::pointer, "const dp_bf16*", shape({S, D}, "bf16"),
-                 "shared expert gate_proj (null when S = 0)", true},
-                {"shared_up", KernelParam::Kind::pointer, "const dp_bf16*", shape({S, D}, "bf16"),
-                 "shared expert up_proj (null when S = 0)", true},
-                {"experts", KernelParam::Kind::pointer, "const dp_i32*", shape({1 + U}, "i32"), "from moe_route"},
-                {"expert_slots", KernelParam::Kind::pointer, "const dp_i32*", shape({U, W}, "i32"), "from moe_route"},
-                {"h", KernelParam::Kind::pointer, "dp_bf16*", shape({W, K, I}, "bf16"), "routed activations"},
-                {"hs", KernelParam::Kind::pointer, "dp_bf16*", shape({W, S}, "bf16"),
-                 "shared expert activations (null when S = 0)", true},
-                {"stride_w1", KernelParam::Kind::u32, "dp_u32", "",
-                 fmt::format("elements between experts of w1, a multiple of 8, at least {} (dense; fused w13: {})",
-                             I * D, 2 * I * D)},
-                {"stride_w3", KernelParam::Kind::u32, "dp_u32", "",
-                 fmt::format("elements between experts of w3, a multiple of 8, at least {} (dense; fused w13: {})",
-                             I * D, 2 * I * D)},
+                {"x", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, D}, "bf16"), "post-attention-norm rows"}};
+            // A weight, then (e4m3) its scales: the shared expert's [ceil(S/128), ceil(D/128)], the routed
+            // experts' stacked like the weights.
+            auto weight = [&](const char* name, const char* scale, std::string shp, std::string doc, bool shared) {
+              a.push_back({name, KernelParam::Kind::pointer, wt, std::move(shp), std::move(doc), shared});
+              if (q8)
+                a.push_back({scale, KernelParam::Kind::pointer, "const float*",
+                             shared ? scale_shape(S, D) : fmt::format("[{}, stride_{}] fp32", E, scale),
+                             fmt::format("block scales of {}", name), shared});
             };
+            weight("w1", "w1_scale", fmt::format("[{}, stride_w1] {}", E, dt),
+                   fmt::format("expert gate weights: expert e's [{}, {}] at e*stride_w1", I, D), false);
+            weight("w3", "w3_scale", fmt::format("[{}, stride_w3] {}", E, dt),
+                   fmt::format("expert up weights: expert e's [{}, {}] at e*stride_w3 (fused w13: w1 + {})", I, D,
+                               I * D),
+                   false);
+            weight("shared_gate", "shared_gate_scale", shape({S, D}, dt), "shared expert gate_proj (null when S = 0)",
+                   true);
+            weight("shared_up", "shared_up_scale", shape({S, D}, dt), "shared expert up_proj (null when S = 0)", true);
+            a.push_back({"experts", KernelParam::Kind::pointer, "const dp_i32*", shape({1 + U}, "i32"),
+                         "from moe_route"});
+            a.push_back({"expert_slots", KernelParam::Kind::pointer, "const dp_i32*", shape({U, W}, "i32"),
+                         "from moe_route"});
+            a.push_back({"h", KernelParam::Kind::pointer, "dp_bf16*", shape({W, K, I}, "bf16"), "routed activations"});
+            a.push_back({"hs", KernelParam::Kind::pointer, "dp_bf16*", shape({W, S}, "bf16"),
+                         "shared expert activations (null when S = 0)", true});
+            a.push_back({"stride_w1", KernelParam::Kind::u32, "dp_u32", "",
+                         fmt::format("elements between experts of w1, a multiple of {}, at least {} (dense; fused "
+                                     "w13: {})",
+                                     q8 ? 16 : 8, I * D, 2 * I * D)});
+            if (q8)
+              a.push_back({"stride_w1_scale", KernelParam::Kind::u32, "dp_u32", "",
+                           fmt::format("elements between experts of w1_scale, at least {}",
+                                       ((I + kFp8Block - 1) / kFp8Block) * ((D + kFp8Block - 1) / kFp8Block))});
+            a.push_back({"stride_w3", KernelParam::Kind::u32, "dp_u32", "",
+                         fmt::format("elements between experts of w3, a multiple of {}, at least {} (dense; fused "
+                                     "w13: {})",
+                                     q8 ? 16 : 8, I * D, 2 * I * D)});
+            if (q8)
+              a.push_back({"stride_w3_scale", KernelParam::Kind::u32, "dp_u32", "",
+                           fmt::format("elements between experts of w3_scale, at least {}",
+                                       ((I + kFp8Block - 1) / kFp8Block) * ((D + kFp8Block - 1) / kFp8Block))});
             if (p.at("ACT")) {
               a.push_back({"act_beta", KernelParam::Kind::f32, "float", "", "SiTU beta"});
               a.push_back({"act_linear_beta", KernelParam::Kind::f32, "float", "", "SiTU linear beta"});
@@ -139,6 +172,7 @@ std::vector<OpSpec> moe_ops() {
           },
           [](const Params&) { return kGemmThreads; },
           "DP_KERNEL_BOUNDS",
+          [](const Params& p) { return q8_call(p, "dp_moe_up_q8"); },
       },
       {
           // Down projection of every used expert, weighted sum, routed scaling, plus the shared expert.
@@ -150,44 +184,64 @@ std::vector<OpSpec> moe_ops() {
            {"I", "i", 8, 1 << 20, "expert intermediate width (this rank's shard)"},
            {"E", "e", 1, 1024, "routed experts"},
            {"K", "k", 1, 32, "experts per token (top-k)"},
-           {"S", "s", 0, 1 << 20, "shared expert width (this rank's shard); 0: none"}},
+           {"S", "s", 0, 1 << 20, "shared expert width (this rank's shard); 0: none"},
+           q8_param("1: every expert matrix (routed and shared) e4m3 with 128 x 128 block scales")},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"D", "I", "S"});
+            if (p.at("Q8")) check_multiple_of_16(p, who, {"I", "S"});
             check_topk(p, who);
           },
           [](const Params& p) {
             return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"),
-                                        moe_down_rows(p.at("W"))};
+                                        moe_down_rows(p)};
           },
           [](const Params& p) {
             const int64_t W = p.at("W"), D = p.at("D"), I = p.at("I"), E = p.at("E"), K = p.at("K"), S = p.at("S");
             const int64_t U = moe_max_used(p);
-            return std::vector<ArgSpec>{
+            const bool q8 = p.at("Q8") != 0;
+            const char* wt = q8 ? "const dp_u8*" : "const dp_bf16*";
+            const char* dt = q8 ? "e4m3" : "bf16";
+            std::vector<ArgSpec> a{
                 {"h", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, K, I}, "bf16"), "from moe_up"},
                 {"hs", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, S}, "bf16"),
                  "from moe_up (null when S = 0)", true},
-                {"w2", KernelParam::Kind::pointer, "const dp_bf16*", fmt::format("[{}, stride_w2] bf16", E),
-                 fmt::format("expert down weights: expert e's [{}, {}] at e*stride_w2", D, I)},
-                {"shared_down", KernelParam::Kind::pointer, "const dp_bf16*", shape({D, S}, "bf16"),
-                 "shared expert down_proj (null when S = 0)", true},
-                {"experts", KernelParam::Kind::pointer, "const dp_i32*", shape({1 + U}, "i32"), "from moe_route"},
-                {"expert_slots", KernelParam::Kind::pointer, "const dp_i32*", shape({U, W}, "i32"), "from moe_route"},
-                {"topk_weights", KernelParam::Kind::pointer, "const float*", shape({W, K}, "fp32"), "from moe_route"},
-                {"out", KernelParam::Kind::pointer, "dp_bf16*", shape({W, D}, "bf16"), "FFN output"},
-                {"routed_scaling", KernelParam::Kind::f32, "float", "", "routed_scaling_factor"},
-                {"stride_w2", KernelParam::Kind::u32, "dp_u32", "",
-                 fmt::format("elements between experts of w2, a multiple of 8, at least {} (dense)", D * I)},
-            };
+                {"w2", KernelParam::Kind::pointer, wt, fmt::format("[{}, stride_w2] {}", E, dt),
+                 fmt::format("expert down weights: expert e's [{}, {}] at e*stride_w2", D, I)}};
+            if (q8)
+              a.push_back({"w2_scale", KernelParam::Kind::pointer, "const float*",
+                           fmt::format("[{}, stride_w2_scale] fp32", E), "block scales of w2"});
+            a.push_back({"shared_down", KernelParam::Kind::pointer, wt, shape({D, S}, dt),
+                         "shared expert down_proj (null when S = 0)", true});
+            if (q8)
+              a.push_back({"shared_down_scale", KernelParam::Kind::pointer, "const float*", scale_shape(D, S),
+                           "block scales of shared_down", true});
+            a.push_back({"experts", KernelParam::Kind::pointer, "const dp_i32*", shape({1 + U}, "i32"),
+                         "from moe_route"});
+            a.push_back({"expert_slots", KernelParam::Kind::pointer, "const dp_i32*", shape({U, W}, "i32"),
+                         "from moe_route"});
+            a.push_back({"topk_weights", KernelParam::Kind::pointer, "const float*", shape({W, K}, "fp32"),
+                         "from moe_route"});
+            a.push_back({"out", KernelParam::Kind::pointer, "dp_bf16*", shape({W, D}, "bf16"), "FFN output"});
+            a.push_back({"routed_scaling", KernelParam::Kind::f32, "float", "", "routed_scaling_factor"});
+            a.push_back({"stride_w2", KernelParam::Kind::u32, "dp_u32", "",
+                         fmt::format("elements between experts of w2, a multiple of {}, at least {} (dense)",
+                                     q8 ? 16 : 8, D * I)});
+            if (q8)
+              a.push_back({"stride_w2_scale", KernelParam::Kind::u32, "dp_u32", "",
+                           fmt::format("elements between experts of w2_scale, at least {}",
+                                       ((D + kFp8Block - 1) / kFp8Block) * ((I + kFp8Block - 1) / kFp8Block))});
+            return a;
           },
           [](const Params& p) {
             LaunchShape s;
-            const int64_t m = moe_down_rows(p.at("W"));
+            const int64_t m = moe_down_rows(p);
             s.grid[0] = static_cast<uint32_t>((p.at("D") + m - 1) / m);
             s.block[0] = kGemmThreads;
             return s;
           },
           [](const Params&) { return kGemmThreads; },
           "DP_KERNEL_BOUNDS",
+          [](const Params& p) { return q8_call(p, "dp_moe_down_q8"); },
       },
       {
           // Dense MLP gate/up + activation (its down projection is a gemm).
@@ -197,8 +251,12 @@ std::vector<OpSpec> moe_ops() {
           {{"W", "w", 1, kMaxGemmRows, "activation rows (requests x q)"},
            {"D", "d", 8, 1 << 20, "input width (hidden)"},
            {"I", "i", 8, 1 << 20, "intermediate width (this rank's shard)"},
-           {"ACT", "act", 0, 1, "0: silu(gate)*up, 1: K3 SiTU"}},
-          [](const Params& p, const std::string& who) { check_multiple_of_8(p, who, {"D", "I"}); },
+           {"ACT", "act", 0, 1, "0: silu(gate)*up, 1: K3 SiTU"},
+           q8_param("1: gate_proj and up_proj e4m3 with 128 x 128 block scales")},
+          [](const Params& p, const std::string& who) {
+            check_multiple_of_8(p, who, {"D", "I"});
+            if (p.at("Q8")) check_multiple_of_16(p, who, {"D"});
+          },
           [](const Params& p) {
             return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("ACT"), 1, kFfnSlices};
           },
@@ -206,11 +264,20 @@ std::vector<OpSpec> moe_ops() {
             std::vector<ArgSpec> a{
                 {"x", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"W", "D"}, "bf16"),
                  "post-attention-norm rows"},
-                {"w_gate", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"I", "D"}, "bf16"), "gate_proj"},
-                {"w_up", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"I", "D"}, "bf16"), "up_proj"},
-                {"h", KernelParam::Kind::pointer, "dp_bf16*", dims(p, {"W", "I"}, "bf16"),
-                 "activations (down_proj input)"},
             };
+            const bool q8 = p.at("Q8") != 0;
+            const char* wt = q8 ? "const dp_u8*" : "const dp_bf16*";
+            const char* dt = q8 ? "e4m3" : "bf16";
+            a.push_back({"w_gate", KernelParam::Kind::pointer, wt, dims(p, {"I", "D"}, dt), "gate_proj"});
+            if (q8)
+              a.push_back({"w_gate_scale", KernelParam::Kind::pointer, "const float*",
+                           scale_shape(p.at("I"), p.at("D")), "block scales of gate_proj"});
+            a.push_back({"w_up", KernelParam::Kind::pointer, wt, dims(p, {"I", "D"}, dt), "up_proj"});
+            if (q8)
+              a.push_back({"w_up_scale", KernelParam::Kind::pointer, "const float*", scale_shape(p.at("I"), p.at("D")),
+                           "block scales of up_proj"});
+            a.push_back({"h", KernelParam::Kind::pointer, "dp_bf16*", dims(p, {"W", "I"}, "bf16"),
+                         "activations (down_proj input)"});
             if (p.at("ACT")) {
               a.push_back({"act_beta", KernelParam::Kind::f32, "float", "", "SiTU beta"});
               a.push_back({"act_linear_beta", KernelParam::Kind::f32, "float", "", "SiTU linear beta"});
@@ -225,6 +292,7 @@ std::vector<OpSpec> moe_ops() {
           },
           [](const Params&) { return kGemmThreads; },
           "DP_KERNEL_BOUNDS",
+          [](const Params& p) { return q8_call(p, "dp_mlp_up_q8"); },
       },
   };
 }

@@ -13,6 +13,19 @@ void check_multiple_of_8(const Params& p, const std::string& who, std::initializ
            p.at(k));
 }
 
+ParamSpec q8_param(const char* doc) { return ParamSpec{"Q8", "q8", 0, 1, doc, true}; }
+
+std::string scale_shape(int64_t rows, int64_t cols) {
+  return shape({(rows + kFp8Block - 1) / kFp8Block, (cols + kFp8Block - 1) / kFp8Block}, "fp32");
+}
+
+void check_multiple_of_16(const Params& p, const std::string& who, std::initializer_list<const char*> keys) {
+  for (const char* k : keys)
+    if (p.at(k) % 16 != 0)
+      fail(Errc::input, "{}: parameter {} = {} is not a multiple of 16 (e4m3 rows are read as 16-byte vectors)", who,
+           k, p.at(k));
+}
+
 std::string shape(std::initializer_list<int64_t> d, const char* dtype) {
   std::string s = "[";
   for (int64_t x : d) s += fmt::format("{}{}", s.size() > 1 ? ", " : "", x);

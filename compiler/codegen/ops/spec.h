@@ -26,7 +26,8 @@ struct ParamSpec {
   int64_t min, max;    // inclusive
   const char* doc;     // what the letter means for this op (templates/README.md lists them all)
   // Left out of the kernel name when 0 (optional segments, flags that are usually off). Only for
-  // parameters whose zero is unambiguous from the others (trailing GEMM segments, the f32 flag).
+  // parameters whose zero is unambiguous from the others (trailing GEMM segments, the f32 flag). Such a
+  // parameter may also be left out of an instance: it is 0 (the e4m3 flag Q8 of instances made before it).
   bool omit_zero = false;
 };
 
@@ -38,6 +39,11 @@ struct ArgSpec {
   std::string shape;
   std::string doc;
   bool nullable = false;
+};
+
+struct DeviceCall {
+  std::string fn;
+  std::vector<std::string> args;
 };
 
 struct OpSpec {
@@ -52,6 +58,10 @@ struct OpSpec {
   std::function<uint32_t(const Params&)> block_threads;
   // The launch-bounds macro of the entry point (vendor.h, or the op header's own).
   const char* bounds = "DP_LAUNCH_BOUNDS";
+  // The device call when it is not device_fn<template args>(every parameter, in order): the device
+  // function (empty: device_fn) and its argument expressions (parameter names, "nullptr" for one this
+  // instance lacks; empty: every parameter in order). No function here: the default call.
+  std::function<DeviceCall(const Params&)> call = {};
 };
 
 // The families, one per templates/ header.
@@ -75,6 +85,15 @@ inline constexpr int64_t kMaxGemmRows = 32;    // activation rows (W*q) of one l
 inline constexpr int64_t kTargetBlocks = 264;  // about two blocks per SM of a 132-SM H200
 
 // ---- Messages and shapes ------------------------------------------------------------------------
+// FP8 block-quantized weights (e4m3 values, fp32 scales per 128 x 128 block): the "Q8" parameter of the
+// ops that read weights (0: bf16), the scale argument of an e4m3 weight argument ("w0" -> "w0_scale")
+// and its shape.
+inline constexpr int64_t kFp8Block = 128;
+ParamSpec q8_param(const char* doc);
+std::string scale_shape(int64_t rows, int64_t cols);  // "[ceil(rows/128), ceil(cols/128)] fp32"
+// Fails unless `keys` are multiples of 16 (rows read as 16-byte e4m3 vectors).
+void check_multiple_of_16(const Params& p, const std::string& who, std::initializer_list<const char*> keys);
+
 // Fails naming each of `keys` that is not a multiple of 8 (rows read as 16-byte bf16 vectors).
 void check_multiple_of_8(const Params& p, const std::string& who, std::initializer_list<const char*> keys);
 // "[4, 2304] bf16" from numbers, or from the parameters named by `keys`.
