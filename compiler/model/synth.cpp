@@ -139,6 +139,20 @@ std::vector<uint8_t> synth_tensor(const WeightSpec& w, DType dtype, uint64_t see
   return out;
 }
 
+std::vector<uint8_t> synth_stored_tensor(const Model& m, const WeightSpec& w, uint64_t seed) {
+  if (w.quant.method == QuantMethod::fp8_block) return synth_fp8(w, seed).values;
+  if (!w.scale_of.empty()) {
+    const WeightSpec* of = m.find(w.scale_of);
+    if (of && of->quant.method == QuantMethod::fp8_block) {
+      const std::vector<float> s = synth_fp8(*of, seed).scale_inv;
+      std::vector<uint8_t> out(s.size() * sizeof(float));
+      std::memcpy(out.data(), s.data(), out.size());
+      return out;
+    }
+  }
+  return synth_tensor(w, w.dtype, seed);
+}
+
 std::optional<std::vector<std::string>> synth_own_files(const fs::path& dir) {
   try {
     std::error_code ec;

@@ -66,4 +66,9 @@ SynthResult synthesize(const SynthOptions& opt);
 // layout or tensor order change never changes a tensor's values.
 std::vector<uint8_t> synth_tensor(const WeightSpec& w, DType dtype, uint64_t seed);
 
+// The bytes `synth` writes for weight `w` of `m` in its storage dtype: synth_tensor, except for FP8
+// block-quantized weights (the e4m3 values quantized from the bf16 fill) and their scale tensors (the
+// scales of that quantization), so random-weight runs see the checkpoint synth would write.
+std::vector<uint8_t> synth_stored_tensor(const Model& m, const WeightSpec& w, uint64_t seed);
+
 }  // namespace dp::model

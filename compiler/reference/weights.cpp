@@ -44,7 +44,7 @@ WeightLookup checkpoint_lookup(const model::Model& model, const st::Checkpoint& 
 WeightLookup synth_lookup(const model::Model& model, int layer, uint64_t seed) {
   return [&model, layer, seed](const std::string& key) {
     const model::WeightSpec& w = find_weight(model, layer, key);
-    return decode_tensor(model::synth_tensor(w, w.dtype, seed), w.dtype, w.name);
+    return decode_tensor(model::synth_stored_tensor(model, w, seed), w.dtype, w.name);
   };
 }
 
