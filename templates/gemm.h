@@ -654,9 +654,12 @@ __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x, 
   __shared__ float result[G::kRows * T];                        // [RB, T] fp32 dot products of this block
 
   // Which segment and tile this block computes (unrolled over the six compile-time segments).
+  // (Static indices only: ws[seg] with a run-time seg would put the arrays on the stack.)
   const int ns[6] = {N0, N1, N2, N3, N4, N5};
-  int b = (int)blockIdx.x, col0 = 0, n_seg = 0, seg = 0;
-  bool found = false;
+  int b = (int)blockIdx.x, col0 = 0, n_seg = 0;
+  const void* wseg_any = ws[0];
+  const float* sseg = ss[0];
+  bool found = false, seg_fp8 = false;
 #pragma unroll
   for (int s = 0; s < 6; ++s) {
     const int tiles = (ns[s] + G::kRows - 1) / G::kRows;
@@ -664,7 +667,9 @@ __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x, 
       if (b < tiles) {
         found = true;
         n_seg = ns[s];
-        seg = s;
+        wseg_any = ws[s];
+        sseg = ss[s];
+        seg_fp8 = (kQ8 >> s) & 1;
       } else {
         b -= tiles;
         col0 += ns[s];
@@ -676,9 +681,8 @@ __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x, 
 
   // Rows past the matrix re-read row 0 and are dropped.
   auto xrow = [&](int t) { return x + (dp_u64)t * K; };
-  if (kQ8 != 0 && ((kQ8 >> seg) & 1)) {
-    const dp_u8* wseg = (const dp_u8*)ws[seg];
-    const float* sseg = ss[seg];
+  if (kQ8 != 0 && seg_fp8) {
+    const dp_u8* wseg = (const dp_u8*)wseg_any;
     dp_block_dot<T, K, MT, S>(
         [&](int slot, int m) {
           const int r = row0 + slot * G::kSlotRows + m;
@@ -686,7 +690,7 @@ __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x, 
         },
         xrow, partial, result);
   } else {
-    const dp_bf16* wseg = (const dp_bf16*)ws[seg];
+    const dp_bf16* wseg = (const dp_bf16*)wseg_any;
     dp_block_dot<T, K, MT, S>(
         [&](int slot, int m) {
           const int r = row0 + slot * G::kSlotRows + m;
