@@ -46,7 +46,7 @@ ResolvedModel resolve_model(const std::string& model_arg, bool random_weights, c
 }
 
 std::vector<uint8_t> WeightSource::full_bytes(const model::WeightSpec& w) const {
-  if (!ckpt_) return model::synth_stored_tensor(m_, w, seed_);
+  if (!ckpt_) return model::synth_weight(m_, w, seed_);
   const st::TensorInfo* t = ckpt_->find(w.name);
   for (size_t i = 0; !t && i < w.aliases.size(); ++i) t = ckpt_->find(w.aliases[i]);
   if (!t) fail(Errc::input, "checkpoint {}: tensor {} is missing", ckpt_->dir().string(), w.name);

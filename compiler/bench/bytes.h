@@ -7,7 +7,9 @@
 // once is counted, reads and writes alike:
 //   weights       every non-expert weight of the layer that decode reads (norms, projections, conv
 //                 taps, gates, router, shared expert), plus one expert's w1 + w3 + w2 per distinct
-//                 routed expert;
+//                 routed expert, each in its stored dtype: an FP8 block-quantized weight is one byte
+//                 per e4m3 value, and its fp32 scale tensor (a weight of its own in the IR, with the
+//                 weight's layer and expert) is counted beside it;
 //   KDA states    per request the recurrent and conv states read from one slot and written to q slots;
 //   MLA latent    per request seq_len rows read (the attention reads the whole context, this step's
 //                 rows included) and q rows written;

@@ -139,18 +139,23 @@ std::vector<uint8_t> synth_tensor(const WeightSpec& w, DType dtype, uint64_t see
   return out;
 }
 
-std::vector<uint8_t> synth_stored_tensor(const Model& m, const WeightSpec& w, uint64_t seed) {
+std::vector<uint8_t> synth_weight(const Model& m, const WeightSpec& w, uint64_t seed) {
   if (w.quant.method == QuantMethod::fp8_block) return synth_fp8(w, seed).values;
-  if (!w.scale_of.empty()) {
-    const WeightSpec* of = m.find(w.scale_of);
-    if (of && of->quant.method == QuantMethod::fp8_block) {
-      const std::vector<float> s = synth_fp8(*of, seed).scale_inv;
-      std::vector<uint8_t> out(s.size() * sizeof(float));
-      std::memcpy(out.data(), s.data(), out.size());
-      return out;
-    }
+  if (w.scale_of.empty()) return synth_tensor(w, w.dtype, seed);
+  // A scale tensor: of an FP8 weight of the same layer (or of the model), listed before it.
+  const WeightSpec* q = nullptr;
+  if (w.layer >= 0 && w.layer < static_cast<int>(m.layers.size())) {
+    for (size_t i : m.layers[static_cast<size_t>(w.layer)].weights)
+      if (m.weights[i].name == w.scale_of) q = &m.weights[i];
+  } else {
+    q = m.find(w.scale_of);
   }
-  return synth_tensor(w, w.dtype, seed);
+  if (!q) fail(Errc::internal, "synth: scale {} of weight {}, which the model does not list", w.name, w.scale_of);
+  if (q->quant.method != QuantMethod::fp8_block) return synth_tensor(w, w.dtype, seed);
+  const std::vector<float> s = synth_fp8(*q, seed).scale_inv;
+  std::vector<uint8_t> out(s.size() * sizeof(float));
+  std::memcpy(out.data(), s.data(), out.size());
+  return out;
 }
 
 std::optional<std::vector<std::string>> synth_own_files(const fs::path& dir) {

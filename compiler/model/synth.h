@@ -66,9 +66,10 @@ SynthResult synthesize(const SynthOptions& opt);
 // layout or tensor order change never changes a tensor's values.
 std::vector<uint8_t> synth_tensor(const WeightSpec& w, DType dtype, uint64_t seed);
 
-// The bytes `synth` writes for weight `w` of `m` in its storage dtype: synth_tensor, except for FP8
-// block-quantized weights (the e4m3 values quantized from the bf16 fill) and their scale tensors (the
-// scales of that quantization), so random-weight runs see the checkpoint synth would write.
-std::vector<uint8_t> synth_stored_tensor(const Model& m, const WeightSpec& w, uint64_t seed);
+// The bytes synthesize() writes for weight `w` of model `m` (the synth fill the tools and the CPU
+// reference use without a checkpoint): synth_tensor in the IR dtype, except for an FP8 block-quantized
+// weight (its e4m3 values) and the scale tensor of one (its fp32 scale_inv), both quantized from the
+// bf16 fill of the weight (quantize_fp8_blocks), as `synth --quantize fp8` writes them.
+std::vector<uint8_t> synth_weight(const Model& m, const WeightSpec& w, uint64_t seed);
 
 }  // namespace dp::model

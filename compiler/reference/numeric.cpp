@@ -79,14 +79,17 @@ std::vector<double> decode_tensor(std::span<const uint8_t> bytes, DType dtype, c
     case DType::F64:
       for (size_t i = 0; i < n; ++i) std::memcpy(&out[i], p + 8 * i, 8);
       break;
+    case DType::F8_E4M3:
+      for (size_t i = 0; i < n; ++i) out[i] = e4m3_bits_to_f32(p[i]);  // exact
+      break;
     case DType::U8:
     case DType::F8_E8M0:
       for (size_t i = 0; i < n; ++i) out[i] = p[i];
       break;
     default:
       fail(Errc::input,
-           "{}: dtype {} has no decoder in the CPU reference (expected BF16, F16, F32, F64, U8 or F8_E8M0)", what,
-           dtype_name(dtype));
+           "{}: dtype {} has no decoder in the CPU reference (expected BF16, F16, F32, F64, F8_E4M3, U8 or F8_E8M0)",
+           what, dtype_name(dtype));
   }
   return out;
 }
@@ -121,6 +124,24 @@ std::vector<double> dequant_mxfp4(std::span<const double> packed, std::span<cons
       out[r * cols + c] = e2m1_value(code) * e8m0_value(s);
     }
   }
+  return out;
+}
+
+std::vector<double> dequant_fp8_blocks(std::span<const double> values, std::span<const double> scale_inv, int64_t rows,
+                                       int64_t cols, int64_t block_rows, int64_t block_cols, const std::string& what) {
+  if (rows < 0 || cols < 0 || block_rows <= 0 || block_cols <= 0)
+    fail(Errc::input, "{}: FP8 blocks of {}x{} over [{}, {}]", what, block_rows, block_cols, rows, cols);
+  if (static_cast<int64_t>(values.size()) != rows * cols)
+    fail(Errc::input, "{}: FP8 weight has {} values, expected [{}, {}] = {}", what, values.size(), rows, cols,
+         rows * cols);
+  const int64_t br = (rows + block_rows - 1) / block_rows, bc = (cols + block_cols - 1) / block_cols;
+  if (static_cast<int64_t>(scale_inv.size()) != br * bc)
+    fail(Errc::input, "{}: FP8 block scales have {} values, expected [ceil({}/{}), ceil({}/{})] = [{}, {}] = {}", what,
+         scale_inv.size(), rows, block_rows, cols, block_cols, br, bc, br * bc);
+  std::vector<double> out(values.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      out[r * cols + c] = values[r * cols + c] * scale_inv[(r / block_rows) * bc + c / block_cols];
   return out;
 }
 

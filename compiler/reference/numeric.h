@@ -27,8 +27,9 @@ double bf16_bits_to_double(uint16_t bits);
 uint16_t double_to_bf16_bits(double x);  // round_bf16, then the bits
 double f32_bits_to_double(uint32_t bits);
 
-// Decodes a whole little-endian tensor to doubles: BF16, F16, F32, F64 by value; U8 and F8_E8M0 give
-// the raw byte value 0..255 (MXFP4 packed nibbles and E8M0 scale exponents are decoded by
+// Decodes a whole little-endian tensor to doubles: BF16, F16, F32, F64 and F8_E4M3 by value (an FP8
+// block-quantized weight's stored e4m3 values, before its scales: dequant_fp8_blocks); U8 and F8_E8M0
+// give the raw byte value 0..255 (MXFP4 packed nibbles and E8M0 scale exponents are decoded by
 // dequant_mxfp4, which needs the raw bytes). Any other dtype is dp::Error(input) naming `what`.
 std::vector<double> decode_tensor(std::span<const uint8_t> bytes, DType dtype, const std::string& what);
 
@@ -43,6 +44,14 @@ double e8m0_value(uint8_t s);
 // returns them for U8 / F8_E8M0.
 std::vector<double> dequant_mxfp4(std::span<const double> packed, std::span<const double> scales, int64_t rows,
                                   int64_t cols, int64_t group, const std::string& what);
+
+// FP8 block quantization (DeepSeek-style checkpoints, model/quant.h): a [rows, cols] matrix of e4m3
+// values (as decode_tensor returns them) times the fp32 scale_inv of its block_rows x block_cols block,
+// from a [ceil(rows/block_rows), ceil(cols/block_cols)] row-major scale matrix (the last blocks of a row
+// or column may be partial). Exact in double (a 4-bit by 24-bit significand product). dp::Error(input)
+// naming `what` when the sizes do not match that shape.
+std::vector<double> dequant_fp8_blocks(std::span<const double> values, std::span<const double> scale_inv, int64_t rows,
+                                       int64_t cols, int64_t block_rows, int64_t block_cols, const std::string& what);
 
 // Scalar activations, in double.
 double sigmoid(double x);

@@ -28,6 +28,36 @@ const model::WeightSpec& find_weight(const model::Model& m, int layer, const std
   fail(Errc::input, "reference: the model has no model-level weight \"{}\"", key);
 }
 
+namespace {
+
+// The scale tensor of FP8 weight `w` (its quant.scale, a weight of the same layer or of the model).
+const model::WeightSpec& scale_spec(const model::Model& m, const model::WeightSpec& w) {
+  if (w.layer >= 0 && w.layer < static_cast<int>(m.layers.size())) {
+    for (size_t i : m.layers[static_cast<size_t>(w.layer)].weights)
+      if (m.weights[i].name == w.quant.scale) return m.weights[i];
+  } else if (const model::WeightSpec* s = m.find(w.quant.scale)) {
+    return *s;
+  }
+  fail(Errc::input, "reference: FP8 weight {} names the scale tensor \"{}\", which the model does not list", w.name,
+       w.quant.scale);
+}
+
+}  // namespace
+
+std::vector<double> real_values(const model::Model& m, const model::WeightSpec& w, const WeightLookup& lookup,
+                                std::vector<std::string>* keys) {
+  std::vector<double> v = lookup(w.key);
+  if (keys) keys->push_back(w.key);
+  if (w.quant.method != model::QuantMethod::fp8_block) return v;
+  if (w.shape.size() != 2 || w.quant.block.size() != 2)
+    fail(Errc::input, "reference: FP8 weight {} has shape {} and blocks {}, expected a matrix and [rows, cols] blocks",
+         w.name, st::shape_string(w.shape), st::shape_string(w.quant.block));
+  const model::WeightSpec& s = scale_spec(m, w);
+  const std::vector<double> scale = lookup(s.key);
+  if (keys) keys->push_back(s.key);
+  return dequant_fp8_blocks(v, scale, w.shape[0], w.shape[1], w.quant.block[0], w.quant.block[1], w.name);
+}
+
 WeightLookup checkpoint_lookup(const model::Model& model, const st::Checkpoint& ckpt, int layer) {
   return [&model, &ckpt, layer](const std::string& key) {
     const model::WeightSpec& w = find_weight(model, layer, key);
@@ -44,7 +74,7 @@ WeightLookup checkpoint_lookup(const model::Model& model, const st::Checkpoint& 
 WeightLookup synth_lookup(const model::Model& model, int layer, uint64_t seed) {
   return [&model, layer, seed](const std::string& key) {
     const model::WeightSpec& w = find_weight(model, layer, key);
-    return decode_tensor(model::synth_stored_tensor(model, w, seed), w.dtype, w.name);
+    return decode_tensor(model::synth_weight(model, w, seed), w.dtype, w.name);
   };
 }
 
@@ -104,8 +134,7 @@ bool LayerWeights::has(const std::string& key) const {
 
 Tensor LayerWeights::load(const std::string& key) const {
   const model::WeightSpec& w = find_weight(*model_, layer_, key);
-  lookups_.push_back(key);
-  return shard_tensor(w, lookup_(key), shard_);
+  return shard_tensor(w, real_values(*model_, w, lookup_, &lookups_), shard_);
 }
 
 const Tensor& LayerWeights::get(const std::string& key) const {
@@ -127,7 +156,7 @@ Tensor LayerWeights::expert(int64_t e, const std::string& w) const {
 
 Tensor model_tensor(const model::Model& m, const WeightLookup& lookup, const std::string& key) {
   const model::WeightSpec& w = find_weight(m, -1, key);
-  return shard_tensor(w, lookup(key), Shard{});
+  return shard_tensor(w, real_values(m, w, lookup), Shard{});
 }
 
 }  // namespace dp::ref

@@ -4,10 +4,12 @@
 // A WeightLookup returns a FULL (unsharded) checkpoint tensor by its layer-relative key
 // ("self_attn.q_proj.weight", "block_sparse_moe.experts.7.w2.weight", ...; for model-level tensors
 // the model-relative key, "norm.weight"), row-major in its checkpoint shape, converted to double
-// (see decode_tensor: bf16/f16/f32 by value, U8 / F8_E8M0 as raw bytes). LayerWeights cuts the
-// rank's shard out of it with the IR's Split rule and keeps it: tensors are loaded on first use only,
-// so a MoE layer reads only the experts that some row routes to (a 48B-shaped layer never holds all
-// 256 experts in double).
+// (see decode_tensor: bf16/f16/f32/e4m3 by value, U8 / F8_E8M0 as raw bytes): the values as stored.
+// LayerWeights turns them into the weight's real values (real_values: an FP8 block-quantized weight is
+// its e4m3 values times its block's scale_inv, read from the weight's scale tensor, a weight of its own
+// with key "<module>.weight_scale_inv"), cuts the rank's shard out of the whole dequantised tensor with
+// the IR's Split rule and keeps it: tensors are loaded on first use only, so a MoE layer reads only the
+// experts that some row routes to (a 48B-shaped layer never holds all 256 experts in double).
 #pragma once
 
 #include <cstdint>
@@ -53,8 +55,16 @@ const model::WeightSpec& find_weight(const model::Model& m, int layer, const std
 // against the IR shape and decodes its dtype. Missing tensors are dp::Error(input) naming them.
 // `model` and `ckpt` must outlive the returned function.
 WeightLookup checkpoint_lookup(const model::Model& model, const st::Checkpoint& ckpt, int layer);
-// Lookup over model::synth_tensor (the bytes `decodepack synth --seed` writes, in the IR dtype).
+// Lookup over model::synth_weight (the bytes `decodepack synth --seed` writes, in the IR dtype: an FP8
+// model's e4m3 weights and fp32 scales as `synth --quantize fp8` writes them).
 WeightLookup synth_lookup(const model::Model& model, int layer, uint64_t seed);
+
+// The full tensor of weight `w` of model `m` as real values: lookup(w.key), and for an FP8 block-quantized
+// weight (quant.method fp8_block) those e4m3 values times the scale_inv of their block, from
+// lookup(<its scale tensor's key>) (dequant_fp8_blocks). The keys looked up are appended to `keys`
+// when given. dp::Error(input) when the scale tensor is not in the model or has the wrong size.
+std::vector<double> real_values(const model::Model& m, const model::WeightSpec& w, const WeightLookup& lookup,
+                                std::vector<std::string>* keys = nullptr);
 
 // The rank's shard of a full tensor, by the weight's Split rule. dp::Error(input) when the split
 // dimension does not divide by tp.
@@ -75,14 +85,17 @@ class LayerWeights {
   Shard shard() const { return shard_; }
 
   bool has(const std::string& key) const;           // the IR lists `key` for this layer
-  const Tensor& get(const std::string& key) const;  // the rank's shard, with its sharded shape
+  // The rank's shard, with its sharded shape, of the weight's real values (FP8 weights dequantised;
+  // an FP8 weight's scale tensor, asked for by its own key, is returned as stored).
+  const Tensor& get(const std::string& key) const;
   // Routed expert `e`'s matrix `w` ("w1" gate [I/tp, D], "w3" up [I/tp, D], "w2" down [D, I/tp]) as
-  // doubles, MXFP4 experts dequantised (D = hidden, or the latent width for K3 latent MoE). Loaded
+  // doubles, MXFP4 and FP8 experts dequantised (D = hidden, or the latent width for K3 latent MoE). Loaded
   // on every call and NOT cached: a MoE step streams its routed experts one at a time, so a
   // 48B-shaped layer never holds more than one expert in double.
   Tensor expert(int64_t e, const std::string& w) const;
   void drop_cache() const { cache_.clear(); }
-  // Keys passed to the lookup so far, in order (a MoE step reads only its routed experts).
+  // Keys passed to the lookup so far, in order (a MoE step reads only its routed experts; an FP8
+  // weight's key is followed by its scale tensor's).
   const std::vector<std::string>& lookups() const { return lookups_; }
 
  private:

@@ -51,6 +51,17 @@ const std::vector<ModelShape>& model_shapes() {
     big.splits = 16;
     big.max_context = 3000;
     v.push_back(big);
+    // FP8 partial blocks: widths that are multiples of 16 (e4m3 rows are read as 16-byte vectors) but not
+    // of 128, so that the last 128 x 128 block of a row and of a column is partial in every FP8 weight
+    // of the GEMMs, the dense MLP and the experts: hidden 336 (2 blocks + 80), expert and shared width
+    // 208 (1 + 80), dense width 400 (3 + 16). KDA and MLA as in the tiny model.
+    ModelShape part = tiny;
+    part.name = "fp8-partial-blocks";
+    part.hidden = 336;
+    part.inter = 208;
+    part.shared = 208;
+    part.dense_inter = 400;
+    v.push_back(part);
     return v;
   }();
   return shapes;
@@ -66,13 +77,14 @@ const char* to_string(Layout l) {
 }
 
 std::string Case::name() const {
-  const std::string base = fmt::format("{} w{} q{}", model->name, width, q);
-  return layout == Layout::dense ? base : base + " " + to_string(layout);
+  std::string name = fmt::format("{} w{} q{}", model->name, width, q);
+  if (layout != Layout::dense) name += std::string(" ") + to_string(layout);
+  return fp8 ? name + " fp8" : name;
 }
 
 // Indices are stable where run_on_device.sh and RESULTS.md refer to them: the dense cases first (0..21,
-// as before the layouts existed), then the padded and wide ones, and the dense 48B-shaped case last
-// (the timed one).
+// as before the layouts existed), then the padded and wide ones, the dense 48B-shaped case (the timed
+// one, the last bf16 case), then the FP8 cases (31 on).
 std::vector<Case> all_cases() {
   const auto& m = model_shapes();
   std::vector<Case> v;
@@ -91,6 +103,16 @@ std::vector<Case> all_cases() {
   v.push_back({&m[1], 3, 1, Layout::wide});
   v.push_back({&m[2], 8, 2, Layout::padded});  // 48B shapes with vLLM's layouts
   v.push_back({&m[2], 8, 2});                  // one dense 48B-shaped case, the most rows (timed)
+  // FP8 weights: every row count 1, 2, 4, 8 and 16 of the tiny model, its padded (fused w13 and its
+  // scales) and wide layouts, the partial-block shapes, and the 48B shapes (timed).
+  for (int64_t w : {1, 2, 4, 8}) v.push_back({&m[0], w, 1, Layout::dense, true});
+  v.push_back({&m[0], 8, 2, Layout::dense, true});
+  v.push_back({&m[0], 3, 2, Layout::padded, true});
+  v.push_back({&m[0], 4, 2, Layout::wide, true});
+  v.push_back({&m[3], 1, 1, Layout::dense, true});
+  v.push_back({&m[3], 8, 2, Layout::dense, true});
+  v.push_back({&m[3], 3, 2, Layout::padded, true});
+  v.push_back({&m[2], 8, 2, Layout::dense, true});
   return v;
 }
 
@@ -162,6 +184,13 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
                     {"NS", m.splits},
                     {"OG", m.mla_gate ? 1 : 0}},
                    target};
+  if (c.fp8) {
+    // Q8 (left out for bf16): 1 for an op whose weights are all e4m3; for gemm a bitmask over its weights.
+    k.in_proj.params["Q8"] = 0b111;  // q, k, v; f_a, g_a (g), b stay bf16
+    for (codegen::KernelInstance* i :
+         {&k.o_proj, &k.mlp_down, &k.moe_up, &k.moe_down, &k.mlp_up, &k.mla_prep, &k.mla_combine})
+      i->params["Q8"] = 1;
+  }
   return k;
 }
 

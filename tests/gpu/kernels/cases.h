@@ -56,8 +56,15 @@ struct Case {
   int64_t width = 1;  // requests
   int64_t q = 1;      // rows per request
   Layout layout = Layout::dense;
+  // FP8 block quantization (a `synth --quantize fp8` checkpoint): the weights such a checkpoint stores in
+  // e4m3 with fp32 scales per 128 x 128 block are read by the FP8 variants of their kernels (parameter
+  // Q8): the KDA q, k, v and o projections, the MLA kv_b, the dense MLP and the routed and shared
+  // experts. The router and the KDA gate and beta projections stay bf16. Ops that read no FP8 weight
+  // (rmsnorm, kda_step, moe_route, mla_attn) are not checked again in these cases.
+  bool fp8 = false;
   int64_t rows() const { return width * q; }
-  std::string name() const;  // "kimi-linear-tiny w3 q2", "kimi-linear-tiny w3 q2 padded"
+  // "kimi-linear-tiny w3 q2", "kimi-linear-tiny w3 q2 padded", "kimi-linear-tiny w3 q2 padded fp8"
+  std::string name() const;
 };
 
 const std::vector<ModelShape>& model_shapes();
@@ -66,7 +73,7 @@ std::vector<Case> all_cases();
 // The kernels of one case, named after their role in a layer program.
 struct CaseKernels {
   codegen::KernelInstance rmsnorm;      // fused add + RMSNorm over the step's rows
-  codegen::KernelInstance in_proj;      // gemm: KDA q | k | v | f_a | g_a (g) | b
+  codegen::KernelInstance in_proj;      // gemm: KDA q | k | v | f_a | g_a (g) | b (FP8: q, k, v e4m3)
   codegen::KernelInstance kda;          // kda_step
   codegen::KernelInstance o_proj;       // gemm: [H, P]
   codegen::KernelInstance router;       // gemm, fp32 out: [E, H]

@@ -8,6 +8,11 @@
 //     kernel takes them and walks requests, draft positions and experts as kda.h / moe.h document.
 //   * Expert matrices are not converted to double (a 48B layer holds 3.6 GB of them): their dot
 //     products are taken in double straight from the bf16 words (dot_bf16 below), the same sums.
+//   * FP8 cases (Case::fp8): the weights an FP8 checkpoint stores in e4m3 (cases.h) are drawn as bf16
+//     values, quantized by model::quantize_fp8_blocks (128 x 128 blocks, the last ones partial in the
+//     fp8-partial-blocks shapes), uploaded as e4m3 bytes plus fp32 scales, and bound to the kernels' FP8
+//     variants (Q8); the references multiply e4m3 * scale_inv in double and round only where the bf16
+//     path rounds. Tolerances are the bf16 ones.
 // Every check draws fresh random non-zero inputs, poisons the outputs (all bytes 0xFF: NaN for bf16
 // and fp32, -1 for i32) and fails on NaN. Tolerances: ||gpu - ref|| / ||ref|| < 1e-2 for bf16 outputs,
 // < 1e-4 for the fp32 KDA state and fp32 router logits; state slots the step must not write, and the
@@ -39,7 +44,9 @@
 
 #include "cases.h"
 #include "codegen/kernel.h"
+#include "common/dtype.h"
 #include "common/error.h"
+#include "model/quant.h"
 #include "reference/numeric.h"
 #include "reference/ops.h"
 
@@ -259,6 +266,88 @@ double dot_bf16(const uint16_t* w, const double* x, int64_t n) {
   return s;
 }
 
+// ---- weights: bf16, or FP8 block-quantized -----------------------------------------------------------
+
+constexpr int64_t kFp8Block = 128;  // FP8 checkpoints: one fp32 scale_inv per 128 x 128 block
+
+// A weight matrix [rows, cols] as a checkpoint stores it and the kernels read it: bf16 words, or (FP8)
+// e4m3 bytes with an fp32 scale_inv per 128 x 128 block, [ceil(rows/128), ceil(cols/128)] row-major,
+// made by model::quantize_fp8_blocks from the same bf16 values (the DeepSeek-style checkpoints `synth
+// --quantize fp8` writes). Its real values, which the references multiply by, are e4m3 * scale_inv,
+// exact in double; nothing else is rounded.
+struct HostWeight {
+  int64_t rows = 0, cols = 0;
+  bool fp8 = false;
+  std::vector<uint16_t> bf16;  // rows * cols, when !fp8
+  std::vector<uint8_t> e4m3;   // rows * cols, when fp8
+  std::vector<float> scale;    // the block scales, when fp8
+
+  int64_t block_cols() const { return (cols + kFp8Block - 1) / kFp8Block; }
+  int64_t scale_count() const { return (rows + kFp8Block - 1) / kFp8Block * block_cols(); }
+  size_t bytes() const { return static_cast<size_t>(rows * cols) * (fp8 ? 1 : 2); }
+  // Row r dotted with x[0..cols) in double (every product exact).
+  double dot(int64_t r, const double* x) const {
+    if (!fp8) return dot_bf16(bf16.data() + r * cols, x, cols);
+    static const std::vector<double> e4m3_value = [] {
+      std::vector<double> v(256);
+      for (int b = 0; b < 256; ++b) v[static_cast<size_t>(b)] = e4m3_bits_to_f32(static_cast<uint8_t>(b));
+      return v;
+    }();
+    const uint8_t* w = e4m3.data() + r * cols;
+    const float* s = scale.data() + (r / kFp8Block) * block_cols();
+    double sum = 0;
+    for (int64_t i = 0; i < cols; ++i) sum += e4m3_value[w[i]] * static_cast<double>(s[i / kFp8Block]) * x[i];
+    return sum;
+  }
+  // Every real value, row-major (for matrices small enough to hold in double).
+  std::vector<double> real() const {
+    if (!fp8) return to_double(bf16);
+    std::vector<double> v(e4m3.begin(), e4m3.end()), s(scale.begin(), scale.end());
+    for (size_t i = 0; i < v.size(); ++i) v[i] = e4m3_bits_to_f32(e4m3[i]);
+    return ref::dequant_fp8_blocks(v, s, rows, cols, kFp8Block, kFp8Block, "weight");
+  }
+};
+
+// Random weights: bf16 values uniform in [lo, hi] (the draws of rand_bf16, so a bf16 weight is what
+// rand_bf16 gives), quantized to FP8 blocks when `fp8`.
+HostWeight rand_weight(int64_t rows, int64_t cols, Rng& rng, double lo, double hi, bool fp8) {
+  HostWeight w;
+  w.rows = rows;
+  w.cols = cols;
+  w.fp8 = fp8;
+  w.bf16 = rand_bf16(static_cast<size_t>(rows * cols), rng, lo, hi);
+  if (!fp8) return w;
+  std::vector<float> v(w.bf16.size());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = bf16_to_f32(w.bf16[i]);
+  model::Fp8Blocks q = model::quantize_fp8_blocks(v, rows, cols, kFp8Block);
+  w.e4m3 = std::move(q.values);
+  w.scale = std::move(q.scale_inv);
+  w.bf16.clear();
+  return w;
+}
+
+// A weight on the device: its stored values and, for an FP8 one, its scales.
+struct DevWeight {
+  DevBuf values, scale;
+};
+DevWeight device_weight(const HostWeight& w) {
+  DevWeight d;
+  d.values = w.fp8 ? device_copy(w.e4m3) : device_copy(w.bf16);
+  if (w.fp8) d.scale = device_copy(w.scale);
+  return d;
+}
+// Binds weight parameter `name` and, for an e4m3 weight, its scales "<name>_scale".
+void bind_weight(std::map<std::string, Arg>& args, const std::string& name, const DevWeight& w) {
+  args.emplace(name, Arg(w.values));
+  if (w.scale.ptr) args.emplace(name + "_scale", Arg(w.scale));
+}
+
+// The instance's Q8 parameter (0: bf16 weights, the parameter left out).
+int64_t q8_of(const KernelInstance& k) {
+  auto it = k.params.find("Q8");
+  return it == k.params.end() ? 0 : it->second;
+}
+
 // ---- results ------------------------------------------------------------------------------------------
 
 struct Result {
@@ -420,15 +509,17 @@ void check_gemm(Ctx& ctx, const Case& c, const KernelInstance& k, const std::str
   auto x = rand_bf16(T * K, rng, -1, 1);
   const Mat mx = to_mat(x, T, K);
   const double a = std::sqrt(3.0 / static_cast<double>(K)) * 1.5;
-  std::vector<DevBuf> ws;
+  // Weight s is e4m3 with block scales where bit s of Q8 is set.
+  const int64_t q8 = q8_of(k);
+  std::vector<DevWeight> ws;
   std::vector<std::vector<double>> expect_seg;
   int64_t ntot = 0;
   for (const char* key : {"NA", "NB", "NC", "ND", "NE", "NF"}) {
     const int64_t n = k.params.at(key);
     if (!n) break;
-    auto w = rand_bf16(n * K, rng, -a, a);
-    ws.push_back(device_copy(w));
-    expect_seg.push_back(linear_bf16(mx, to_double(w), n, K, !f32));
+    const HostWeight w = rand_weight(n, K, rng, -a, a, (q8 >> ws.size()) & 1);
+    ws.push_back(device_weight(w));
+    expect_seg.push_back(linear_bf16(mx, w.real(), n, K, !f32));
     ntot += n;
   }
   DevBuf out(T * ntot * (f32 ? 4 : 2));
@@ -436,7 +527,7 @@ void check_gemm(Ctx& ctx, const Case& c, const KernelInstance& k, const std::str
   DevBuf dx = device_copy(x);
   std::map<std::string, Arg> args{{"x", dx}, {"out", out}};
   const char* names[6] = {"w0", "w1", "w2", "w3", "w4", "w5"};
-  for (size_t i = 0; i < ws.size(); ++i) args.emplace(names[i], Arg(ws[i]));
+  for (size_t i = 0; i < ws.size(); ++i) bind_weight(args, names[i], ws[i]);
   ctx.kernels.launch(k, args);
   // Reassemble the expected [T, ntot] row layout: segment outputs side by side.
   std::vector<double> expect(static_cast<size_t>(T * ntot));
@@ -447,7 +538,8 @@ void check_gemm(Ctx& ctx, const Case& c, const KernelInstance& k, const std::str
       for (int64_t j = 0; j < n; ++j) expect[t * ntot + col + j] = seg[t * n + j];
     col += n;
   }
-  ctx.report.add(c.name(), "gemm " + tag, rel(f32 ? f32_out(out) : bf16_out(out), expect), f32 ? kF32Tol : kBf16Tol);
+  ctx.report.add(c.name(), "gemm " + tag, rel(f32 ? f32_out(out) : bf16_out(out), expect), f32 ? kF32Tol : kBf16Tol,
+                 q8 ? fmt::format("Q8 {}, K {}", q8, K) : std::string());
 }
 
 // KDA step: fresh projections, weights and states; the reference walks requests and draft positions
@@ -745,40 +837,61 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   // Layouts (cases.h): dense stacks w1, w3 [E, I, H] and w2 [E, H, I]; padded: vLLM's fused w13
   // [E, 2I, H] (w1 = w13, w3 = w13 + I*H, both strides 2*I*H) and a w2 stack with padding per expert;
   // wide: the same with strides that put the last expert past 2^32 elements.
+  // FP8 (Q8 = 1): the stacks hold e4m3 bytes (element strides are byte strides, multiples of 16), and
+  // beside them the experts' fp32 block scales, nb = ceil(I/128) * ceil(H/128) per matrix: dense
+  // [E, nb] stacks, or (padded, wide) fused w13 scales [E, 2 nb] (w3_scale = w13_scale + nb) and 3
+  // poisoned floats after every expert's w2 scales. Poison is NaN in e4m3 (0xFF) as in bf16 and fp32.
+  const bool fp8 = q8_of(k.moe_up) != 0;
+  if (fp8 != (q8_of(k.moe_down) != 0)) fail(Errc::internal, "{}: moe_up and moe_down differ in Q8", c.name());
+  const int64_t elem = fp8 ? 1 : 2;
   const double ai = std::sqrt(3.0 / I), as = std::sqrt(3.0 / std::max<int64_t>(S, 8));
   const int64_t IH = I * H;
   const bool fused = c.layout != Layout::dense;
   int64_t stride_w13 = fused ? 2 * IH : IH, stride_w2 = fused ? IH + 64 : IH;
   if (c.layout == Layout::wide && E > 1) {
-    const int64_t far = round_up8(kFar / (E - 1) + 1);
+    const int64_t past = kFar / (E - 1) + 1, far = fp8 ? (past + 15) / 16 * 16 : round_up8(past);
     stride_w13 = std::max(stride_w13, far);
     stride_w2 = std::max(stride_w2, far);
   }
-  DevBuf w1(E * stride_w13 * 2), w3(fused ? 0 : E * IH * 2), w2(E * stride_w2 * 2);
-  for (DevBuf* b : {&w1, &w3, &w2}) b->poison();
-  const CUdeviceptr w1_ptr = w1.ptr, w3_ptr = fused ? w1.ptr + IH * 2 : w3.ptr;
-  std::map<int32_t, std::vector<uint16_t>> h1, h3, h2;  // host copies of the routed experts
+  const int64_t nb = (I + kFp8Block - 1) / kFp8Block * ((H + kFp8Block - 1) / kFp8Block);
+  const int64_t stride_s13 = fused ? 2 * nb : nb, stride_s2 = fused ? nb + 3 : nb;
+  DevBuf w1(E * stride_w13 * elem), w3(fused ? 0 : E * IH * elem), w2(E * stride_w2 * elem);
+  DevBuf s1(fp8 ? E * stride_s13 * 4 : 0), s3(fp8 && !fused ? E * nb * 4 : 0), s2(fp8 ? E * stride_s2 * 4 : 0);
+  for (DevBuf* b : {&w1, &w3, &w2, &s1, &s3, &s2}) b->poison();
+  const CUdeviceptr w1_ptr = w1.ptr, w3_ptr = fused ? w1.ptr + IH * elem : w3.ptr;
+  const CUdeviceptr s1_ptr = s1.ptr, s3_ptr = fused ? s1.ptr + nb * 4 : s3.ptr;
+  // Weight `w` of an expert at element `at` of `values`, its scales at float `scale_at` of `scales`.
+  auto upload = [&](const HostWeight& w, DevBuf& values, int64_t at, DevBuf& scales, int64_t scale_at) {
+    if (!w.fp8) return values.upload(w.bf16, static_cast<size_t>(at) * 2);
+    values.upload(w.e4m3, static_cast<size_t>(at));
+    scales.upload(w.scale, static_cast<size_t>(scale_at) * 4);
+  };
+  std::map<int32_t, HostWeight> h1, h3, h2;  // host copies of the routed experts
   int64_t far_experts = 0;  // routed experts whose weights start past 2^32 elements
   for (int32_t e : used_v) {
     Rng er(seed * 1000 + static_cast<uint64_t>(e));
-    h1[e] = rand_bf16(IH, er, -ah, ah);
-    h3[e] = rand_bf16(IH, er, -ah, ah);
-    h2[e] = rand_bf16(IH, er, -ai, ai);
-    w1.upload(h1[e], static_cast<size_t>(e * stride_w13) * 2);
+    h1[e] = rand_weight(I, H, er, -ah, ah, fp8);
+    h3[e] = rand_weight(I, H, er, -ah, ah, fp8);
+    h2[e] = rand_weight(H, I, er, -ai, ai, fp8);
+    upload(h1[e], w1, e * stride_w13, s1, e * stride_s13);
     if (fused)
-      w1.upload(h3[e], static_cast<size_t>(e * stride_w13 + IH) * 2);
+      upload(h3[e], w1, e * stride_w13 + IH, s1, e * stride_s13 + nb);
     else
-      w3.upload(h3[e], static_cast<size_t>(e * IH) * 2);
-    w2.upload(h2[e], static_cast<size_t>(e * stride_w2) * 2);
+      upload(h3[e], w3, e * IH, s3, e * nb);
+    upload(h2[e], w2, e * stride_w2, s2, e * stride_s2);
     far_experts += e * std::min(stride_w13, stride_w2) >= kFar;
   }
-  const std::string layout_note =
+  std::string layout_note =
       fmt::format("{}: stride_w1/w3 {}, stride_w2 {} (dense {}); {} routed experts past 2^32 elements",
                   fused ? "fused w13" : "separate w1, w3", stride_w13, stride_w2, IH, far_experts);
+  if (fp8)
+    layout_note += fmt::format("; e4m3, stride_w1_scale/w3_scale {}, stride_w2_scale {} (dense {})", stride_s13,
+                               stride_s2, nb);
   if (c.layout == Layout::wide)
     ctx.report.zero(c.name(), "moe wide layout reached", far_experts == 0, layout_note);
-  auto sg = rand_bf16(S * H, rng, -ah, ah), su = rand_bf16(S * H, rng, -ah, ah), sd = rand_bf16(H * S, rng, -as, as);
-  DevBuf dsg = device_copy(sg), dsu = device_copy(su), dsd = device_copy(sd);
+  const HostWeight sg = rand_weight(S, H, rng, -ah, ah, fp8), su = rand_weight(S, H, rng, -ah, ah, fp8),
+                   sd = rand_weight(H, S, rng, -as, as, fp8);
+  const DevWeight dsg = device_weight(sg), dsu = device_weight(su), dsd = device_weight(sd);
 
   // ---- moe_up ----
   DevBuf h(T * KT * I * 2), hs(T * S * 2);
@@ -787,14 +900,20 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   std::map<std::string, Arg> up_args{{"x", dx},
                                      {"w1", w1_ptr},
                                      {"w3", w3_ptr},
-                                     {"shared_gate", dsg},
-                                     {"shared_up", dsu},
                                      {"experts", experts},
                                      {"expert_slots", eslots},
                                      {"h", h},
                                      {"hs", hs},
                                      {"stride_w1", Arg(static_cast<uint32_t>(stride_w13))},
                                      {"stride_w3", Arg(static_cast<uint32_t>(stride_w13))}};
+  bind_weight(up_args, "shared_gate", dsg);
+  bind_weight(up_args, "shared_up", dsu);
+  if (fp8) {
+    up_args.emplace("w1_scale", Arg(s1_ptr));
+    up_args.emplace("w3_scale", Arg(s3_ptr));
+    up_args.emplace("stride_w1_scale", Arg(static_cast<uint32_t>(stride_s13)));
+    up_args.emplace("stride_w3_scale", Arg(static_cast<uint32_t>(stride_s13)));
+  }
   if (m.situ) {
     up_args.emplace("act_beta", Arg(static_cast<float>(m.situ_beta)));
     up_args.emplace("act_linear_beta", Arg(static_cast<float>(m.situ_linear_beta)));
@@ -806,14 +925,14 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
     for (int64_t j = 0; j < KT; ++j) {
       const int32_t e = gid[t * KT + j];
       for (int64_t i = 0; i < I; ++i) {
-        const double g = ref::round_bf16(dot_bf16(h1[e].data() + i * H, xt, H));
-        const double u = ref::round_bf16(dot_bf16(h3[e].data() + i * H, xt, H));
+        const double g = ref::round_bf16(h1.at(e).dot(i, xt));
+        const double u = ref::round_bf16(h3.at(e).dot(i, xt));
         h_ref[(t * KT + j) * I + i] = ref::round_bf16(act(m, g, u));
       }
     }
     for (int64_t i = 0; i < S; ++i) {
-      const double g = ref::round_bf16(dot_bf16(sg.data() + i * H, xt, H));
-      const double u = ref::round_bf16(dot_bf16(su.data() + i * H, xt, H));
+      const double g = ref::round_bf16(sg.dot(i, xt));
+      const double u = ref::round_bf16(su.dot(i, xt));
       hs_ref[t * S + i] = ref::round_bf16(act(m, g, u));
     }
   }
@@ -825,16 +944,21 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   // ---- moe_down (inputs: the GPU's h, hs and weights) ----
   DevBuf out(T * H * 2);
   out.poison();
-  const float down_ms = ctx.kernels.launch(k.moe_down, {{"h", h},
-                                                        {"hs", hs},
-                                                        {"w2", w2},
-                                                        {"shared_down", dsd},
-                                                        {"experts", experts},
-                                                        {"expert_slots", eslots},
-                                                        {"topk_weights", tw},
-                                                        {"out", out},
-                                                        {"routed_scaling", static_cast<float>(m.routed_scaling)},
-                                                        {"stride_w2", Arg(static_cast<uint32_t>(stride_w2))}});
+  std::map<std::string, Arg> down_args{{"h", h},
+                                       {"hs", hs},
+                                       {"w2", w2},
+                                       {"experts", experts},
+                                       {"expert_slots", eslots},
+                                       {"topk_weights", tw},
+                                       {"out", out},
+                                       {"routed_scaling", static_cast<float>(m.routed_scaling)},
+                                       {"stride_w2", Arg(static_cast<uint32_t>(stride_w2))}};
+  bind_weight(down_args, "shared_down", dsd);
+  if (fp8) {
+    down_args.emplace("w2_scale", Arg(s2));
+    down_args.emplace("stride_w2_scale", Arg(static_cast<uint32_t>(stride_s2)));
+  }
+  const float down_ms = ctx.kernels.launch(k.moe_down, down_args);
   // vLLM's rounding points: each weighted expert output, their sum, the scaled sum, the shared
   // output and the final sum are bf16 tensors (Rounding::moe_weighted, moe_sum, linear, ffn_out).
   auto down_ref = [&](const std::vector<double>& hh, const std::vector<double>& hhs, const std::vector<double>& wts) {
@@ -844,10 +968,10 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
         double acc = 0;
         for (int64_t j = 0; j < KT; ++j) {
           const int32_t e = gid[t * KT + j];
-          acc += ref::round_bf16(wts[t * KT + j] * dot_bf16(h2[e].data() + n * I, hh.data() + (t * KT + j) * I, I));
+          acc += ref::round_bf16(wts[t * KT + j] * h2.at(e).dot(n, hh.data() + (t * KT + j) * I));
         }
         acc = ref::round_bf16(ref::round_bf16(acc) * m.routed_scaling);
-        const double sh = ref::round_bf16(dot_bf16(sd.data() + n * S, hhs.data() + t * S, S));
+        const double sh = ref::round_bf16(sd.dot(n, hhs.data() + t * S));
         o[t * H + n] = ref::round_bf16(acc + sh);
       }
     return o;
@@ -866,29 +990,36 @@ void check_mlp(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   Rng rng(seed);
   auto x = rand_bf16(T * H, rng, -1, 1);
   const double ah = std::sqrt(3.0 / H), ai = std::sqrt(3.0 / I);
-  auto wg = rand_bf16(I * H, rng, -ah, ah), wu = rand_bf16(I * H, rng, -ah, ah), wd = rand_bf16(H * I, rng, -ai, ai);
-  DevBuf dx = device_copy(x), dwg = device_copy(wg), dwu = device_copy(wu), dwd = device_copy(wd);
+  const bool up8 = q8_of(k.mlp_up) != 0, down8 = q8_of(k.mlp_down) != 0;
+  const HostWeight wg = rand_weight(I, H, rng, -ah, ah, up8), wu = rand_weight(I, H, rng, -ah, ah, up8),
+                   wd = rand_weight(H, I, rng, -ai, ai, down8);
+  DevBuf dx = device_copy(x);
+  const DevWeight dwg = device_weight(wg), dwu = device_weight(wu), dwd = device_weight(wd);
   DevBuf h(T * I * 2), out(T * H * 2);
   h.poison();
   out.poison();
-  std::map<std::string, Arg> args{{"x", dx}, {"w_gate", dwg}, {"w_up", dwu}, {"h", h}};
+  std::map<std::string, Arg> args{{"x", dx}, {"h", h}};
+  bind_weight(args, "w_gate", dwg);
+  bind_weight(args, "w_up", dwu);
   if (m.situ) {
     args.emplace("act_beta", Arg(static_cast<float>(m.situ_beta)));
     args.emplace("act_linear_beta", Arg(static_cast<float>(m.situ_linear_beta)));
   }
   const float up_ms = ctx.kernels.launch(k.mlp_up, args);
   const Mat mx = to_mat(x, T, H);
-  const std::vector<double> g = linear_bf16(mx, to_double(wg), I, H), u = linear_bf16(mx, to_double(wu), I, H);
+  const std::vector<double> g = linear_bf16(mx, wg.real(), I, H), u = linear_bf16(mx, wu.real(), I, H);
   std::vector<double> h_ref(T * I);
   for (size_t i = 0; i < h_ref.size(); ++i) h_ref[i] = ref::round_bf16(act(m, g[i], u[i]));
   const std::vector<double> h_gpu = bf16_out(h);
   ctx.report.add(c.name(), "mlp_up", rel(h_gpu, h_ref), kBf16Tol,
                  ctx.time ? fmt::format("{:.1f} us", up_ms * 1e3) : std::string());
-  const float down_ms = ctx.kernels.launch(k.mlp_down, {{"x", h}, {"out", out}, {"w0", dwd}});
+  std::map<std::string, Arg> down_args{{"x", h}, {"out", out}};
+  bind_weight(down_args, "w0", dwd);
+  const float down_ms = ctx.kernels.launch(k.mlp_down, down_args);
   Mat mh(T, I), mhr(T, I);
   mh.v = h_gpu;
   mhr.v = h_ref;
-  const std::vector<double> out_gpu = bf16_out(out), wdd = to_double(wd);
+  const std::vector<double> out_gpu = bf16_out(out), wdd = wd.real();
   ctx.report.add(c.name(), "gemm mlp down", rel(out_gpu, linear_bf16(mh, wdd, H, I)), kBf16Tol,
                  ctx.time ? fmt::format("{:.1f} us", down_ms * 1e3) : std::string());
   ctx.report.add(c.name(), "mlp chain (from x)", rel(out_gpu, linear_bf16(mhr, wdd, H, I)), kBf16Tol);
@@ -912,7 +1043,11 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
       proj[t * ld + j] = to_bf16(v == 0 ? span : v);
     }
   const double akb = std::sqrt(3.0 / PN);
-  auto kv_b = rand_bf16(N * (PN + V) * L, rng, -akb, akb);
+  // kv_b [N*(PN+V), L]: e4m3 with block scales when the MLA kernels are the FP8 ones (both must agree).
+  const bool fp8 = q8_of(k.mla_prep) != 0;
+  if (fp8 != (q8_of(k.mla_combine) != 0)) fail(Errc::internal, "{}: mla_prep and mla_combine differ in Q8", c.name());
+  const HostWeight kv_b = rand_weight(N * (PN + V), L, rng, -akb, akb, fp8);
+  const std::vector<double> kvb = kv_b.real();
   auto norm_w = rand_bf16(L, rng, 0.5, 1.5);
 
   // The cache as the host lays it out (cases.h Layout): dense blocks, blocks with padding after their BS
@@ -944,25 +1079,27 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   const Pool<uint16_t> pcache(num_blocks, cache_dense, cache_stride, live_slots(base + 1, W * MB + 2),
                               [&](size_t n) { return rand_bf16(n, rng, -2, 2); });
 
-  DevBuf d_proj = device_copy(proj), d_kvb = device_copy(kv_b), d_norm = device_copy(norm_w);
+  DevBuf d_proj = device_copy(proj), d_norm = device_copy(norm_w);
+  const DevWeight d_kvb = device_weight(kv_b);
   DevBuf d_lens = device_copy(lens), d_bt = device_copy(perm), d_slots = device_copy(slot_map);
   const DevBuf& d_cache = pcache.dev;
   const Arg cache_stride_arg(static_cast<uint32_t>(cache_stride));
   DevBuf q_abs(T * N * LR * 2), part_o(W * NS * Q * N * L * 4), part_ml(W * NS * Q * N * 2 * 4), out(T * N * V * 2);
   for (DevBuf* b : {&q_abs, &part_o, &part_ml, &out}) b->poison();
   const float eps = 1e-5f, scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(PN + R)));
-  const float t_prep = ctx.kernels.launch(k.mla_prep, {{"q", d_proj},
-                                                       {"stride_q", Arg(static_cast<uint32_t>(ld))},
-                                                       {"kv", d_proj.ptr + NQ * 2},
-                                                       {"stride_kv", Arg(static_cast<uint32_t>(ld))},
-                                                       {"kv_norm_w", d_norm},
-                                                       {"kv_b", d_kvb},
-                                                       {"seq_lens", d_lens},
-                                                       {"slot_mapping", d_slots},
-                                                       {"cache", d_cache},
-                                                       {"q_abs", q_abs},
-                                                       {"eps", eps},
-                                                       {"cache_stride", cache_stride_arg}});
+  std::map<std::string, Arg> pargs{{"q", d_proj},
+                                   {"stride_q", Arg(static_cast<uint32_t>(ld))},
+                                   {"kv", d_proj.ptr + NQ * 2},
+                                   {"stride_kv", Arg(static_cast<uint32_t>(ld))},
+                                   {"kv_norm_w", d_norm},
+                                   {"seq_lens", d_lens},
+                                   {"slot_mapping", d_slots},
+                                   {"cache", d_cache},
+                                   {"q_abs", q_abs},
+                                   {"eps", eps},
+                                   {"cache_stride", cache_stride_arg}};
+  bind_weight(pargs, "kv_b", d_kvb);
+  const float t_prep = ctx.kernels.launch(k.mla_prep, pargs);
   const float t_attn = ctx.kernels.launch(k.mla_attn, {{"q_abs", q_abs},
                                                        {"cache", d_cache},
                                                        {"block_table", d_bt},
@@ -975,9 +1112,9 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   std::map<std::string, Arg> cargs{{"part_o", part_o},
                                    {"part_ml", part_ml},
                                    {"seq_lens", d_lens},
-                                   {"kv_b", d_kvb},
                                    {"stride_g", Arg(static_cast<uint32_t>(ld))},
                                    {"out", out}};
+  bind_weight(cargs, "kv_b", d_kvb);
   if (m.mla_gate) cargs.emplace("gate", Arg(d_proj.ptr + (NQ + LR) * 2));
   const float t_comb = ctx.kernels.launch(k.mla_combine, cargs);
 
@@ -1003,7 +1140,7 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
       const uint16_t* qn = proj.data() + t * ld + n * (PN + R);
       for (int64_t l = 0; l < L; ++l) {
         double s = 0;
-        for (int64_t j = 0; j < PN; ++j) s += bf16_to_f32(qn[j]) * bf16_to_f32(kv_b[(n * (PN + V) + j) * L + l]);
+        for (int64_t j = 0; j < PN; ++j) s += bf16_to_f32(qn[j]) * kvb[(n * (PN + V) + j) * L + l];
         qa[l] = ref::round_bf16(s);
       }
       for (int64_t e = 0; e < R; ++e) qa[L + e] = bf16_to_f32(qn[PN + e]);
@@ -1033,7 +1170,7 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
         ref::round_bf16_if(true, ol);
         for (int64_t v = 0; v < V; ++v) {
           double o = 0;
-          for (int64_t l = 0; l < L; ++l) o += ol[l] * bf16_to_f32(kv_b[(n * (PN + V) + PN + v) * L + l]);
+          for (int64_t l = 0; l < L; ++l) o += ol[l] * kvb[(n * (PN + V) + PN + v) * L + l];
           o = ref::round_bf16(o);
           if (m.mla_gate) o = ref::round_bf16(o * ref::sigmoid(bf16_to_f32(proj[t * ld + NQ + LR + n * V + v])));
           out_ref[t * N * V + n * V + v] = o;
@@ -1061,7 +1198,7 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
                   fmt::format("cache_stride {} (dense {}), blocks {}..{}", cache_stride, cache_dense, base + 1,
                               num_blocks - 1));
   ctx.report.add(c.name(), "mla_prep q_abs", rel(bf16_out(q_abs), qabs_ref), kBf16Tol,
-                 ctx.time ? fmt::format("{:.1f} us", t_prep * 1e3) : std::string());
+                 ctx.time ? fmt::format("{:.1f} us", t_prep * 1e3) : fp8 ? "kv_b e4m3" : std::string());
   ctx.report.add(c.name(), "mla attn+combine out", rel(bf16_out(out), out_ref), kBf16Tol,
                  ctx.time ? fmt::format("attn {:.1f} us, combine {:.1f} us", t_attn * 1e3, t_comb * 1e3)
                           : fmt::format("contexts up to {}", *std::max_element(lens.begin(), lens.end())));
@@ -1127,10 +1264,10 @@ int main(int argc, char** argv) {
       const CaseKernels k = kernels_of(cs, "sm_90a");
       const bool timing = time && cs.model->name == "kimi-linear-48b";
       c.time = timing;
-      check_rmsnorm(c, cs, k, seed += 10);
-      check_gemm(c, cs, k.in_proj, "kda in_proj (6 weights)", seed += 10);
+      if (!cs.fp8) check_rmsnorm(c, cs, k, seed += 10);  // FP8 cases: only the ops that read FP8 weights
+      check_gemm(c, cs, k.in_proj, cs.fp8 ? "kda in_proj (q, k, v e4m3)" : "kda in_proj (6 weights)", seed += 10);
       check_gemm(c, cs, k.o_proj, "o_proj", seed += 10);
-      check_kda(c, cs, k, seed += 10);
+      if (!cs.fp8) check_kda(c, cs, k, seed += 10);
       check_moe(c, cs, k, seed += 10);
       check_mlp(c, cs, k, seed += 10);
       check_mla(c, cs, k, seed += 10);

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Runs the decode-kernel checks on a GPU machine, each case in its own process (a fault in one case
-# cannot hide the others), then compute-sanitizer memcheck and racecheck on two small cases (dense and
-# padded host layouts).
+# cannot hide the others), then compute-sanitizer memcheck and racecheck on three small cases (dense and
+# padded host layouts, and padded with FP8 weights).
 #   usage: run_on_device.sh DIR LOG_DIR
 # DIR holds dp_kernel_check and cubins/ (built elsewhere with dp_kernel_build, see RESULTS.md);
 # LOG_DIR receives kernel_check.log, kernel_check.tsv and sanitizer.log.
@@ -23,8 +23,8 @@ while [ "$i" -lt "$n" ]; do
   i=$((i + 1))
 done
 # kimi-linear-tiny w3 q2: a padded request and spec-decode slots; the padded variant adds padded pools
-# and the fused w13.
-for name in "kimi-linear-tiny w3 q2" "kimi-linear-tiny w3 q2 padded"; do
+# and the fused w13; the FP8 one the e4m3 weights with their block scales (fused w13 scales).
+for name in "kimi-linear-tiny w3 q2" "kimi-linear-tiny w3 q2 padded" "kimi-linear-tiny w3 q2 padded fp8"; do
   small=$(awk -F'\t' -v n="$name" '$2 == n {print $1}' "$logs/cases.txt")
   [ -n "$small" ] || { echo "no case named $name" >> "$logs/sanitizer.log"; failed=$((failed + 1)); continue; }
   for tool in memcheck racecheck; do
