@@ -1267,6 +1267,7 @@ int main(int argc, char** argv) {
       if (!cs.fp8) check_rmsnorm(c, cs, k, seed += 10);  // FP8 cases: only the ops that read FP8 weights
       check_gemm(c, cs, k.in_proj, cs.fp8 ? "kda in_proj (q, k, v e4m3)" : "kda in_proj (6 weights)", seed += 10);
       check_gemm(c, cs, k.o_proj, "o_proj", seed += 10);
+      if (cs.fp8) check_gemm(c, cs, k.mixed, "mixed (w0, w2 e4m3; w1 bf16)", seed += 10);
       if (!cs.fp8) check_kda(c, cs, k, seed += 10);
       check_moe(c, cs, k, seed += 10);
       check_mlp(c, cs, k, seed += 10);
