@@ -117,8 +117,10 @@ std::vector<Case> all_cases() {
 }
 
 std::vector<codegen::KernelInstance> CaseKernels::all() const {
-  return {rmsnorm,  in_proj, kda,      o_proj,   router,   route,      moe_up,
-          moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine};
+  std::vector<codegen::KernelInstance> v{rmsnorm,  in_proj, kda,      o_proj,   router,   route,       moe_up,
+                                         moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine, mixed};
+  std::erase_if(v, [](const codegen::KernelInstance& k) { return k.op.empty(); });
+  return v;
 }
 
 CaseKernels kernels_of(const Case& c, const std::string& target) {
@@ -190,6 +192,8 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
     for (codegen::KernelInstance* i :
          {&k.o_proj, &k.mlp_down, &k.moe_up, &k.moe_down, &k.mlp_up, &k.mla_prep, &k.mla_combine})
       i->params["Q8"] = 1;
+    k.mixed = gemm(H, {P, 80, 208}, false);
+    k.mixed.params["Q8"] = 0b101;
   }
   return k;
 }

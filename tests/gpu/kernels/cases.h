@@ -85,7 +85,10 @@ struct CaseKernels {
   codegen::KernelInstance mla_prep;     // kv_a_layernorm + cache write + absorbed query
   codegen::KernelInstance mla_attn;     // split-KV attention partials
   codegen::KernelInstance mla_combine;  // merge + W_UV (+ K3 gate)
-  std::vector<codegen::KernelInstance> all() const;
+  // FP8 cases only (op "" otherwise): gemm over e4m3, bf16 and e4m3 weights [P | 80 | 208, H] (Q8 5),
+  // the per-weight choice away from the in_proj's leading bits, rows that end inside a block.
+  codegen::KernelInstance mixed;
+  std::vector<codegen::KernelInstance> all() const;  // the instances with an op
 };
 CaseKernels kernels_of(const Case& c, const std::string& target);
 

@@ -283,8 +283,6 @@ struct HostWeight {
   std::vector<float> scale;    // the block scales, when fp8
 
   int64_t block_cols() const { return (cols + kFp8Block - 1) / kFp8Block; }
-  int64_t scale_count() const { return (rows + kFp8Block - 1) / kFp8Block * block_cols(); }
-  size_t bytes() const { return static_cast<size_t>(rows * cols) * (fp8 ? 1 : 2); }
   // Row r dotted with x[0..cols) in double (every product exact).
   double dot(int64_t r, const double* x) const {
     if (!fp8) return dot_bf16(bf16.data() + r * cols, x, cols);
@@ -302,7 +300,7 @@ struct HostWeight {
   // Every real value, row-major (for matrices small enough to hold in double).
   std::vector<double> real() const {
     if (!fp8) return to_double(bf16);
-    std::vector<double> v(e4m3.begin(), e4m3.end()), s(scale.begin(), scale.end());
+    std::vector<double> v(e4m3.size()), s(scale.begin(), scale.end());
     for (size_t i = 0; i < v.size(); ++i) v[i] = e4m3_bits_to_f32(e4m3[i]);
     return ref::dequant_fp8_blocks(v, s, rows, cols, kFp8Block, kFp8Block, "weight");
   }
@@ -1267,6 +1265,7 @@ int main(int argc, char** argv) {
       if (!cs.fp8) check_rmsnorm(c, cs, k, seed += 10);  // FP8 cases: only the ops that read FP8 weights
       check_gemm(c, cs, k.in_proj, cs.fp8 ? "kda in_proj (q, k, v e4m3)" : "kda in_proj (6 weights)", seed += 10);
       check_gemm(c, cs, k.o_proj, "o_proj", seed += 10);
+      if (cs.fp8) check_gemm(c, cs, k.mixed, "mixed (w0, w2 e4m3; w1 bf16)", seed += 10);
       if (!cs.fp8) check_kda(c, cs, k, seed += 10);
       check_moe(c, cs, k, seed += 10);
       check_mlp(c, cs, k, seed += 10);
