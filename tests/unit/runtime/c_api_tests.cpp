@@ -335,6 +335,21 @@ TEST_F(CApiTest, CppWrapper) {
   decodepack::Session moved = std::move(s);
   EXPECT_EQ(s.get(), nullptr);
   EXPECT_NE(moved.get(), nullptr);
+  EXPECT_EQ(moved.exchange_bytes(), 0u);  // TP 1
+
+  // Tensor parallelism: the exchange buffers of a TP 2 bundle.
+  auto tp2 = decodepack::Bundle::open(bundles().tp2.string());
+  o.c.rank = 1;
+  decodepack::Session r1(tp2, o);
+  EXPECT_GT(r1.exchange_bytes(), 0u);
+  try {
+    r1.set_peers({0x7f0000100000ull}, 1000);
+    ADD_FAILURE() << "no exception";
+  } catch (const decodepack::Error& e) {
+    EXPECT_EQ(e.code(), DP_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(e.what()).find("1 exchange buffers, expected 2"), std::string::npos) << e.what();
+  }
+  r1.set_peers({0x7f0000100000ull, 0x7f0000200000ull}, 1000);
 }
 
 }  // namespace
