@@ -276,11 +276,13 @@ int main(int argc, char** argv) {
   }
   const fs::path rdv = tmpl;
   std::vector<pid_t> kids;
+  std::fflush(stdout);  // nothing buffered is duplicated into the children
   for (int r = 0; r < o.ranks; ++r) {
     const pid_t pid = fork();
     if (pid == 0) {
-      std::fflush(stdout);
-      _exit(run_rank(o, r, rdv));
+      const int rc = run_rank(o, r, rdv);
+      std::fflush(stdout);  // _exit does not flush stdio
+      _exit(rc);
     }
     kids.push_back(pid);
   }
