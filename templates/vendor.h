@@ -16,6 +16,9 @@
 //                dp_block_sum<kThreads>()
 //   numbers      dp_bf16_to_f32(), dp_f32_to_bf16() (round to nearest even), dp_expf/logf/rsqrtf
 //   memory       dp_load16() (one 16-byte load), dp_store16(), dp_prefetch_l2()
+//   cross-rank   dp_load16_coherent(), dp_fence_system(), dp_load_acquire_system(),
+//                dp_store_release_system(), dp_cas_system(), dp_or_system(), dp_timer_ns() (the in-kernel
+//                all-reduce's mailboxes; allreduce.h says why each is needed)
 #pragma once
 
 #if defined(__HIP__)
@@ -222,6 +225,74 @@ __device__ __forceinline__ void dp_grid_dependency_wait() {}
     DP_GRID_DEPENDENCY_TRIGGER();  \
     dp_grid_dependency_wait();     \
   } while (0)
+
+// ===================================================================================================
+// Cross-rank memory operations (templates/allreduce.h): words and buffers that kernels of other ranks
+// write, on this device or on a peer device (CUDA IPC / HIP IPC mappings). "System" scope, because a
+// peer device's threads are outside the GPU ("agent") scope; within one device it is merely stronger
+// than needed. Each is one instruction (or a short fixed sequence) on both vendors.
+#if DP_VENDOR_AMD
+// A sequentially consistent fence at system scope: makes this thread's earlier stores visible to
+// every agent before any later store (writes back dirty L2 lines for remote readers, waits for the
+// stores to complete) and invalidates the CU's L1 so later loads see other agents' stores.
+__device__ __forceinline__ void dp_fence_system() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
+__device__ __forceinline__ dp_u32 dp_load_acquire_system(const dp_u32* p) {
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+__device__ __forceinline__ void dp_store_release_system(dp_u32* p, dp_u32 v) {
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+// Stores `desired` if *p == expected; returns the value found.
+__device__ __forceinline__ dp_u32 dp_cas_system(dp_u32* p, dp_u32 expected, dp_u32 desired) {
+  __hip_atomic_compare_exchange_strong(p, &expected, desired, __ATOMIC_RELAXED, __ATOMIC_RELAXED,
+                                       __HIP_MEMORY_SCOPE_SYSTEM);
+  return expected;
+}
+__device__ __forceinline__ void dp_or_system(dp_u32* p, dp_u32 bits) {
+  __hip_atomic_fetch_or(p, bits, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+}
+// A 16-byte load of data another agent stored, made visible by a dp_fence_system() of this thread
+// before it (on gfx9 that fence invalidates the CU's L1, so a plain load then reads L2 / memory).
+__device__ __forceinline__ dp_u32x4 dp_load16_coherent(const void* p) { return *(const dp_u32x4*)p; }
+// Nanoseconds of a constant-rate clock shared by the device: s_memrealtime counts the 100 MHz
+// reference clock on gfx9 (gfx90a, gfx942), whatever the shader clock does.
+__device__ __forceinline__ dp_u64 dp_timer_ns() { return __builtin_amdgcn_s_memrealtime() * 10ull; }
+#else
+__device__ __forceinline__ void dp_fence_system() { asm volatile("fence.sc.sys;" ::: "memory"); }
+__device__ __forceinline__ dp_u32 dp_load_acquire_system(const dp_u32* p) {
+  dp_u32 v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void dp_store_release_system(dp_u32* p, dp_u32 v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+// Inline PTX rather than atomicCAS_system / atomicOr_system: those instantiate a helper template
+// whose static member lands in every code object that includes this header, used or not.
+__device__ __forceinline__ dp_u32 dp_cas_system(dp_u32* p, dp_u32 expected, dp_u32 desired) {
+  dp_u32 old;
+  asm volatile("atom.cas.sys.global.b32 %0, [%1], %2, %3;" : "=r"(old) : "l"(p), "r"(expected), "r"(desired) : "memory");
+  return old;
+}
+__device__ __forceinline__ void dp_or_system(dp_u32* p, dp_u32 bits) {
+  asm volatile("red.or.sys.global.b32 [%0], %1;" ::"l"(p), "r"(bits) : "memory");
+}
+// A 16-byte load of data another agent stored, made visible by a dp_fence_system() of this thread
+// before it. ld.global.cg caches in L2 only, never in the SM's L1, which is not coherent with other
+// agents (and never through the read-only path dp_load16 uses).
+__device__ __forceinline__ dp_u32x4 dp_load16_coherent(const void* p) {
+  dp_u32x4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p)
+               : "memory");
+  return v;
+}
+// %globaltimer: nanoseconds, the same clock on every SM (updated about every microsecond).
+__device__ __forceinline__ dp_u64 dp_timer_ns() {
+  dp_u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#endif
 
 // ===================================================================================================
 // Common to both vendors.

@@ -174,6 +174,7 @@ BuildResult build_bundle(const BuildOptions& o) {
     }
     man.programs.push_back(std::move(pe));
   }
+  man.format_version.minor = format::written_minor(man);
 
   // Kernels.
   std::vector<codegen::KernelInstance> instances;

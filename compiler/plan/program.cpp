@@ -26,6 +26,7 @@ const char* to_string(From f) {
     case From::f32: return "f32";
     case From::u32: return "u32";
     case From::null: return "null";
+    case From::tp: return "tp";
   }
   return "?";
 }
@@ -76,6 +77,9 @@ class LayerWeightsView {
   int64_t tp_;
 };
 
+// Not a scratch offset: "write the dp_layer_io field instead" (StepBuilder::ws_or_io).
+constexpr uint64_t kNoScratch = ~uint64_t{0};
+
 // Sequential scratch: every buffer of a program gets its own 256-byte aligned range (no reuse: at the
 // decode widths the whole program's scratch is a few MB at most).
 struct Scratch {
@@ -87,6 +91,11 @@ struct Scratch {
   }
 };
 
+// The tp sources that are u32 words (the others, "peers" and "flag", are pointers).
+bool tp_is_u32(const ProgramArg& a) {
+  return a.from == From::tp && (a.name == "rank" || a.name == "layer" || a.name == "timeout_us");
+}
+
 class StepBuilder {
  public:
   StepBuilder(std::string op, std::map<std::string, int64_t> params) { kernel_ = {std::move(op), std::move(params), ""}; }
@@ -95,11 +104,16 @@ class StepBuilder {
   StepBuilder& weight(const char* p, const std::string& key) { return put(p, From::weight, key); }
   StepBuilder& expert_stride(const char* p, const std::string& key) { return put(p, From::expert_stride, key); }
   StepBuilder& ws(const char* p, uint64_t offset) { return put(p, From::workspace, "", offset); }
+  // Workspace at `offset`, or the dp_layer_io field when `offset` is kNoScratch (tensor_parallel 1).
+  StepBuilder& ws_or_io(const char* p, uint64_t offset, const char* field) {
+    return offset == kNoScratch ? io(p, field) : ws(p, offset);
+  }
   StepBuilder& kv(const char* p, const char* kind) { return put(p, From::kv, kind); }
   StepBuilder& kv_stride(const char* p, const char* kind) { return put(p, From::kv_stride, kind); }
   StepBuilder& f32(const char* p, double v) { return put(p, From::f32, "", 0, v); }
   StepBuilder& u32(const char* p, int64_t v) { return put(p, From::u32, "", 0, static_cast<double>(v)); }
   StepBuilder& null(const char* p) { return put(p, From::null, ""); }
+  StepBuilder& tp(const char* p, const char* what) { return put(p, From::tp, what); }
 
   // Orders the bindings by the kernel's signature and checks that they cover it exactly, with kinds
   // that fit and weights whose dtype is the parameter's; a mismatch is a bug in this file.
@@ -117,7 +131,7 @@ class StepBuilder {
       if (it == args_.end()) fail(Errc::internal, "layer program: {}: parameter {} is not bound", s.name, p.name);
       const ProgramArg& a = it->second;
       const bool is_u32 = a.from == From::expert_stride || a.from == From::kv_stride || a.from == From::u32 ||
-                          (a.from == From::io && a.name == "block_table_stride");
+                          (a.from == From::io && a.name == "block_table_stride") || tp_is_u32(a);
       const codegen::KernelParam::Kind want = a.from == From::f32 ? codegen::KernelParam::Kind::f32
                                               : is_u32            ? codegen::KernelParam::Kind::u32
                                                                   : codegen::KernelParam::Kind::pointer;
@@ -224,9 +238,6 @@ class Builder {
     if (ffn() == Ffn::latent_moe) throw Unavailable{"latent MoE has no layer program in this version"};
     if (m_.moe.expert_format != model::ExpertFormat::bf16 && ffn() != Ffn::dense)
       throw Unavailable{"MXFP4 experts have no layer program in this version"};
-    if (d_.tensor_parallel > 1)
-      throw Unavailable{fmt::format("tensor_parallel {}: the in-kernel all-reduce after o_proj and the FFN is not "
-                                    "built yet (layer programs run at tensor_parallel 1)", d_.tensor_parallel)};
     if (t_ > 32)
       throw Unavailable{fmt::format("width {} x q {} = {} rows: the skinny GEMMs hold at most 32 rows", w_, q_, t_)};
     if (mixer() == Mixer::kda) {
@@ -307,7 +318,8 @@ class Builder {
         .io("slots", "state_indices").ws("out", o).f32("lower_bound", 0).f32("onorm_eps", 1e-5);
     if (q_ > 1) step.io("num_accepted", "num_accepted"); else step.null("num_accepted");
     push(step);
-    push(gemm(P, {"self_attn.o_proj.weight"}).ws("x", o).ws("out", a_));
+    push(gemm(P, {"self_attn.o_proj.weight"}).ws("x", o).ws("out", partial_of(a_)));
+    reduce_into_ws(a_, 0);
   }
 
   void mla() {
@@ -348,7 +360,8 @@ class Builder {
         .ws("out", o);
     bind_weight(cs, "kv_b", kv_b);
     push(cs);
-    push(gemm(N * V, {"self_attn.o_proj.weight"}).ws("x", o).ws("out", a_));
+    push(gemm(N * V, {"self_attn.o_proj.weight"}).ws("x", o).ws("out", partial_of(a_)));
+    reduce_into_ws(a_, 0);
   }
 
   void dense() {
@@ -363,7 +376,8 @@ class Builder {
     bind_weight(up, "w_up", "mlp.up_proj.weight");
     if (act) up.f32("act_beta", m_.situ_beta).f32("act_linear_beta", m_.situ_linear_beta);
     push(up);
-    push(gemm(I, {"mlp.down_proj.weight"}).ws("x", h).io("out", "out"));
+    push(gemm(I, {"mlp.down_proj.weight"}).ws("x", h).ws_or_io("out", partial_of_out(), "out"));
+    reduce_into_out();
   }
 
   void moe() {
@@ -409,7 +423,7 @@ class Builder {
     if (q8) downp["Q8"] = 1;
     StepBuilder down("moe_down", downp);
     down.ws("h", h).ws("hs", hs).expert_stride("stride_w2", ex + "w2.weight")
-        .ws("experts", experts).ws("expert_slots", slots).ws("topk_weights", tw).io("out", "out")
+        .ws("experts", experts).ws("expert_slots", slots).ws("topk_weights", tw).ws_or_io("out", partial_of_out(), "out")
         .f32("routed_scaling", e.routed_scaling);
     bind_weight(down, "w2", ex + "w2.weight");
     if (q8) down.expert_stride("stride_w2_scale", scale_key(ex + "w2.weight"));
@@ -420,6 +434,38 @@ class Builder {
       if (q8) down.null("shared_down_scale");
     }
     push(down);
+    reduce_into_out();
+  }
+
+  // ---- Tensor parallelism ----------------------------------------------------------------------------
+  // At tensor_parallel > 1 the o-projection and the FFN's down projection read the rank's shard of
+  // their input dimension, so they yield this rank's partial sum of the layer's output. It goes to
+  // scratch, and an allreduce step sums every rank's partial into the output, before the next fused
+  // residual add + RMSNorm adds the residual: the residual stream is added once (vLLM's order), and
+  // every rank then holds the same full hidden and residual rows. At tensor_parallel 1 the projection
+  // writes the output directly and no step is added.
+  bool sharded() const { return d_.tensor_parallel > 1; }
+  // Where the projection writes: `dst` at TP 1, else a fresh [t, H] bf16 partial buffer.
+  uint64_t partial_of(uint64_t dst) {
+    partial_ = sharded() ? ws_.take(t_ * m_.hidden * 2) : dst;
+    return partial_;
+  }
+  // The same for the layer output (dp_layer_io "out"): kNoScratch at TP 1.
+  uint64_t partial_of_out() {
+    partial_ = sharded() ? ws_.take(t_ * m_.hidden * 2) : kNoScratch;
+    return partial_;
+  }
+  StepBuilder allreduce(int64_t op) const {
+    StepBuilder b("allreduce", {{"W", t_}, {"H", m_.hidden}, {"R", d_.tensor_parallel}});
+    b.ws("partial", partial_).tp("peers", "peers").tp("flag", "flag").tp("rank", "rank").tp("layer", "layer")
+        .u32("op", op).tp("timeout_us", "timeout_us");
+    return b;
+  }
+  void reduce_into_ws(uint64_t dst, int64_t op) {
+    if (sharded()) push(allreduce(op).ws("out", dst));
+  }
+  void reduce_into_out() {
+    if (sharded()) push(allreduce(1).io("out", "out"));
   }
 
   const Model& m_;
@@ -428,7 +474,7 @@ class Builder {
   int64_t w_, q_, t_;
   LayerWeightsView lw_;
   Scratch ws_;
-  uint64_t x_ = 0, a_ = 0, x2_ = 0;
+  uint64_t x_ = 0, a_ = 0, x2_ = 0, partial_ = 0;
   std::vector<ProgramStep> steps_;
 };
 

@@ -31,6 +31,9 @@ struct ProgramArg {
     f32,            // the constant `value`
     u32,            // the constant `value`
     null,           // a null pointer (nullable parameters only)
+    tp,             // tensor parallelism, bound by the runtime (format 1.6): pointers "peers" (the device
+                    // table of every rank's exchange buffer) and "flag" (the session's error flag word);
+                    // u32 "rank", "layer" (the launch's decoder layer), "timeout_us" (the wait bound)
   };
   std::string param;
   From from = From::null;
@@ -56,8 +59,10 @@ struct LayerProgram {
 
 // The program of layer class `cls` at `width` requests. Every layer of the class must hold the
 // weights it names with equal shapes (checked: dp::Error(input) otherwise). A class this version
-// cannot run (K3 parts, fp8 caches, other state layouts, TP > 1 without the all-reduce, too many rows)
-// gets a program with no steps and the reason.
+// cannot run (K3 parts, fp8 caches, other state layouts, too many rows) gets a program with no steps
+// and the reason. At tensor_parallel > 1 the shapes are one rank's shard (equal on every rank) and the
+// o-projection and the FFN's down projection write partial sums that an `allreduce` step sums over the
+// ranks before the next residual add (templates/allreduce.h).
 LayerProgram layer_program(const model::Model& m, const deploy::Deploy& d, LayerClass cls, int64_t width);
 
 }  // namespace dp::plan

@@ -32,6 +32,9 @@ const std::set<std::string> kIoFields = {"hidden",        "residual", "out",    
                                          "positions",     "state_indices", "block_table", "block_table_stride",
                                          "seq_lens",      "slot_mapping",  "num_accepted"};
 const std::set<std::string> kKvKinds = {"kda_state", "conv_q", "conv_k", "conv_v", "mla_latent"};
+// Tensor-parallel sources (1.6) and their parameter kinds.
+const std::map<std::string, std::string> kTpSources = {
+    {"peers", "pointer"}, {"flag", "pointer"}, {"rank", "u32"}, {"layer", "u32"}, {"timeout_us", "u32"}};
 
 // The cross-field rules of `programs` (bundle-format.md 2.5): every step names a kernel present for
 // every target, binds each of its parameters once, in order, from a source of the parameter's kind.
@@ -94,12 +97,21 @@ void validate_programs(const Manifest& m, const std::set<int64_t>& widths, Bad&&
             kind = arg.from;
             if (arg.from == "u32" && (arg.value < 0 || arg.value > 4294967295.0 || arg.value != std::floor(arg.value)))
               bad(fmt::format("{}: u32 value {} is not an integer in [0, 2^32)", at, arg.value));
+          } else if (arg.from == "tp") {
+            const auto it = kTpSources.find(arg.name);
+            if (m.format_version.minor < 6)
+              bad(fmt::format("{}: source tp in a format {}.{} bundle (since 1.6)", at, m.format_version.major,
+                              m.format_version.minor));
+            if (it == kTpSources.end())
+              bad(fmt::format("{}: tp source \"{}\" is not one of peers, flag, rank, layer, timeout_us", at, arg.name));
+            else
+              kind = it->second;
           } else if (arg.from == "null") {
             kind = "pointer";
             if (!kp.nullable) bad(fmt::format("{}: null for parameter {}, which is not nullable", at, kp.name));
           } else {
-            bad(fmt::format("{}: from \"{}\", expected io, weight, expert_stride, workspace, kv, kv_stride, f32, u32 or "
-                            "null", at, arg.from));
+            bad(fmt::format("{}: from \"{}\", expected io, weight, expert_stride, workspace, kv, kv_stride, f32, u32, "
+                            "null or tp", at, arg.from));
           }
           if (!kind.empty() && kind != kp.kind)
             bad(fmt::format("{}: a {} source ({}) for parameter {} of kind {}", at, kind, arg.from, kp.name, kp.kind));
@@ -110,6 +122,14 @@ void validate_programs(const Manifest& m, const std::set<int64_t>& widths, Bad&&
 }
 
 }  // namespace
+
+int written_minor(const Manifest& m) {
+  for (const ProgramEntry& p : m.programs)
+    for (const ProgramStepEntry& st : p.steps)
+      for (const ProgramArgEntry& a : st.args)
+        if (a.from == "tp") return 6;
+  return kMinWrittenMinor;
+}
 
 void check_version(const Version& v, const std::string& where) {
   if (v.major != kFormatMajor || v.minor > kFormatMinor)

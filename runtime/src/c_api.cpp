@@ -498,6 +498,14 @@ dp_status* dp_after_step(dp_session* s) {
   return guarded(__func__, [&](const char* fn) -> Status { return s ? s->after_step() : null_arg(fn, "session"); });
 }
 
+uint64_t dp_session_exchange_bytes(const dp_session* s) { return s ? s->exchange_bytes() : 0; }
+
+dp_status* dp_session_set_peers(dp_session* s, const uint64_t* exchange, int32_t num_ranks, uint32_t timeout_us) {
+  return guarded(__func__, [&](const char* fn) -> Status {
+    return s ? s->set_peers(exchange, num_ranks, timeout_us) : null_arg(fn, "session");
+  });
+}
+
 dp_status* dp_session_error_flag(const dp_session* s, uint64_t* device_address, uint32_t* value) {
   return guarded(__func__, [&](const char* fn) -> Status {
     if (!s) return null_arg(fn, "session");

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "src/allreduce.h"
 #include "src/planner.h"
 #include "src/prefetch_points.h"
 #include "src/targets.h"
@@ -171,6 +172,7 @@ dp_session::~dp_session() {
       if (prefetch_tables) device->free(prefetch_tables);
       for (uint64_t t : capped_tables) device->free(t);
       if (workspace) device->free(workspace);
+      if (peers_table) device->free(peers_table);
       if (flag_host && flag_host != &host_flag_storage) device->free_mapped(flag_host);
     }
   }
@@ -532,6 +534,16 @@ Status dp_session::load_program_step(const format::ProgramEntry& prog, size_t st
       put<uint32_t>(block, p.offset, static_cast<uint32_t>(arg.value));
     } else if (arg.from == "null") {
       put<uint64_t>(block, p.offset, 0);
+    } else if (arg.from == "tp") {
+      // load_kernels made sure the peers are set before any program step is loaded.
+      if (arg.name == "peers") put<uint64_t>(block, p.offset, peers_table);
+      else if (arg.name == "flag") put<uint64_t>(block, p.offset, flag_device);
+      else if (arg.name == "rank") put<uint32_t>(block, p.offset, static_cast<uint32_t>(options.rank));
+      else if (arg.name == "layer") put<uint32_t>(block, p.offset, static_cast<uint32_t>(layer));
+      else if (arg.name == "timeout_us") put<uint32_t>(block, p.offset, timeout_us);
+      else
+        return error(DP_ERR_NOT_SUPPORTED, "{} ({}): parameter {} from tp \"{}\" is not a source libdecodepack {} knows",
+                     what, k->key, p.name, arg.name, dp_version_string());
     } else {
       return error(DP_ERR_NOT_SUPPORTED, "{} ({}): parameter {} from \"{}\" is not a source libdecodepack {} knows", what,
                    k->key, p.name, arg.from, dp_version_string());
@@ -625,6 +637,11 @@ Status dp_session::build_prefetch_tables() {
 }
 
 Status dp_session::load_kernels() {
+  // Before the device check, so that a host-only session names it too.
+  if (!loaded && exchange_bytes() && peers.empty())
+    return error(DP_ERR_STATE, "{}: the bundle's layer programs all-reduce over tensor_parallel {} ranks in-kernel: call "
+                 "dp_session_set_peers with the {} ranks' exchange buffers (dp_session_exchange_bytes each) before "
+                 "dp_session_load_kernels", label(), bundle->deploy.tensor_parallel, bundle->deploy.tensor_parallel);
   if (!device)
     return error(DP_ERR_NO_DEVICE, "{}: dp_session_load_kernels needs a device; this session is host-only (it binds, "
                  "checks and plans)", label());
@@ -640,6 +657,7 @@ Status dp_session::load_kernels() {
   bool any_layer_program = false;
   for (const auto& s : steps)
     for (uint8_t p : s->layer_program) any_layer_program |= p != 0;
+
   if (any_layer_program) {
     uint64_t bytes = 0;
     for (const format::WorkspaceEntry& w : m.workspace) bytes = std::max(bytes, w.bytes);
@@ -816,14 +834,74 @@ Status dp_session::after_step() {
   const uint32_t v = *static_cast<volatile uint32_t*>(flag_host);
   if (v == 0 && !aborted) return ok();
   aborted = true;
-  std::vector<std::string> causes;
-  if (v & DP_FLAG_WAIT_TIMEOUT) causes.push_back("a kernel of this rank gave up a bounded wait");
-  if (v & DP_FLAG_PEER_ABORT) causes.push_back("a peer rank announced that it gave up");
-  if (causes.empty()) causes.push_back("unknown cause");
-  const uint32_t layer = v >> 16;
-  return error(DP_ERR_ABORTED, "{}: error flag {:#010x}: {}{}: every rank reports this; the session can run no more steps "
-               "(tear it down and restart the engine)", label(), v, fmt::join(causes, "; "),
-               layer ? fmt::format(" (first in layer {})", layer - 1) : std::string());
+  return error(DP_ERR_ABORTED, "{}: {}: every rank reports this; the session can run no more steps (tear it down and "
+               "restart the engine)", label(), describe_error_flag(v));
+}
+
+uint64_t dp_session::exchange_bytes() const {
+  bool all_reduces = false;
+  for (const auto& s : steps)
+    for (const format::ProgramEntry* p : s->program)
+      if (p)
+        for (const format::ProgramStepEntry& st : p->steps)
+          for (const format::ProgramArgEntry& a : st.args) all_reduces |= a.from == "tp";
+  if (!all_reduces) return 0;
+  const DeploySettings& d = bundle->deploy;
+  int64_t rows = 0;
+  for (const int64_t w : d.widths) rows = std::max<int64_t>(rows, w * d.q);
+  return allreduce_exchange_bytes(d.tensor_parallel, rows, bundle->manifest().model.hidden_size);
+}
+
+Status dp_session::set_peers(const uint64_t* exchange, int32_t num_ranks, uint32_t timeout) {
+  const int64_t tp = bundle->deploy.tensor_parallel;
+  const uint64_t bytes = exchange_bytes();
+  if (!bytes)
+    return error(DP_ERR_INVALID_ARGUMENT, "{}: dp_session_set_peers: the bundle's programs do not all-reduce (tensor_parallel "
+                 "{}{}): there are no exchange buffers to set", label(), tp,
+                 tp > 1 ? ", no program built" : "");
+  if (loaded)
+    return error(DP_ERR_STATE, "{}: dp_session_set_peers after dp_session_load_kernels: the kernels' parameters were packed "
+                 "at load; set the peers first", label());
+  if (!peers.empty())
+    return error(DP_ERR_REBIND, "{}: dp_session_set_peers called twice: the exchange buffers are set once per session",
+                 label());
+  if (!exchange || num_ranks != tp)
+    return error(DP_ERR_INVALID_ARGUMENT, "{}: dp_session_set_peers: {} exchange buffers, expected {} (one per rank of "
+                 "tensor_parallel {}, in rank order)", label(), exchange ? num_ranks : 0, tp, tp);
+  if (timeout == 0)
+    return error(DP_ERR_INVALID_ARGUMENT, "{}: dp_session_set_peers: timeout_us 0, expected >= 1 microsecond (the bound "
+                 "of every in-kernel wait)", label());
+  for (int32_t r = 0; r < num_ranks; ++r) {
+    DP_RETURN_IF_ERROR(check_io_address(fmt::format("{}: dp_session_set_peers", label()).c_str(),
+                                        fmt::format("exchange[{}] (rank {}'s buffer)", r, r).c_str(), exchange[r], false));
+    for (int32_t q = 0; q < r; ++q)
+      if (exchange[q] == exchange[r])
+        return error(DP_ERR_INVALID_ARGUMENT, "{}: dp_session_set_peers: exchange[{}] and exchange[{}] are both {:#x}: "
+                     "every rank needs its own buffer", label(), q, r, exchange[r]);
+  }
+  std::vector<uint64_t> table(exchange, exchange + num_ranks);
+  if (device) {
+    DeviceScope scope(device.get());
+    DP_RETURN_IF_ERROR(scope.status());
+    uint64_t dev = 0;
+    DP_RETURN_IF_ERROR(device->alloc(table.size() * sizeof(uint64_t), "the tensor-parallel peer table", &dev));
+    Status st = device->upload(dev, table.data(), table.size() * sizeof(uint64_t), "the tensor-parallel peer table");
+    // This rank's buffer starts zeroed: no abort mark, no sequence counts, no flags (they are tags the
+    // kernels compare, never reset). The host makes every rank return from here before any launches.
+    if (st.ok()) {
+      const std::vector<uint8_t> zeros(bytes, 0);
+      st = device->upload(table[static_cast<size_t>(options.rank)], zeros.data(), zeros.size(),
+                          fmt::format("rank {}'s exchange buffer ({} bytes)", options.rank, bytes));
+    }
+    if (!st.ok()) {
+      device->free(dev);
+      return st;
+    }
+    peers_table = dev;
+  }
+  peers = std::move(table);
+  timeout_us = timeout;
+  return ok();
 }
 
 // ---- Launch -------------------------------------------------------------------------------------------

@@ -129,6 +129,11 @@ struct dp_session {
   uint64_t flag_device = 0;
   uint32_t host_flag_storage = 0;
   bool aborted = false;
+  // Tensor parallelism (dp_session_set_peers): every rank's exchange buffer, by rank, and the device
+  // copy of that table the allreduce steps read; the bound of their waits.
+  std::vector<uint64_t> peers;
+  uint64_t peers_table = 0;
+  uint32_t timeout_us = 0;
   bool programmatic = false;  // launch layer and final-norm kernels with programmatic dependent launch
   dp_launch_observer_fn observer = nullptr;  // dp_session_set_launch_observer (profilers only)
   void* observer_user = nullptr;
@@ -145,6 +150,9 @@ struct dp_session {
   dp::rt::Status kv_layout(int32_t layer, int32_t kind, int64_t count, dp_tensor* out) const;
   dp::rt::Status plan(const dp_step_desc& d, dp_plan_result* out);
   dp::rt::Status after_step();
+  dp::rt::Status set_peers(const uint64_t* exchange, int32_t num_ranks, uint32_t timeout_us);
+  // Bytes of one rank's exchange buffer (0 when no program all-reduces).
+  uint64_t exchange_bytes() const;
 
   dp::rt::Status launch_layer(const dp_step* step, int32_t layer, const dp_layer_io& io, dp_stream stream);
   dp::rt::Status launch_final_norm(const dp_step* step, const dp_final_norm_io& io, dp_stream stream);

@@ -185,9 +185,10 @@ class DeviceSession {
   }
 
   // A step of `requests` uniform decode requests.
-  dp_plan_result plan(int32_t requests, int32_t graph_mode = DP_GRAPH_NONE) {
-    std::vector<int32_t> q(requests, 1), acc(requests, 1), st(requests);
-    for (int32_t i = 0; i < requests; ++i) st[i] = 1 + i;
+  // `rows`: rows per request (the bundle's q).
+  dp_plan_result plan(int32_t requests, int32_t graph_mode = DP_GRAPH_NONE, int32_t rows = 1) {
+    std::vector<int32_t> q(requests, rows), acc(requests, 1), st(static_cast<size_t>(requests * rows));
+    for (int32_t i = 0; i < requests * rows; ++i) st[i] = 1 + i;
     dp_step_desc d;
     dp_step_desc_init(&d);
     d.num_requests = requests;

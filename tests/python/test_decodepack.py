@@ -57,6 +57,53 @@ def _bind_kv(session, bundle, slots=32, blocks=16, base=0x7E0000000000):
             addr += 1 << 32
 
 
+class _FakeGroup:
+    """A process group of len(values) ranks in one process: rank `rank` calls, the others' values are given."""
+
+    def __init__(self, rank, values):
+        self.rank, self.values, self.calls, self.seen = rank, list(values), 0, None
+
+
+class _fake_torch_distributed:
+    """Installs a stand-in `torch.distributed` (get_world_size, all_gather_object) for the with-block and
+    yields its group; the binding imports torch lazily, so it picks the stand-in up."""
+
+    def __init__(self, rank, values):
+        self.group = _FakeGroup(rank, values)
+
+    def __enter__(self):
+        import types
+
+        group = self.group
+        dist = types.ModuleType("torch.distributed")
+
+        def get_world_size(group=None):
+            return len(group.values)
+
+        def all_gather_object(out, obj, group=None):
+            assert len(out) == len(group.values)
+            group.calls += 1
+            gathered = list(group.values)
+            gathered[group.rank] = obj
+            group.seen = gathered
+            out[:] = gathered
+
+        dist.get_world_size, dist.all_gather_object = get_world_size, all_gather_object
+        torch = types.ModuleType("torch")
+        torch.distributed = dist
+        self.saved = {k: sys.modules.get(k) for k in ("torch", "torch.distributed")}
+        sys.modules["torch"], sys.modules["torch.distributed"] = torch, dist
+        return group
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+        return False
+
+
 class BindingTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -343,6 +390,58 @@ class BindingTest(unittest.TestCase):
         self.assertIn("first in layer 2", e.exception.message)
         with self.assertRaises(dp.DecodepackError):
             s.plan(1, [1])
+
+    def test_agree_over_a_group(self):
+        # Rank 2 of 4 refuses: every rank, whatever its own reason, gets rank 2's reason and number.
+        for rank in range(4):
+            reasons = [dp.REASON_NONE, dp.REASON_NONE, dp.REASON_NOT_UNIFORM, dp.REASON_NO_KV]
+            with _fake_torch_distributed(rank, reasons) as group:
+                self.assertEqual(dp.agree(reasons[rank], group=group), (dp.REASON_NOT_UNIFORM, 2))
+                self.assertEqual(group.calls, 1)  # one all-gather per step
+        with _fake_torch_distributed(1, [0, 0]) as group:
+            self.assertEqual(dp.agree(dp.REASON_NONE, group=group), (dp.REASON_NONE, -1))
+        # A Plan stands for its reason.
+        plan = self.ready_session().plan(2, [1, 1])
+        with _fake_torch_distributed(0, [0, 0]) as group:
+            self.assertEqual(dp.agree(plan, group=group), (dp.REASON_NONE, -1))
+        with _fake_torch_distributed(0, [0, dp.REASON_PIECEWISE]) as group:
+            self.assertEqual(dp.agree(plan, group=group), (dp.REASON_PIECEWISE, 1))
+
+    def test_after_step_over_a_group_raises_on_every_rank(self):
+        s = self.ready_session()
+        # No rank failed: nothing raised, one all-gather.
+        with _fake_torch_distributed(0, [None, None]) as group:
+            s.after_step(group=group)
+            self.assertEqual(group.calls, 1)
+        # Rank 1 gave up a wait; this rank (0) did not, and raises rank 1's error all the same.
+        with _fake_torch_distributed(0, [None, (dp.ERR_ABORTED, "error flag 0x00040209: ... layer 3")]) as group:
+            with self.assertRaises(dp.DecodepackError) as e:
+                s.after_step(group=group)
+        self.assertEqual(e.exception.code, dp.ERR_ABORTED)
+        self.assertIn("rank 1: error flag 0x00040209", e.exception.message)
+        # This rank's own flag: its error goes to the group and comes back named by its rank.
+        s.raise_error_flag(dp.FLAG_WAIT_TIMEOUT | (1 << 2) | (2 << 8) | (4 << 16))
+        with _fake_torch_distributed(1, [None, None]) as group:
+            with self.assertRaises(dp.DecodepackError) as e:
+                s.after_step(group=group)
+            self.assertEqual(group.seen[1][0], dp.ERR_ABORTED)
+        self.assertIn("rank 1: ", e.exception.message)
+        self.assertIn("gave up waiting for rank 1 (first in layer 3, after the o-projection)", e.exception.message)
+
+    def test_binding_imports_without_torch(self):
+        code = ("import sys; sys.modules['torch'] = None; import decodepack as dp; "
+                "print(dp.agree([0, 5])); dp.agree(0, group=object())")
+        r = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.assertEqual(r.stdout.strip(), "(5, 1)")
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("needs torch.distributed", r.stderr)
+
+    def test_exchange_buffers_of_a_tensor_parallel_bundle(self):
+        self.assertEqual(self.ready_session().exchange_bytes(), 0)
+        with self.assertRaises(dp.DecodepackError) as e:
+            self.ready_session().set_peers([0x7F0000000000])
+        self.assertEqual(e.exception.code, dp.ERR_INVALID_ARGUMENT)
+        self.assertIn("do not all-reduce (tensor_parallel 1)", e.exception.message)
 
     def test_launch_on_host_only_session(self):
         s = self.ready_session()

@@ -72,6 +72,10 @@ std::vector<OpSpec> moe_ops();       // moe_route, moe_up, moe_down, mlp_up
 std::vector<OpSpec> mla_ops();       // mla_prep, mla_attn, mla_combine
 std::vector<OpSpec> indexer_ops();   // idx_quant, idx_pack, idx_stage, idx_score, idx_topk, idx_rows
 std::vector<OpSpec> prefetch_ops();  // prefetch
+std::vector<OpSpec> allreduce_ops(); // allreduce
+
+// Blocks of an allreduce launch over [rows, h] (its grid; the exchange buffer has a flag line per block).
+uint32_t allreduce_blocks(int64_t rows, int64_t h);
 
 // ---- GEMM-shaped blocks (templates/gemm.h, moe.h) -----------------------------------------------
 // Every GEMM-shaped block is 256 threads = 8 groups of 32 lanes; a group owns a slot of 16*MT weight

@@ -19,6 +19,7 @@
  *      dp_session_bind_expert_weights  (expert groups: one call for all experts of a tensor)
  *      dp_session_finalize_weights   every weight bound? (missing ones are named)
  *      dp_session_verify_weights     optional: the bound bytes against the bundle's fingerprints
+ *      dp_session_set_peers          tensor_parallel > 1 (format 1.6): every rank's exchange buffer
  *   4. dp_session_load_kernels       every width's code objects, prefetch tables, workspace; call it
  *                                    BEFORE the host profiles memory or captures graphs
  *   5. dp_session_bind_kv            KDA recurrent + conv states and MLA latent caches, per layer;
@@ -129,7 +130,7 @@ extern "C" {
  * (manifests/bundle-format.md). A bundle outside that range is refused with DP_ERR_FORMAT_VERSION before
  * any other field is read, the message giving both versions and the supported range. */
 #define DP_BUNDLE_FORMAT_MAJOR 1
-#define DP_BUNDLE_FORMAT_MINOR 5
+#define DP_BUNDLE_FORMAT_MINOR 6
 
 /* The loaded library's version as MAJOR * 10000 + MINOR * 100 + PATCH. This signature never changes. */
 DP_API uint32_t dp_version(void);
@@ -570,10 +571,17 @@ DP_API const char* dp_reason_name(int32_t reason); /* "DP_REASON_NO_KV", ...; st
  * Layer programs that wait on other ranks (all-reduce mailboxes) wait a bounded time. Protocol:
  *  - Each session owns one 32-bit error flag word, in page-locked host memory mapped into the device
  *    (the host reads it without a copy or a synchronisation, also under graph replay).
- *  - A kernel that gives up a wait ORs DP_FLAG_WAIT_TIMEOUT | ((layer + 1) << 16) into its rank's word
- *    (system-scope atomic, then a system fence), then writes an abort mark into every peer's mailbox
- *    and returns. A kernel that finds an abort mark in its mailbox ORs DP_FLAG_PEER_ABORT and returns
- *    at once. So once any rank gives up, every rank's word becomes non-zero. Kernels never clear it.
+ *  - A kernel that gives up a wait records DP_FLAG_WAIT_TIMEOUT with the layer, the op and the peer
+ *    it waited for in its rank's word (system-scope compare-and-swap from 0, so the first record keeps
+ *    its fields and later ones only OR their bit; then a system fence), then writes an abort mark into
+ *    every rank's exchange buffer and finishes the step without waiting again. A kernel that finds an
+ *    abort mark records DP_FLAG_PEER_ABORT with the rank that gave up (as `peer`) the same way and
+ *    skips its waits. So once any rank gives up, every rank that runs another all-reduce gets a
+ *    non-zero word; a rank that had already finished the step sees it in its next one (a host that
+ *    wants every rank to fail the same step all-gathers dp_after_step's outcome, as the Python
+ *    binding's after_step(group) does). Kernels never clear it.
+ *    Fields: DP_FLAG_OP (1: the all-reduce after the o-projection, 2: after the FFN; 0: none),
+ *    DP_FLAG_PEER (rank + 1; 0: none), DP_FLAG_LAYER (decoder layer + 1; 0: none).
  *  - dp_after_step (once per executed step, e.g. from vLLM's compute_logits) reads the word and fails
  *    with DP_ERR_ABORTED when it is non-zero, on every rank. The read is asynchronous: a give-up in
  *    step N is reported by the first dp_after_step after the device wrote the word (at the latest the
@@ -582,12 +590,46 @@ DP_API const char* dp_reason_name(int32_t reason); /* "DP_REASON_NO_KV", ...; st
  * Host-only sessions keep the word in ordinary memory. */
 #define DP_FLAG_WAIT_TIMEOUT 0x1u
 #define DP_FLAG_PEER_ABORT 0x2u
+#define DP_FLAG_OP(v) (((v) >> 2) & 0x3u)
+#define DP_FLAG_PEER(v) (((v) >> 8) & 0xffu)
+#define DP_FLAG_LAYER(v) ((v) >> 16)
 
 DP_API dp_status* dp_after_step(dp_session* session);
 /* The flag word's device address (0 for host-only sessions) and current value (either may be NULL). */
 DP_API dp_status* dp_session_error_flag(const dp_session* session, uint64_t* device_address, uint32_t* value);
 /* ORs `bits` into the word from the host: for tests, and for a host whose own communicator timed out. */
 DP_API dp_status* dp_session_raise_error_flag(dp_session* session, uint32_t bits);
+
+/* ---- Tensor parallelism (bundle format 1.6) ------------------------------------------------------- *
+ *
+ * A bundle built for tensor_parallel R > 1 runs each rank's shard of every layer and sums the partial
+ * outputs of the o-projection and of the FFN inside the layer program (templates/allreduce.h): every
+ * rank pushes its partial rows into every rank's exchange buffer and waits, a bounded time, for the
+ * others' flags. The host provides the buffers:
+ *   1. each rank allocates dp_session_exchange_bytes bytes of device memory (cuMemAlloc; 16-byte
+ *      aligned), exports an IPC handle (cuIpcGetMemHandle / hipIpcGetMemHandle), and all-gathers the
+ *      handles over its process group;
+ *   2. each rank opens the others' handles (cuIpcOpenMemHandle; peers on other devices need peer
+ *      access) and calls dp_session_set_peers with the R device addresses in rank order (its own at
+ *      index rank) and the bound of every wait, before dp_session_load_kernels;
+ *   3. a barrier on the host's group: dp_session_set_peers zeroes this rank's buffer (synchronously),
+ *      and no rank may launch a layer before every rank has.
+ * The buffers must outlive the session and every graph that captured its launches. */
+
+/* Bytes of one rank's exchange buffer; 0 when the bundle's programs do not all-reduce (tensor_parallel
+ * 1, or no program built). */
+DP_API uint64_t dp_session_exchange_bytes(const dp_session* session);
+
+/* Sets every rank's exchange buffer (`exchange[r]`: rank r's, as this process maps it; num_ranks = the
+ * bundle's tensor_parallel) and the bound of each in-kernel wait in microseconds (>= 1; ranks sharing
+ * one device are time-sliced, so give them at least a second). Once per session, before
+ * dp_session_load_kernels, which refuses a tensor-parallel bundle without it (DP_ERR_STATE). Errors:
+ * DP_ERR_INVALID_ARGUMENT (the bundle does not all-reduce; num_ranks other than tensor_parallel; an
+ * address 0 or used twice; timeout 0), DP_ERR_ALIGNMENT, DP_ERR_STATE (after load), DP_ERR_REBIND
+ * (second call), device errors from the table upload or the zeroing. Host-only sessions keep the
+ * addresses and check them. */
+DP_API dp_status* dp_session_set_peers(dp_session* session, const uint64_t* exchange, int32_t num_ranks,
+                                       uint32_t timeout_us);
 
 /* ---- Launch --------------------------------------------------------------------------------------- *
  *

@@ -178,6 +178,11 @@ class Session {
   void finalize_weights() { check(dp_session_finalize_weights(s_)); }
   void verify_weights() { check(dp_session_verify_weights(s_)); }
   std::string target() const { return dp_session_target(s_); }
+  // Tensor parallelism (format 1.6): every rank's exchange buffer, in rank order, before load_kernels.
+  uint64_t exchange_bytes() const { return dp_session_exchange_bytes(s_); }
+  void set_peers(const std::vector<uint64_t>& exchange, uint32_t timeout_us) {
+    check(dp_session_set_peers(s_, exchange.data(), static_cast<int32_t>(exchange.size()), timeout_us));
+  }
   void load_kernels() { check(dp_session_load_kernels(s_)); }
   void bind_kv(int32_t layer, dp_kv_kind kind, const dp_tensor& t) { check(dp_session_bind_kv(s_, layer, kind, &t)); }
   void release_kv() { check(dp_session_release_kv(s_)); }

@@ -22,7 +22,7 @@ refusals are results (Plan.reason), not exceptions.
     session.load_kernels()                                       # before graph capture
     ...
     plan = session.plan(num_requests=3, query_lens=[1, 1, 1], graph_mode=dp.GRAPH_FULL)
-    if dp.agree(all_gather(plan.reason)) == dp.REASON_NONE:
+    if dp.agree(plan, group=tp_cpu_group)[0] == dp.REASON_NONE:  # all-gathers every rank's reason
         session.launch_final_norm(plan, hidden=h, residual=r, out=h, residual_out=r, stream=s)
 """
 
@@ -236,6 +236,8 @@ def _declare(lib):
         "dp_after_step": (S, [_p]),
         "dp_session_error_flag": (S, [_p, ctypes.POINTER(_u64), ctypes.POINTER(_u32)]),
         "dp_session_raise_error_flag": (S, [_p, _u32]),
+        "dp_session_exchange_bytes": (_u64, [_p]),
+        "dp_session_set_peers": (S, [_p, ctypes.POINTER(_u64), _i32, _u32]),
         "dp_layer_io_init": (None, [ctypes.POINTER(_LayerIo)]),
         "dp_launch_layer": (S, [_p, _p, _i32, ctypes.POINTER(_LayerIo), _p]),
         "dp_final_norm_io_init": (None, [ctypes.POINTER(_FinalNormIo)]),
@@ -598,8 +600,29 @@ class Plan:
         return "Plan(%s: %s)" % (self.reason_name, self.message)
 
 
-def agree(reasons):
-    """The TP verdict from every rank's plan reason (all-gathered by the host): (reason, refusing_rank)."""
+def _all_gather(value, group):
+    """Every rank's `value` (a picklable object), in rank order, over a torch.distributed process group.
+    torch is imported here, so the binding itself imports without it."""
+    try:
+        import torch.distributed as dist
+    except ImportError as e:
+        raise ImportError("decodepack: agree/after_step with group= needs torch.distributed (%s)" % e) from e
+
+    out = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def agree(reasons, group=None):
+    """The TP verdict: (reason, refusing_rank), the same on every rank.
+
+    Without `group`, `reasons` is every rank's plan reason in rank order (the host all-gathered them).
+    With `group` (a torch.distributed process group over the TP ranks, e.g. a gloo group on the CPU),
+    `reasons` is this rank's own reason (an int or a Plan): every rank of the group must call it; the
+    reasons are all-gathered over the group, then reduced by dp_agree."""
+    if group is not None:
+        own = reasons.reason if isinstance(reasons, Plan) else int(reasons)
+        reasons = [int(r) for r in _all_gather(own, group)]
     arr, ptr = _i32_array(reasons)
     who = _i32(-1)
     verdict = _lib().dp_agree(ptr, len(reasons) if reasons is not None else 0, ctypes.byref(who))
@@ -701,8 +724,36 @@ class Session(_Handle):
         _check(_lib().dp_plan(self._h, ctypes.byref(d), ctypes.byref(r)))
         return Plan(r)
 
-    def after_step(self):
-        _check(_lib().dp_after_step(self._h))
+    def after_step(self, group=None):
+        """Raises DecodepackError once a wait of the in-kernel all-reduce gave up (the error flag).
+
+        With `group` (the TP ranks' torch.distributed process group) every rank's outcome is
+        all-gathered first, so that all ranks raise in the same step, each naming the first failing rank
+        (a rank that finished the step before a peer gave up would otherwise see it one step later)."""
+        try:
+            _check(_lib().dp_after_step(self._h))
+            mine = None
+        except DecodepackError as e:
+            if group is None:
+                raise
+            mine = (e.code, e.message)
+        if group is None:
+            return
+        for rank, got in enumerate(_all_gather(mine, group)):
+            if got is not None:
+                raise DecodepackError(got[0], "rank %d: %s" % (rank, got[1]))
+
+    # Tensor parallelism (bundle format 1.6)
+    def exchange_bytes(self):
+        """Bytes of this rank's exchange buffer for the in-kernel all-reduce (0: the bundle has none)."""
+        return _lib().dp_session_exchange_bytes(self._h)
+
+    def set_peers(self, exchange, timeout_us=10_000_000):
+        """Every rank's exchange buffer (device addresses or tensors, in rank order, this rank's own
+        included), before load_kernels; zeroes this rank's buffer. Then barrier the group."""
+        addrs = [t if isinstance(t, int) else t.data_ptr() for t in exchange]
+        arr = (_u64 * max(1, len(addrs)))(*addrs)
+        _check(_lib().dp_session_set_peers(self._h, arr, len(addrs), timeout_us))
 
     def error_flag(self):
         """(device address of the flag word, its value)."""

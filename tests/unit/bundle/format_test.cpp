@@ -87,18 +87,18 @@ TEST(BundleFormat, VersionGateAcceptsOwnMajorAndOlderMinors) {
 
 TEST(BundleFormat, VersionGateRefusesNewerMinorAndOtherMajors) {
   expect_format_error([] { format::check_version({1, 99}, "m.json"); }, FormatError::Kind::version,
-                      {"m.json", "version 1.99", "format 1.5", "supported: 1.0 to 1.5", "upgrade decodepack"});
+                      {"m.json", "version 1.99", "format 1.6", "supported: 1.0 to 1.6", "upgrade decodepack"});
   expect_format_error([] { format::check_version({2, 0}, "m.json"); }, FormatError::Kind::version,
-                      {"m.json", "version 2.0", "format 1.5", "supported: 1.0 to 1.5"});
+                      {"m.json", "version 2.0", "format 1.6", "supported: 1.0 to 1.6"});
   expect_format_error([] { format::check_version({0, 3}, "m.json"); }, FormatError::Kind::version,
-                      {"version 0.3", "supported: 1.0 to 1.5", "rebuild the bundle"});
+                      {"version 0.3", "supported: 1.0 to 1.6", "rebuild the bundle"});
 
   for (auto [major, minor] : {std::pair{1, 99}, std::pair{2, 0}}) {
     SCOPED_TRACE(major * 100 + minor);
     Json j = fixture_json();
     j["format_version"] = {{"major", major}, {"minor", minor}};
     expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::version,
-                        {fmt::format("version {}.{}", major, minor), "supported: 1.0 to 1.5"});
+                        {fmt::format("version {}.{}", major, minor), "supported: 1.0 to 1.6"});
   }
 }
 
@@ -106,7 +106,7 @@ TEST(BundleFormat, VersionIsCheckedBeforeAnyOtherField) {
   // A 2.0 manifest may look like anything else; the reader must say "version", not "missing field".
   Json j = {{"format", "decodepack-bundle"}, {"format_version", {{"major", 2}, {"minor", 0}}}, {"v2", true}};
   expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::version,
-                      {"version 2.0", "supported: 1.0 to 1.5"});
+                      {"version 2.0", "supported: 1.0 to 1.6"});
   j["format"] = "something-else";
   expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::schema,
                       {"field format is \"something-else\", expected \"decodepack-bundle\""});
@@ -119,7 +119,7 @@ TEST(BundleFormat, BundleOpenRefusesANewerMinorAsInput) {
   j["format_version"]["minor"] = 99;
   std::ofstream(t / "b/manifest.json", std::ios::trunc) << j.dump() << "\n";
   test::expect_error([&] { Bundle::open(t / "b"); }, Errc::input,
-                     {"manifest.json", "version 1.99", "format 1.5", "supported: 1.0 to 1.5"});
+                     {"manifest.json", "version 1.99", "format 1.6", "supported: 1.0 to 1.6"});
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -119,15 +119,13 @@ TEST(Plan, ProgramsThisVersionCannotBuildSayWhy) {
     std::set<std::string> built;  // classes still built
     const char* reason;
   };
-  Json tp2 = base_deploy(), spec = base_deploy(), fp8 = base_deploy(), vk = base_deploy();
-  tp2["tensor_parallel"] = 2;
+  Json spec = base_deploy(), fp8 = base_deploy(), vk = base_deploy();
   spec["num_speculative_tokens"] = 7;  // width 8 x q 8 = 64 rows
   spec.erase("max_num_seqs");
   spec["widths"] = {8};
   fp8["kv_cache"] = {{"dtype", "fp8"}, {"block_size", 64}};
   vk["kda_state"] = {{"dtype", "float32"}, {"layout", "vk"}};
   const std::vector<Case> cases = {
-      {"tp2", tp2, {}, "tensor_parallel 2: the in-kernel all-reduce"},
       {"64 rows", spec, {}, "width 8 x q 8 = 64 rows"},
       {"fp8 cache", fp8, {"kda_dense", "kda_moe"}, "kv_cache.dtype fp8"},
       {"vk state", vk, {"mla_moe"}, "kda_state.layout \"vk\""},
@@ -177,6 +175,125 @@ TEST(Plan, TensorParallelShardsDivideSplitDims) {
   }
   // Replicated tensors are held by every rank, so the ranks together hold at least the model.
   EXPECT_GE(total, m.total_weight_bytes());
+}
+
+// Tensor parallelism: every rank runs the same program over its shard (shapes divided by the split
+// rules), the o-projection and the FFN's down projection write partial sums to scratch, and an
+// allreduce step sums them over the ranks before the residual is added (by the next rmsnorm, or by the
+// next layer's first one for the layer output).
+TEST(Plan, TensorParallelProgramsRunTheRankShardAndAllReduceInsideTheLayer) {
+  model::Model m = model::load_model("kimi-linear-48b-a3b");
+  auto arg = [](const ProgramStep& s, const std::string& name) -> const ProgramArg& {
+    for (const ProgramArg& a : s.args)
+      if (a.param == name) return a;
+    throw std::runtime_error(s.name + ": no arg " + name);
+  };
+  auto ops = [](const LayerProgram& pr) {
+    std::vector<std::string> v;
+    for (const ProgramStep& s : pr.steps) v.push_back(s.kernel.op);
+    return v;
+  };
+  for (int64_t tp : {2, 4, 8}) {
+    Json d = base_deploy();
+    d["tensor_parallel"] = tp;
+    const Plan p = make_plan(m, deploy_of(d), "deploy.json");
+    ASSERT_EQ(p.programs.size(), 3u * 8);
+    for (const LayerProgram& pr : p.programs) {
+      SCOPED_TRACE(fmt::format("tp {} {} w{}", tp, to_string(pr.cls), pr.width));
+      ASSERT_EQ(pr.unavailable, "");
+      const int64_t rows = pr.width;  // q = 1
+      const std::vector<std::string> o = ops(pr);
+      if (pr.cls == LayerClass::kda_moe) {
+        EXPECT_EQ(o, (std::vector<std::string>{"rmsnorm", "gemm", "kda_step", "gemm", "allreduce", "rmsnorm", "gemm",
+                                               "moe_route", "moe_up", "moe_down", "allreduce"}));
+      }
+      if (pr.cls == LayerClass::mla_moe) {
+        EXPECT_EQ(o, (std::vector<std::string>{"rmsnorm", "gemm", "mla_prep", "mla_attn", "mla_combine", "gemm",
+                                               "allreduce", "rmsnorm", "gemm", "moe_route", "moe_up", "moe_down",
+                                               "allreduce"}));
+      }
+      if (pr.cls == LayerClass::kda_dense) {
+        EXPECT_EQ(o, (std::vector<std::string>{"rmsnorm", "gemm", "kda_step", "gemm", "allreduce", "rmsnorm", "mlp_up",
+                                               "gemm", "allreduce"}));
+      }
+      int reductions = 0;
+      for (size_t i = 0; i < pr.steps.size(); ++i) {
+        const ProgramStep& s = pr.steps[i];
+        const auto& k = s.kernel.params;
+        // The rank's shard: 32 KDA / MLA heads, MoE intermediate 1024 (shared 1024), dense 9216, all / tp.
+        if (s.kernel.op == "kda_step") { EXPECT_EQ(k.at("NH"), 32 / tp); }
+        if (s.kernel.op == "mla_prep" || s.kernel.op == "mla_attn" || s.kernel.op == "mla_combine") {
+          EXPECT_EQ(k.at("N"), 32 / tp);
+        }
+        if (s.kernel.op == "moe_up" || s.kernel.op == "moe_down") {
+          EXPECT_EQ(k.at("I"), 1024 / tp);
+          EXPECT_EQ(k.at("S"), 1024 / tp);
+          EXPECT_EQ(k.at("E"), 256);  // every rank holds a slice of every expert
+        }
+        if (s.kernel.op == "mlp_up") { EXPECT_EQ(k.at("I"), 9216 / tp); }
+        if (s.kernel.op == "gemm" && arg(s, "w0").name == "self_attn.q_proj.weight") {
+          EXPECT_EQ(k.at("K"), 2304);
+          EXPECT_EQ(k.at("NA"), (pr.cls == LayerClass::mla_moe ? 32 * 192 : 32 * 128) / tp);
+        }
+        if (s.kernel.op == "gemm" && (arg(s, "w0").name == "self_attn.o_proj.weight" ||
+                                      arg(s, "w0").name == "mlp.down_proj.weight")) {
+          EXPECT_EQ(k.at("NA"), 2304);  // full output rows, from the shard of the input dimension
+          EXPECT_EQ(k.at("K"), arg(s, "w0").name == "mlp.down_proj.weight" ? 9216 / tp : 32 * 128 / tp);
+        }
+        if (s.kernel.op != "allreduce") {
+          // No projection writes the layer output itself at TP > 1: only the last allreduce does.
+          if (const auto it = std::find_if(s.args.begin(), s.args.end(), [](const ProgramArg& a) { return a.param == "out"; });
+              it != s.args.end()) {
+            EXPECT_NE(it->from, ProgramArg::From::io) << s.name;
+          }
+          continue;
+        }
+        // allreduce: rows x hidden over tp ranks, reading the partial the step before it wrote.
+        EXPECT_EQ(k.at("W"), rows);
+        EXPECT_EQ(k.at("H"), 2304);
+        EXPECT_EQ(k.at("R"), tp);
+        ASSERT_GT(i, 0u);
+        const ProgramStep& prev = pr.steps[i - 1];
+        EXPECT_EQ(arg(prev, "out").from, ProgramArg::From::workspace);
+        EXPECT_EQ(arg(s, "partial").from, ProgramArg::From::workspace);
+        EXPECT_EQ(arg(s, "partial").offset, arg(prev, "out").offset);
+        for (const char* t : {"peers", "flag", "rank", "layer", "timeout_us"}) {
+          EXPECT_EQ(arg(s, t).from, ProgramArg::From::tp) << t;
+          EXPECT_EQ(arg(s, t).name, t);
+        }
+        EXPECT_EQ(arg(s, "op").from, ProgramArg::From::u32);
+        EXPECT_EQ(arg(s, "op").value, reductions);
+        if (reductions == 0) {
+          // The mixer's sum feeds the post-attention norm, which adds the residual once.
+          ASSERT_LT(i + 1, pr.steps.size());
+          const ProgramStep& next = pr.steps[i + 1];
+          EXPECT_EQ(next.kernel.op, "rmsnorm");
+          EXPECT_EQ(arg(next, "hidden").from, ProgramArg::From::workspace);
+          EXPECT_EQ(arg(next, "hidden").offset, arg(s, "out").offset);
+          EXPECT_EQ(arg(next, "residual").name, "residual_out");
+        } else {
+          EXPECT_EQ(i + 1, pr.steps.size());
+          EXPECT_EQ(arg(s, "out").from, ProgramArg::From::io);
+          EXPECT_EQ(arg(s, "out").name, "out");
+        }
+        ++reductions;
+      }
+      EXPECT_EQ(reductions, 2);
+      // Only the norms touch the residual stream: one rank's worth, added after the reductions.
+      for (const ProgramStep& s : pr.steps)
+        for (const ProgramArg& a : s.args)
+          if (a.from == ProgramArg::From::io && (a.name == "residual" || a.name == "residual_out")) {
+            EXPECT_EQ(s.kernel.op, "rmsnorm") << s.name;
+          }
+    }
+  }
+  // At tensor_parallel 1 nothing changes: no allreduce, no tp source.
+  const Plan one = make_plan(m, deploy_of(base_deploy()), "deploy.json");
+  for (const LayerProgram& pr : one.programs)
+    for (const ProgramStep& s : pr.steps) {
+      EXPECT_NE(s.kernel.op, "allreduce");
+      for (const ProgramArg& a : s.args) EXPECT_NE(a.from, ProgramArg::From::tp) << s.name;
+    }
 }
 
 TEST(Plan, StepBytesCountRoutedExpertsAsTheWorstCase) {

@@ -365,5 +365,42 @@ TEST_F(BindingTest, KvGrowsInPlaceButDoesNotMove) {
   DP_EXPECT_OK(dp_session_bind_kv(s_, 3, DP_KV_MLA_LATENT, &t));
 }
 
+// ---- Tensor-parallel exchange buffers -------------------------------------------------------------------
+
+TEST_F(BindingTest, TensorParallelOneHasNoExchangeBuffers) {
+  EXPECT_EQ(dp_session_exchange_bytes(s_), 0u);
+  const uint64_t one = kAddr;
+  DP_EXPECT_STATUS(dp_session_set_peers(s_, &one, 1, 1000), DP_ERR_INVALID_ARGUMENT, "dp_session_set_peers",
+                   "do not all-reduce (tensor_parallel 1)");
+}
+
+TEST_F(BindingTest, TensorParallelPeersAreCheckedAndRequiredBeforeLoad) {
+  open(bundles().tp2, 1);
+  // 512 bytes of abort word and counters, 2 x 8 x 64 flag lines of 128 bytes, then data[2][2 ranks][4 rows][256] bf16.
+  EXPECT_EQ(dp_session_exchange_bytes(s_), 131584u + 2 * 2 * 4 * 256 * 2);
+  ASSERT_TRUE(bind_all_weights(b_, s_, 1).ok());
+  DP_EXPECT_OK(dp_session_finalize_weights(s_));
+  DP_EXPECT_STATUS(dp_session_load_kernels(s_), DP_ERR_STATE, "all-reduce over tensor_parallel 2 ranks",
+                   "call dp_session_set_peers with the 2 ranks' exchange buffers", "before dp_session_load_kernels");
+  const uint64_t two[2] = {kAddr, kAddr + 0x100000};
+  DP_EXPECT_STATUS(dp_session_set_peers(s_, two, 1, 1000), DP_ERR_INVALID_ARGUMENT,
+                   "1 exchange buffers, expected 2 (one per rank of tensor_parallel 2, in rank order)");
+  DP_EXPECT_STATUS(dp_session_set_peers(s_, two, 3, 1000), DP_ERR_INVALID_ARGUMENT, "3 exchange buffers, expected 2");
+  DP_EXPECT_STATUS(dp_session_set_peers(s_, nullptr, 2, 1000), DP_ERR_INVALID_ARGUMENT, "0 exchange buffers, expected 2");
+  const uint64_t zero[2] = {kAddr, 0};
+  DP_EXPECT_STATUS(dp_session_set_peers(s_, zero, 2, 1000), DP_ERR_INVALID_ARGUMENT, "exchange[1] (rank 1's buffer) is 0");
+  const uint64_t odd[2] = {kAddr + 8, kAddr + 0x100000};
+  DP_EXPECT_STATUS(dp_session_set_peers(s_, odd, 2, 1000), DP_ERR_ALIGNMENT, "exchange[0] (rank 0's buffer)",
+                   "not a multiple of 16");
+  const uint64_t same[2] = {kAddr, kAddr};
+  DP_EXPECT_STATUS(dp_session_set_peers(s_, same, 2, 1000), DP_ERR_INVALID_ARGUMENT,
+                   "exchange[0] and exchange[1] are both", "every rank needs its own buffer");
+  DP_EXPECT_STATUS(dp_session_set_peers(s_, two, 2, 0), DP_ERR_INVALID_ARGUMENT, "timeout_us 0, expected >= 1");
+  DP_EXPECT_OK(dp_session_set_peers(s_, two, 2, 1000));
+  DP_EXPECT_STATUS(dp_session_set_peers(s_, two, 2, 1000), DP_ERR_REBIND, "called twice");
+  // With the peers set, what is left missing is the device (a host-only session loads nothing).
+  DP_EXPECT_STATUS(dp_session_load_kernels(s_), DP_ERR_NO_DEVICE, "needs a device");
+}
+
 }  // namespace
 }  // namespace dp::rttest

@@ -269,7 +269,7 @@ TEST_F(CApiTest, OpenErrorsCarryTheirCodes) {
   const std::string v = "\"format_version\":{\"major\":1,\"minor\":5}";
   m.replace(m.find(v), v.size(), "\"format_version\":{\"major\":2,\"minor\":1}");
   write_text(d / "manifest.json", m);
-  DP_EXPECT_STATUS(dp_bundle_open(d.c_str(), nullptr, &b), DP_ERR_FORMAT_VERSION, "2.1", "supported: 1.0 to 1.5");
+  DP_EXPECT_STATUS(dp_bundle_open(d.c_str(), nullptr, &b), DP_ERR_FORMAT_VERSION, "2.1", "supported: 1.0 to 1.6");
   m.replace(m.find("\"major\":2"), 9, "\"major\":1");
   const std::string field = "\"hidden_size\":256,";
   m.erase(m.find(field), field.size());
@@ -335,6 +335,21 @@ TEST_F(CApiTest, CppWrapper) {
   decodepack::Session moved = std::move(s);
   EXPECT_EQ(s.get(), nullptr);
   EXPECT_NE(moved.get(), nullptr);
+  EXPECT_EQ(moved.exchange_bytes(), 0u);  // TP 1
+
+  // Tensor parallelism: the exchange buffers of a TP 2 bundle.
+  auto tp2 = decodepack::Bundle::open(bundles().tp2.string());
+  o.c.rank = 1;
+  decodepack::Session r1(tp2, o);
+  EXPECT_GT(r1.exchange_bytes(), 0u);
+  try {
+    r1.set_peers({0x7f0000100000ull}, 1000);
+    ADD_FAILURE() << "no exception";
+  } catch (const decodepack::Error& e) {
+    EXPECT_EQ(e.code(), DP_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(e.what()).find("1 exchange buffers, expected 2"), std::string::npos) << e.what();
+  }
+  r1.set_peers({0x7f0000100000ull, 0x7f0000200000ull}, 1000);
 }
 
 }  // namespace

@@ -485,6 +485,9 @@ TEST_F(LayerProgramTest, BrokenProgramsAreRefusedWhenTheBundleOpens) {
       {"kernel not built", [](nlohmann::json& p) { p["steps"][0]["kernel"] = "rmsnorm_w1_h512"; },
        {"kernel rmsnorm_w1_h512 has no entry for target"}},
       {"steps and reason", [](nlohmann::json& p) { p["reason"] = "both"; }, {"a program has steps or a reason, not both"}},
+      {"tp source in a 1.5 bundle", [](nlohmann::json& p) { p["steps"][0]["args"][0] = {{"param", "hidden"}, {"from", "tp"},
+                                                            {"name", "peers"}, {"offset", 0}, {"value", 0}}; },
+       {"source tp in a format 1.5 bundle (since 1.6)"}},
   };
   const nlohmann::json original = m_;
   for (const Case& c : cases) {

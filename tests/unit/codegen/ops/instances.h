@@ -55,6 +55,9 @@ inline KernelInstance mla_combine(int64_t w, int64_t q, int64_t n, int64_t og = 
 inline KernelInstance rmsnorm(int64_t w, int64_t h, std::string target = "sm_90a") {
   return {"rmsnorm", {{"W", w}, {"H", h}}, std::move(target)};
 }
+inline KernelInstance allreduce(int64_t w, int64_t h, int64_t r, std::string target = "sm_90a") {
+  return {"allreduce", {{"W", w}, {"H", h}, {"R", r}}, std::move(target)};
+}
 inline KernelInstance prefetch(int64_t b, std::string target = "sm_90a") {
   return {"prefetch", {{"B", b}}, std::move(target)};
 }
