@@ -472,160 +472,6 @@ __device__ __forceinline__ void dp_mma_rows_fp8(WRow wrow, XRow xrow, int b0, in
     }
   }
 }
-
-// One f16 tensor-core step, D = A B + D (as dp_mma_16816, f16 operands).
-__device__ __forceinline__ void dp_mma_16816_f16(float (&c)[4], dp_u32 a0, dp_u32 a1, dp_u32 a2, dp_u32 a3,
-                                                 dp_u32 b0, dp_u32 b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// e4m3 weights against f16 activations: the activation rows staged once per block in shared memory as f16
-// (dp_stage_rows_f16), each row scaled by a power of two that puts its largest magnitude in [2^13, 2^14),
-// so every bf16 value within 2^-27 of the row's largest converts exactly (f16 keeps 11 significant bits,
-// bf16 8) and nothing overflows; e4m3 converts to f16 exactly in one instruction per pair. The products
-// are exact in the fp32 accumulators, so the sums equal the bf16 path's but for the (scaled) rounding of
-// activations below 2^-27 of their row's largest, and the conversion costs a quarter of the bf16 one.
-// Smaller than kFp8StageBytes staged rows only (the callers decide); the row scales are undone on the sums.
-#define DP_FP8_STAGE_BYTES 40960
-template <int T, int K, typename XRow>
-__device__ __forceinline__ void dp_stage_rows_f16(XRow xrow, dp_u16* xs,  // smem [T, K] f16
-                                                  float* row_inv) {       // smem [T]: 1 / the row's scale
-  const int group = (int)threadIdx.x / DP_GROUP, lane = (int)threadIdx.x % DP_GROUP;
-  for (int t = group; t < T; t += DP_GEMM_GROUPS) {
-    const dp_bf16* x = xrow(t);
-    float mx = 0.0f;
-    if (x)
-      for (int v = lane; v < K / 8; v += DP_GROUP) {
-        float f[8];
-        dp_unpack8_bf16(dp_load16(x + 8 * v), f);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) mx = fmaxf(mx, fabsf(f[k]));
-      }
-#pragma unroll
-    for (int m = DP_GROUP / 2; m > 0; m >>= 1) mx = fmaxf(mx, dp_shfl_xor(mx, m));
-    // scale = 2^(13 - e) for a largest magnitude 2^e * 1.m; 1 for a zero row; applied as two halves so
-    // that exponents beyond the fp32 range of one factor stay exact.
-    int e = (int)((dp_f32_to_bits(mx) >> 23) & 0xffu) - 127;
-    if (mx == 0.0f || e > 127) e = 0;
-    int sh = 13 - e;
-    sh = sh > 250 ? 250 : sh;
-    const int s1 = sh / 2, s2 = sh - s1;
-    const float f1 = dp_bits_to_f32((dp_u32)(s1 + 127) << 23), f2 = dp_bits_to_f32((dp_u32)(s2 + 127) << 23);
-    for (int v = lane; v < K / 8; v += DP_GROUP) {
-      dp_u32x4 o;
-      if (x) {
-        float f[8];
-        dp_unpack8_bf16(dp_load16(x + 8 * v), f);
-        dp_u32 w[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[k]) : "f"(f[2 * k + 1] * f1 * f2), "f"(f[2 * k] * f1 * f2));
-        o.x = w[0]; o.y = w[1]; o.z = w[2]; o.w = w[3];
-      } else {
-        o.x = o.y = o.z = o.w = 0u;
-      }
-      dp_store16(xs + (dp_u64)t * K + 8 * v, o);
-    }
-    if (lane == 0) row_inv[t] = x ? dp_bits_to_f32((dp_u32)(127 - s1) << 23) * dp_bits_to_f32((dp_u32)(127 - s2) << 23) : 0.0f;
-  }
-}
-
-// As dp_mma_rows_fp8 over staged f16 activation rows xs [T, K] (rows t >= T are zero): the sums are in
-// the rows' scaled units (the caller multiplies by row_inv).
-template <int T, int K, int MT, int NT, typename WRow>
-__device__ __forceinline__ void dp_mma_rows_fp8_f16(WRow wrow, const dp_u16* xs, int b0, int b_end,
-                                                    float (&acc)[MT][NT][4]) {
-  static_assert(K % 16 == 0, "fp8 weights: K must be a multiple of 16 (16-byte e4m3 vectors)");
-  constexpr int kUnroll = MT == 1 ? 4 : 2;  // blocks of loads in flight
-  const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
-  dp_fp8_row wr[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    wr[mt][0] = wrow(16 * mt + g);
-    wr[mt][1] = wrow(16 * mt + g + 8);
-  }
-  for (int bb = b0; bb < b_end; bb += kUnroll) {
-    dp_u32x4 wv[kUnroll][MT][2][2];
-    float sc[kUnroll][MT][2];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int b = bb + u;
-          sc[u][mt][r] = b < b_end ? wr[mt][r].s[b] : 0.0f;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int col = DP_FP8_BLOCK * b + 64 * h + 16 * q;
-            if (b < b_end && col < K) {
-              wv[u][mt][r][h] = dp_load16(wr[mt][r].w + col);
-            } else {
-              wv[u][mt][r][h].x = wv[u][mt][r][h].y = wv[u][mt][r][h].z = wv[u][mt][r][h].w = 0u;
-            }
-          }
-        }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int b = bb + u;
-      float blk[MT][NT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) blk[mt][nt][0] = blk[mt][nt][1] = blk[mt][nt][2] = blk[mt][nt][3] = 0.0f;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int col = DP_FP8_BLOCK * b + 64 * h + 16 * q;
-        const bool in = b < b_end && col < K;
-        dp_u32 xw[NT][8];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const int t = 8 * nt + g;
-          dp_u32x4 x0, x1;
-          if (in && t < T) {
-            x0 = *(const dp_u32x4*)(xs + (dp_u64)t * K + col);
-            x1 = *(const dp_u32x4*)(xs + (dp_u64)t * K + col + 8);
-          } else {
-            x0.x = x0.y = x0.z = x0.w = 0u;
-            x1 = x0;
-          }
-          xw[nt][0] = x0.x; xw[nt][1] = x0.y; xw[nt][2] = x0.z; xw[nt][3] = x0.w;
-          xw[nt][4] = x1.x; xw[nt][5] = x1.y; xw[nt][6] = x1.z; xw[nt][7] = x1.w;
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          dp_u32 a[2][8];  // rows g, g+8: 16 columns as f16 pairs (exact)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const dp_u32x4 v = wv[u][mt][r][h];
-            const dp_u32 ws4[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int k = 0; k < 4; ++k)
-              asm("{ .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;\n}"
-                  : "=r"(a[r][2 * k]), "=r"(a[r][2 * k + 1])
-                  : "r"(ws4[k]));
-          }
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-              dp_mma_16816_f16(blk[mt][nt], a[0][2 * i], a[1][2 * i], a[0][2 * i + 1], a[1][2 * i + 1],
-                               xw[nt][2 * i], xw[nt][2 * i + 1]);
-        }
-      }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int k = 0; k < 4; ++k) acc[mt][nt][k] += blk[mt][nt][k] * sc[u][mt][k / 2];
-    }
-  }
-}
 #endif
 
 // A weight matrix [N, K] for the row accessors: bf16, or e4m3 with its block scales.
@@ -714,22 +560,11 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
-    // e4m3 weights with activations small enough to stage: f16 tensor cores (dp_mma_rows_fp8_f16).
-    constexpr bool kStage = kFp8 && T * K * 2 <= DP_FP8_STAGE_BYTES;
-    __shared__ __align__(16) dp_u16 xs[kStage ? T * K : 8];  // [T, K] f16 staged activations
-    __shared__ float row_inv[T];
-    if constexpr (kStage) {
-      dp_stage_rows_f16<T, K>(xrow, xs, row_inv);
-      __syncthreads();
-    }
     if constexpr (kFp8) {
       const int b0 = slice * kSliceBlocks;
       const int b_end = (b0 + kSliceBlocks < kBlocks) ? b0 + kSliceBlocks : kBlocks;
-      if constexpr (kStage)
-        dp_mma_rows_fp8_f16<T, K, MT, NT>([&](int m) { return wrow(slot, m); }, xs, b0, b_end, acc);
-      else
-        dp_mma_rows_fp8<K, MT, NT>([&](int m) { return wrow(slot, m); },
-                                   [&](int t) { return t < T ? xrow(t) : nullptr; }, b0, b_end, acc);
+      dp_mma_rows_fp8<K, MT, NT>([&](int m) { return wrow(slot, m); },
+                                 [&](int t) { return t < T ? xrow(t) : nullptr; }, b0, b_end, acc);
     } else {
       const int c0 = slice * G::kSliceChunks;
       const int c_end = (c0 + G::kSliceChunks < G::kChunks) ? c0 + G::kSliceChunks : G::kChunks;
@@ -744,7 +579,7 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const int m = 16 * mt + g + 8 * (k / 2), t = 8 * nt + 2 * q + (k % 2);
-          if (t < T) partial[(group * RS + m) * T + t] = kStage ? acc[mt][nt][k] * row_inv[t] : acc[mt][nt][k];
+          if (t < T) partial[(group * RS + m) * T + t] = acc[mt][nt][k];
         }
 #endif
   } else {
