@@ -17,17 +17,18 @@
 //
 // One call, block b of rank r (blocks split the W*H/8 16-byte vectors into equal chunks; every rank
 // launches the same grid, so block b meets block b of every peer):
-//   1. tag = seq[b] + 1 (0 skipped): the same number on every rank, since every rank runs the same
-//      all-reduces in the same order (dp_agree makes all ranks take the same path each step);
+//   1. count = seq[b] + 1 and tag = (count mod 2^18, layer, op) in one word (never 0): the same on every
+//      rank, since every rank runs the same all-reduces in the same order (dp_agree makes all ranks
+//      take the same path each step); a rank out of step (a skipped layer) writes tags that never match;
 //   2. push: store its chunk of `partial` into data[parity][r] of every rank's buffer (its own too);
 //   3. every thread fences at system scope, the block synchronises, then thread 0 stores `tag` into
 //      flags[parity][r][b] of every rank with release semantics;
 //   4. thread 0 waits, peer by peer, until flags[parity][p][b] of its own buffer equals `tag`;
 //   5. every thread fences (acquire) and sums data[parity][0..R-1] of its chunk in rank order in fp32,
 //      rounds once to bf16 and writes `out`: the same bits on every rank (same inputs, same order);
-//   6. seq[b] = tag.
+//   6. seq[b] = count.
 // Why no barrier is needed and nothing is ever zeroed: a flag equal to this call's tag can only have
-// been written in this call (earlier calls wrote smaller tags). Why two halves suffice: before rank p
+// been written in this call (the flag a half holds is from the call two before, another count). Why two halves suffice: before rank p
 // can push call n+1 into my buffer, it must have seen my flag of call n, which I store only after my
 // call n-1 (the same half as n+1) has finished reading; kernels of one stream do not overlap (also
 // under programmatic dependent launch: every entry point waits for the previous kernel first).
@@ -110,11 +111,16 @@ __device__ __forceinline__ void dp_allreduce(const dp_bf16* partial,  // [W, H] 
   dp_u32* const seq = (dp_u32*)(mine + DP_AR_SEQ_OFFSET) + b;
   const dp_u64 half = DP_AR_DATA_OFFSET + (dp_u64)parity * R * kSlot;  // data[parity]
 
-  __shared__ dp_u32 s_tag, s_skip;
+  __shared__ dp_u32 s_count, s_tag, s_skip;
   if (threadIdx.x == 0) {
-    dp_u32 tag = *(volatile dp_u32*)seq + 1u;
-    if (tag == 0u) tag = 1u;  // flags start at 0: never wait for 0
-    s_tag = tag;
+    // The flag value names the call (its count, 18 bits) and what it reduces (layer, op): a rank that
+    // skipped or added an all-reduce meets values that never match, and the wait gives up naming it,
+    // instead of pairing this call with the peer's next one. Counts whose low 18 bits are 0 are skipped,
+    // so no value is 0 (flags start at 0).
+    dp_u32 count = *(volatile dp_u32*)seq + 1u;
+    if ((count & 0x3ffffu) == 0u) ++count;
+    s_count = count;
+    s_tag = ((count & 0x3ffffu) << 14) | ((layer & 0x1fffu) << 1) | (op & 1u);
     const dp_u32 a = dp_load_acquire_system(abort_word);
     if (a != 0u && a - 1u != rank) dp_ar_note(flag, dp_ar_record(DP_AR_FLAG_PEER_ABORT, op, a - 1u, layer));
     s_skip = a != 0u;
@@ -176,5 +182,5 @@ __device__ __forceinline__ void dp_allreduce(const dp_bf16* partial,  // [W, H] 
     }
     dp_store16(out + 8 * (dp_u64)v, dp_pack8_bf16(acc));
   }
-  if (threadIdx.x == 0) *(volatile dp_u32*)seq = tag;
+  if (threadIdx.x == 0) *(volatile dp_u32*)seq = s_count;
 }
