@@ -53,7 +53,7 @@ struct dp_kda_geometry {
   static constexpr int kKRows = D / 4;           // state rows per thread
 };
 
-template <int W, int Q, int NH, int D, int CK, int FR, int GR, int kSafeGate, int kOnormF32>
+template <int W, int Q, int NH, int D, int CK, int FR, int GR, int kSafeGate, int kOnormF32, int kALogByRank = 0>
 __device__ __forceinline__ void dp_kda_step(
     const dp_bf16* __restrict__ proj,        // [W*Q, NP] bf16: q | k | v | f_a | g_a (or g) | b
     const dp_bf16* __restrict__ w_fb,        // [P, FR] bf16 f_b_proj
@@ -62,8 +62,9 @@ __device__ __forceinline__ void dp_kda_step(
     const float* __restrict__ conv_wk,       // [P, CK] fp32 k_conv1d
     const float* __restrict__ conv_wv,       // [P, CK] fp32 v_conv1d
     const float* __restrict__ dt_bias,       // [P] fp32
-    const float* __restrict__ a_log,         // [NH] fp32: this rank's heads (K3: the replicated A_log
-                                             //   bound at offset rank*NH)
+    const float* __restrict__ a_log,         // [NH] fp32: this rank's heads; kALogByRank: the whole
+                                             //   replicated A_log (K3 stores more entries than heads),
+                                             //   this rank's heads at rank*NH
     const void* __restrict__ o_norm,         // [D] bf16 (fp32 when kOnormF32) o_norm.weight
     float* state,                            // [slots, state_stride] fp32: [NH, D, D] per slot, in place
     dp_bf16* conv_q,                         // [slots, conv_stride] bf16: [CK-1, P] per slot, in place
@@ -75,7 +76,8 @@ __device__ __forceinline__ void dp_kda_step(
     float lower_bound,                       // K3 safe gate lower bound (used when kSafeGate)
     float onorm_eps,                         // gated RMSNorm epsilon (1e-5)
     dp_u32 state_stride,                     // fp32 elements between state slots (dense: NH*D*D)
-    dp_u32 conv_stride) {                    // elements between conv-state slots (dense: (CK-1)*P)
+    dp_u32 conv_stride,                      // elements between conv-state slots (dense: (CK-1)*P)
+    dp_u32 rank = 0) {                       // kALogByRank: the tensor-parallel rank
   typedef dp_kda_geometry<D> G;
   constexpr int P = NH * D;
   constexpr int kGW = GR > 0 ? GR : P;
@@ -129,7 +131,7 @@ __device__ __forceinline__ void dp_kda_step(
     for (int i = 0; i < CH; ++i)
       hist[i] = dp_bf16_to_f32(conv_state[(dp_u64)read_slot * conv_stride + (dp_u64)(i * P + ch)]);
   }
-  const float a_exp = dp_expf(a_log[j]);
+  const float a_exp = dp_expf(kALogByRank ? a_log[(dp_u64)rank * NH + j] : a_log[j]);
 
   // The head's state, D/4 rows of one column per thread.
   float s[G::kKRows];  // [D/4] fp32: S[kslice*D/4 + kk][vcol]

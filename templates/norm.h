@@ -16,8 +16,11 @@
 // wavefronts (64). H must be a multiple of 8 (16-byte vectors of bf16) and every pointer 16-byte
 // aligned; the runtime checks both at bind time. `out` may alias `hidden` and `residual_out` may
 // alias `residual` (vLLM updates in place): each thread reads its elements before it writes them.
-template <int W, int H, int kThreads>
-__device__ __forceinline__ void dp_add_rmsnorm(const dp_bf16* hidden,                 // [W, H] bf16
+// kHiddenStride (elements between hidden rows, a multiple of 8, default H) lets the op normalise the
+// leading H columns of wider rows, e.g. the K3 MLA q-LoRA latent inside the fused projection output
+// [q_a | kv_a | g]; out, residual and residual_out keep dense [W, H] rows.
+template <int W, int H, int kThreads, int kHiddenStride = H>
+__device__ __forceinline__ void dp_add_rmsnorm(const dp_bf16* hidden,                 // [W, kHiddenStride] bf16
                                                const dp_bf16* residual,               // [W, H] bf16, or nullptr (layer 0)
                                                const dp_bf16* __restrict__ weight,    // [H] bf16
                                                dp_bf16* out,                          // [W, H] bf16
@@ -25,12 +28,13 @@ __device__ __forceinline__ void dp_add_rmsnorm(const dp_bf16* hidden,           
                                                float eps) {
   static_assert(H % 8 == 0, "dp_add_rmsnorm: H must be a multiple of 8 (16-byte bf16 vectors)");
   static_assert(kThreads % 64 == 0, "dp_add_rmsnorm: block must be whole wave64 wavefronts");
+  static_assert(kHiddenStride >= H && kHiddenStride % 8 == 0, "dp_add_rmsnorm: hidden rows hold H, 16-byte aligned");
   constexpr int kVecs = H / 8;                                // 16-byte vectors per row
   constexpr int kPer = (kVecs + kThreads - 1) / kThreads;    // vectors per thread (registers)
   const int row = (int)blockIdx.x;
   if (row >= W) return;  // whole block leaves together, so the barrier below stays uniform
 
-  const dp_bf16* h = hidden + (dp_u64)row * H;                          // [H] bf16
+  const dp_bf16* h = hidden + (dp_u64)row * kHiddenStride;              // [H] bf16
   const dp_bf16* r = residual ? residual + (dp_u64)row * H : nullptr;   // [H] bf16
   dp_bf16* o = out + (dp_u64)row * H;                                    // [H] bf16
   dp_bf16* ro = residual_out + (dp_u64)row * H;                          // [H] bf16

@@ -232,9 +232,12 @@ class Builder {
     if (m_.quant.method == model::QuantMethod::fp8_block &&
         (m_.quant.block.size() != 2 || m_.quant.block[0] != 128 || m_.quant.block[1] != 128))
       throw Unavailable{fmt::format("FP8 blocks of {}: the kernels read 128x128 blocks", model::describe(m_.quant))};
-    if (m_.type == model::ModelType::kimi_k3)
-      throw Unavailable{"Kimi-K3 layers (block attention residuals, latent MXFP4 experts, q_lora MLA, full-rank "
-                        "KDA gate) have no layer program in this version"};
+    // Kimi-K3: the mixers (full-rank safe-gate KDA, q-LoRA MLA with the output gate) and the dense SiTU FFN
+    // have programs; the block attention residuals replace the residual stream the programs carry.
+    if (m_.attn_res_block > 0)
+      throw Unavailable{fmt::format("Kimi-K3 block attention residuals (attn_res_block_size {}) have no layer "
+                                    "program in this version: the programs carry vLLM's plain (hidden, residual) pair",
+                                    m_.attn_res_block)};
     if (ffn() == Ffn::latent_moe) throw Unavailable{"latent MoE has no layer program in this version"};
     if (m_.moe.expert_format != model::ExpertFormat::bf16 && ffn() != Ffn::dense)
       throw Unavailable{"MXFP4 experts have no layer program in this version"};
@@ -254,8 +257,6 @@ class Builder {
       if (m_.indexer.present())
         throw Unavailable{"MLA with a sparse-attention indexer: the decode kernels attend densely, which differs from "
                           "top-k sparse attention once a context exceeds index_topk; no program until sparse MLA exists"};
-      if (m_.mla.q_lora_rank > 0 || m_.mla.output_gate)
-        throw Unavailable{"MLA with q_lora_rank > 0 or an output gate has no layer program in this version"};
     }
   }
 
@@ -300,23 +301,34 @@ class Builder {
   void kda() {
     const model::KdaConfig& k = m_.kda;
     const int64_t H = m_.hidden, NH = k.num_heads / d_.tensor_parallel, D = k.head_dim, P = NH * D;
-    const int64_t FR = lw_.rows("self_attn.f_a_proj.weight"), GR = lw_.rows("self_attn.g_a_proj.weight");
-    const int64_t NP = 3 * P + FR + GR + NH;
+    // The output gate: low-rank g_a (f_a's width, expanded by g_b inside kda_step), or K3's full-rank g_proj,
+    // whose P columns the gemm writes directly (GR = 0).
+    const std::string g_key = k.full_rank_gate ? "self_attn.g_proj.weight" : "self_attn.g_a_proj.weight";
+    const int64_t FR = lw_.rows("self_attn.f_a_proj.weight"), GW = lw_.rows(g_key), GR = k.full_rank_gate ? 0 : GW;
+    const int64_t NP = 3 * P + FR + GW + NH;
     const uint64_t proj = ws_.take(t_ * NP * 2), o = ws_.take(t_ * P * 2);
     push(gemm(H, {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                  "self_attn.f_a_proj.weight", "self_attn.g_a_proj.weight", "self_attn.b_proj.weight"})
+                  "self_attn.f_a_proj.weight", g_key, "self_attn.b_proj.weight"})
              .ws("x", x_).ws("out", proj));
     const bool onorm_f32 = lw_.get("self_attn.o_norm.weight").dtype == DType::F32;
-    StepBuilder step("kda_step", {{"W", w_}, {"Q", q_}, {"NH", NH}, {"D", D}, {"CV", k.conv_kernel}, {"FR", FR},
-                                  {"GR", GR}, {"SG", 0}, {"ON", onorm_f32 ? 1 : 0}});
-    step.ws("proj", proj).weight("w_fb", "self_attn.f_b_proj.weight").weight("w_gb", "self_attn.g_b_proj.weight")
+    // K3 keeps A_log whole on every rank (more entries than heads): at tensor_parallel > 1 the kernel finds
+    // the rank's heads at rank*NH (AR); Kimi-Linear's A_log is sharded by heads like the other tensors.
+    const bool a_log_whole = lw_.get("self_attn.A_log").split.kind == model::Split::Kind::replicated;
+    std::map<std::string, int64_t> kp{{"W", w_}, {"Q", q_}, {"NH", NH}, {"D", D}, {"CV", k.conv_kernel}, {"FR", FR},
+                                      {"GR", GR}, {"SG", k.gate_lower_bound ? 1 : 0}, {"ON", onorm_f32 ? 1 : 0}};
+    if (a_log_whole && sharded()) kp["AR"] = 1;
+    StepBuilder step("kda_step", kp);
+    step.ws("proj", proj).weight("w_fb", "self_attn.f_b_proj.weight")
         .weight("conv_wq", "self_attn.q_conv1d.weight").weight("conv_wk", "self_attn.k_conv1d.weight")
         .weight("conv_wv", "self_attn.v_conv1d.weight").weight("dt_bias", "self_attn.dt_bias")
         .weight("a_log", "self_attn.A_log").weight("o_norm", "self_attn.o_norm.weight")
         .kv("state", "kda_state").kv("conv_q", "conv_q").kv("conv_k", "conv_k").kv("conv_v", "conv_v")
         .kv_stride("state_stride", "kda_state").kv_stride("conv_stride", "conv_q")
-        .io("slots", "state_indices").ws("out", o).f32("lower_bound", 0).f32("onorm_eps", 1e-5);
+        .io("slots", "state_indices").ws("out", o).f32("lower_bound", k.gate_lower_bound.value_or(0))
+        .f32("onorm_eps", 1e-5);
+    if (GR > 0) step.weight("w_gb", "self_attn.g_b_proj.weight"); else step.null("w_gb");
     if (q_ > 1) step.io("num_accepted", "num_accepted"); else step.null("num_accepted");
+    if (kp.count("AR")) step.tp("rank", "rank");
     push(step);
     push(gemm(P, {"self_attn.o_proj.weight"}).ws("x", o).ws("out", partial_of(a_)));
     reduce_into_ws(a_, 0);
@@ -326,23 +338,43 @@ class Builder {
     const model::MlaConfig& a = m_.mla;
     const int64_t H = m_.hidden, N = a.num_heads / d_.tensor_parallel, L = a.kv_lora_rank, R = a.qk_rope_head_dim;
     const int64_t PN = a.qk_nope_head_dim, V = a.v_head_dim, BS = d_.kv_cache.block_size;
-    const int64_t QW = N * (PN + R), row = QW + L + R;
-    if ((QW * 2) % 16 != 0)
+    // One gemm over x: [q (QW) | kv (L+R) | g (N*V, K3 output gate)], or with q-LoRA (K3)
+    // [q_a (QL) | kv | g], whose q_a columns are normalised (q_a_layernorm) and expanded by q_b_proj.
+    const int64_t QW = N * (PN + R), QL = a.q_lora_rank, G = a.output_gate ? N * V : 0;
+    const int64_t lead = QL > 0 ? QL : QW, row = lead + L + R + G;
+    if ((lead * 2) % 16 != 0)
       throw Unavailable{fmt::format("MLA q width {} x 2 bytes is not a multiple of 16: the kv half of the fused "
-                                    "projection output would be misaligned", QW)};
+                                    "projection output would be misaligned", lead)};
     const int64_t NS = mla_splits(w_, q_, N);
     const uint64_t qkv = ws_.take(t_ * row * 2), qabs = ws_.take(t_ * N * (L + R) * 2);
     const uint64_t part_o = ws_.take(w_ * NS * q_ * N * L * 4), part_ml = ws_.take(w_ * NS * q_ * N * 2 * 4);
     const uint64_t o = ws_.take(t_ * N * V * 2);
-    if (lw_.rows("self_attn.q_proj.weight") != QW || lw_.rows("self_attn.kv_a_proj_with_mqa.weight") != L + R)
+    const std::string q_key = QL > 0 ? "self_attn.q_a_proj.weight" : "self_attn.q_proj.weight";
+    if (lw_.rows(q_key) != lead || lw_.rows("self_attn.kv_a_proj_with_mqa.weight") != L + R ||
+        (QL > 0 && lw_.rows("self_attn.q_b_proj.weight") != QW) || (G > 0 && lw_.rows("self_attn.g_proj.weight") != G))
       fail(Errc::internal, "layer program: MLA projection rows differ from the config's head geometry");
-    push(gemm(H, {"self_attn.q_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"}).ws("x", x_).ws("out", qkv));
+    std::vector<std::string> keys{q_key, "self_attn.kv_a_proj_with_mqa.weight"};
+    if (G > 0) keys.push_back("self_attn.g_proj.weight");
+    push(gemm(H, keys).ws("x", x_).ws("out", qkv));
+    uint64_t q = qkv;  // the q rows mla_prep reads, stride_q elements apart
+    int64_t stride_q = row;
+    if (QL > 0) {
+      // q = W_qb RMSNorm(q_a): the norm reads the q_a columns of the fused rows (S = row) and writes
+      // dense rows; its residual_out (a copy of q_a, there is no residual) goes to scratch nobody reads.
+      const uint64_t qn = ws_.take(t_ * QL * 2), q_copy = ws_.take(t_ * QL * 2);
+      q = ws_.take(t_ * QW * 2);
+      stride_q = QW;
+      push(StepBuilder("rmsnorm", {{"W", t_}, {"H", QL}, {"S", row}})
+               .ws("hidden", qkv).null("residual").weight("weight", "self_attn.q_a_layernorm.weight")
+               .ws("out", qn).ws("residual_out", q_copy).f32("eps", m_.rms_norm_eps));
+      push(gemm(QL, {"self_attn.q_b_proj.weight"}).ws("x", qn).ws("out", q));
+    }
     const std::string kv_b = "self_attn.kv_b_proj.weight";
     std::map<std::string, int64_t> prep{{"W", w_}, {"Q", q_}, {"N", N}, {"L", L}, {"R", R}, {"PN", PN}, {"V", V},
                                         {"BS", BS}};
     if (fp8(kv_b)) prep["Q8"] = 1;
     StepBuilder ps("mla_prep", prep);
-    ps.ws("q", qkv).u32("stride_q", row).ws("kv", qkv + static_cast<uint64_t>(QW) * 2).u32("stride_kv", row)
+    ps.ws("q", q).u32("stride_q", stride_q).ws("kv", qkv + static_cast<uint64_t>(lead) * 2).u32("stride_kv", row)
         .weight("kv_norm_w", "self_attn.kv_a_layernorm.weight")
         .io("seq_lens", "seq_lens").io("slot_mapping", "slot_mapping").kv("cache", "mla_latent")
         .kv_stride("cache_stride", "mla_latent").ws("q_abs", qabs).f32("eps", m_.rms_norm_eps);
@@ -353,11 +385,14 @@ class Builder {
              .io("block_table", "block_table").io("stride_bt", "block_table_stride").io("seq_lens", "seq_lens")
              .ws("part_o", part_o).ws("part_ml", part_ml).f32("scale", 1.0 / std::sqrt(static_cast<double>(PN + R))));
     std::map<std::string, int64_t> comb{{"W", w_}, {"Q", q_}, {"N", N}, {"L", L}, {"PN", PN}, {"V", V}, {"NS", NS},
-                                        {"OG", 0}};
+                                        {"OG", G > 0 ? 1 : 0}};
     if (fp8(kv_b)) comb["Q8"] = 1;
     StepBuilder cs("mla_combine", comb);
-    cs.ws("part_o", part_o).ws("part_ml", part_ml).io("seq_lens", "seq_lens").null("gate").u32("stride_g", 0)
-        .ws("out", o);
+    cs.ws("part_o", part_o).ws("part_ml", part_ml).io("seq_lens", "seq_lens").ws("out", o);
+    if (G > 0)
+      cs.ws("gate", qkv + static_cast<uint64_t>(lead + L + R) * 2).u32("stride_g", row);
+    else
+      cs.null("gate").u32("stride_g", 0);
     bind_weight(cs, "kv_b", kv_b);
     push(cs);
     push(gemm(N * V, {"self_attn.o_proj.weight"}).ws("x", o).ws("out", partial_of(a_)));

@@ -22,7 +22,9 @@ std::vector<OpSpec> kda_ops() {
            {"FR", "fr", 8, 1024, "forget gate rank (f_a rows), a multiple of 8"},
            {"GR", "gr", 0, 1024, "output gate rank (g_a rows); 0: full-rank g_proj (K3)"},
            {"SG", "sg", 0, 1, "1: K3 safe gate (lower_bound * sigmoid), 0: softplus gate"},
-           {"ON", "on", 0, 1, "1: o_norm weight is fp32, 0: bf16"}},
+           {"ON", "on", 0, 1, "1: o_norm weight is fp32, 0: bf16"},
+           {"AR", "ar", 0, 1, "1: a_log is the whole replicated A_log, head j of rank `rank` at rank*NH + j (K3 "
+            "at tensor_parallel > 1)", true}},
           [](const Params& p, const std::string& who) {
             if (p.at("D") % 64 != 0)
               fail(Errc::input, "{}: parameter D = {} is not a multiple of 64 (valid: 64, 128, 192, 256)", who,
@@ -30,14 +32,16 @@ std::vector<OpSpec> kda_ops() {
             check_multiple_of_8(p, who, {"FR", "GR"});
           },
           [](const Params& p) {
-            return std::vector<int64_t>{p.at("W"), p.at("Q"), p.at("NH"), p.at("D"), p.at("CV"),
-                                        p.at("FR"), p.at("GR"), p.at("SG"), p.at("ON")};
+            std::vector<int64_t> a{p.at("W"),  p.at("Q"),  p.at("NH"), p.at("D"), p.at("CV"),
+                                   p.at("FR"), p.at("GR"), p.at("SG"), p.at("ON")};
+            if (p.at("AR")) a.push_back(1);  // the device template's default is 0
+            return a;
           },
           [](const Params& p) {
             const int64_t W = p.at("W"), Q = p.at("Q"), NH = p.at("NH"), D = p.at("D"), P = NH * D;
             const int64_t NP = 3 * P + p.at("FR") + (p.at("GR") > 0 ? p.at("GR") : P) + NH;
             const std::string conv_slot = fmt::format("[{}, {}]", p.at("CV") - 1, P);
-            return std::vector<ArgSpec>{
+            std::vector<ArgSpec> a{
                 {"proj", KernelParam::Kind::pointer, "const dp_bf16*", shape({W * Q, NP}, "bf16"),
                  "projections, columns q | k | v | f_a | g_a (g when GR = 0) | b"},
                 {"w_fb", KernelParam::Kind::pointer, "const dp_bf16*", shape({P, p.at("FR")}, "bf16"), "f_b_proj"},
@@ -47,8 +51,9 @@ std::vector<OpSpec> kda_ops() {
                 {"conv_wk", KernelParam::Kind::pointer, "const float*", shape({P, p.at("CV")}, "fp32"), "k_conv1d"},
                 {"conv_wv", KernelParam::Kind::pointer, "const float*", shape({P, p.at("CV")}, "fp32"), "v_conv1d"},
                 {"dt_bias", KernelParam::Kind::pointer, "const float*", shape({P}, "fp32"), "dt_bias"},
-                {"a_log", KernelParam::Kind::pointer, "const float*", shape({NH}, "fp32"),
-                 "A_log of this rank's heads (K3: replicated tensor + rank*NH)"},
+                {"a_log", KernelParam::Kind::pointer, "const float*",
+                 p.at("AR") ? "[A_log size] fp32" : shape({NH}, "fp32"),
+                 p.at("AR") ? "the whole A_log; this rank's heads at rank*NH" : "A_log of this rank's heads"},
                 {"o_norm", KernelParam::Kind::pointer, "const void*", shape({D}, p.at("ON") ? "fp32" : "bf16"),
                  "o_norm.weight"},
                 {"state", KernelParam::Kind::pointer, "float*", "[slots, state_stride] fp32",
@@ -72,6 +77,10 @@ std::vector<OpSpec> kda_ops() {
                 {"conv_stride", KernelParam::Kind::u32, "dp_u32", "",
                  fmt::format("elements between conv-state slots, at least {} (dense)", (p.at("CV") - 1) * P)},
             };
+            if (p.at("AR"))
+              a.push_back({"rank", KernelParam::Kind::u32, "dp_u32", "", "tensor-parallel rank: its heads' A_log entries "
+                           "start at rank*NH"});
+            return a;
           },
           [](const Params& p) {
             LaunchShape s;

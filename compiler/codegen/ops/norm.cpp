@@ -25,19 +25,27 @@ std::vector<OpSpec> norm_ops() {
           "norm.h",
           "dp_add_rmsnorm",
           {{"W", "w", 1, 4096, "rows (batch width x rows per request)"},
-           {"H", "h", 8, 1 << 20, "row length (hidden size), a multiple of 8"}},
+           {"H", "h", 8, 1 << 20, "row length (hidden size), a multiple of 8"},
+           {"S", "s", 0, 1 << 20, "elements between hidden rows, a multiple of 8, at least H (0: H, dense rows)",
+            true}},
           [](const Params& p, const std::string& who) {
             if (p.at("H") % 8 != 0)
               fail(Errc::input, "{}: parameter H = {} is not a multiple of 8 (rows are read as 16-byte bf16 vectors)",
                    who, p.at("H"));
+            if (p.at("S") != 0 && (p.at("S") % 8 != 0 || p.at("S") < p.at("H")))
+              fail(Errc::input, "{}: parameter S = {} must be 0 or a multiple of 8 of at least H = {} (hidden rows are "
+                   "read as 16-byte bf16 vectors)", who, p.at("S"), p.at("H"));
           },
           [](const Params& p) {
-            return std::vector<int64_t>{p.at("W"), p.at("H"), rmsnorm_threads(p.at("H"))};
+            std::vector<int64_t> a{p.at("W"), p.at("H"), rmsnorm_threads(p.at("H"))};
+            if (p.at("S")) a.push_back(p.at("S"));  // the device template's default is H
+            return a;
           },
           [](const Params& p) {
             return std::vector<ArgSpec>{
-                {"hidden", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"W", "H"}, "bf16"),
-                 "this layer's mixer/FFN output"},
+                {"hidden", KernelParam::Kind::pointer, "const dp_bf16*",
+                 p.at("S") ? shape({p.at("W"), p.at("S")}, "bf16") : dims(p, {"W", "H"}, "bf16"),
+                 p.at("S") ? "rows to normalise: the first H of every S elements" : "this layer's mixer/FFN output"},
                 {"residual", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"W", "H"}, "bf16"),
                  "residual stream in (layer 0 has none)", true},
                 {"weight", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"H"}, "bf16"), "norm weight"},

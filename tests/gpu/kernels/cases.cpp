@@ -34,6 +34,7 @@ const std::vector<ModelShape>& model_shapes() {
     k3.routed_scaling = 1.0;
     k3.situ = true;
     k3.mla_gate = true;
+    k3.q_lora = 128;
     v.push_back(k3);
     // Kimi-Linear-48B-A3B (model-family.md 1), TP 1.
     ModelShape big;
@@ -62,6 +63,34 @@ const std::vector<ModelShape>& model_shapes() {
     part.shared = 208;
     part.dense_inter = 400;
     v.push_back(part);
+    // Rank 1 of the tiny K3 at tensor_parallel 2: one KDA and one MLA head, the whole 128-entry A_log.
+    ModelShape k3r = k3;
+    k3r.name = "kimi-k3-tiny-tp2-rank1";
+    k3r.heads = 1;
+    k3r.mla_heads = 1;
+    k3r.a_log_size = 128;
+    k3r.a_log_rank = 1;
+    v.push_back(k3r);
+    // Rank 3 of Kimi-K3 at tensor_parallel 8 (model-family.md 1b, 2b): hidden 7168, 12 of 96 KDA and MLA
+    // heads, q_lora_rank 1536, the dense FFN's 33792 / 8 features. Its MoE is a small stand-in (16 experts
+    // of 384) so that the expert stacks fit; the K3 experts are MXFP4 in a latent width, checked elsewhere.
+    ModelShape k3big = k3;
+    k3big.name = "kimi-k3-tp8-rank3";
+    k3big.hidden = 7168;
+    k3big.heads = 12;
+    k3big.a_log_size = 128;
+    k3big.a_log_rank = 3;
+    k3big.experts = 16;
+    k3big.top_k = 4;
+    k3big.inter = 384;
+    k3big.shared = 768;
+    k3big.dense_inter = 33792 / 8;
+    k3big.mla_heads = 12;
+    k3big.q_lora = 1536;
+    k3big.block_size = 64;
+    k3big.splits = 16;
+    k3big.max_context = 2000;
+    v.push_back(k3big);
     return v;
   }();
   return shapes;
@@ -113,12 +142,18 @@ std::vector<Case> all_cases() {
   v.push_back({&m[3], 8, 2, Layout::dense, true});
   v.push_back({&m[3], 3, 2, Layout::padded, true});
   v.push_back({&m[2], 8, 2, Layout::dense, true});
+  // Kimi-K3 tensor-parallel ranks (A_log offset by rank, q-LoRA MLA of the rank's heads).
+  v.push_back({&m[4], 1, 1});
+  v.push_back({&m[4], 4, 2});
+  v.push_back({&m[5], 1, 1});
+  v.push_back({&m[5], 8, 2});
   return v;
 }
 
 std::vector<codegen::KernelInstance> CaseKernels::all() const {
   std::vector<codegen::KernelInstance> v{rmsnorm,  in_proj, kda,      o_proj,   router,   route,       moe_up,
-                                         moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine, mixed};
+                                         moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine, mixed,
+                                         mla_in,   q_norm,  q_b};
   std::erase_if(v, [](const codegen::KernelInstance& k) { return k.op.empty(); });
   return v;
 }
@@ -146,6 +181,7 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
             {"SG", m.safe_gate ? 1 : 0},
             {"ON", m.onorm_f32 ? 1 : 0}},
            target};
+  if (m.a_log_rank >= 0) k.kda.params["AR"] = 1;
   k.o_proj = gemm(P, {H}, false);
   k.router = gemm(H, {m.experts}, true);
   k.route = {"moe_route", {{"W", T}, {"E", m.experts}, {"K", m.top_k}, {"RN", 1}}, target};
@@ -186,6 +222,12 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
                     {"NS", m.splits},
                     {"OG", m.mla_gate ? 1 : 0}},
                    target};
+  if (m.q_lora > 0) {
+    const int64_t row = m.q_lora + m.lora + m.rope + (m.mla_gate ? m.mla_heads * m.v_dim : 0);
+    k.mla_in = gemm(H, {m.q_lora, m.lora + m.rope, m.mla_gate ? m.mla_heads * m.v_dim : 0}, false);
+    k.q_norm = {"rmsnorm", {{"W", T}, {"H", m.q_lora}, {"S", row}}, target};
+    k.q_b = gemm(m.q_lora, {m.mla_heads * (m.nope + m.rope)}, false);
+  }
   if (c.fp8) {
     // Q8 (left out for bf16): 1 for an op whose weights are all e4m3; for gemm a bitmask over its weights.
     k.in_proj.params["Q8"] = 0b111;  // q, k, v; f_a, g_a (g), b stay bf16

@@ -20,6 +20,9 @@ struct ModelShape {
   bool safe_gate = false;                                                   // K3: alpha = lower_bound * sigmoid(...)
   double lower_bound = -5.0;
   bool onorm_f32 = false;  // K3 keeps o_norm in fp32
+  // K3 keeps A_log whole on every rank (a_log_size entries, more than the heads): a_log_rank >= 0 checks
+  // the kda_step form of tensor-parallel rank a_log_rank (AR), which reads its heads at rank*heads.
+  int64_t a_log_size = 0, a_log_rank = -1;
   // MoE
   int64_t experts = 0, top_k = 0, inter = 0, shared = 0;  // shared: shared-expert width
   double routed_scaling = 1.0;
@@ -31,6 +34,9 @@ struct ModelShape {
   // block size, the KV splits and the longest context the checks draw.
   int64_t mla_heads = 0, lora = 512, rope = 64, nope = 128, v_dim = 128;
   bool mla_gate = false;
+  // K3 q-LoRA (0: a plain q_proj): the checked chain is the layer program's, gemm [q_a | kv_a | g] over x,
+  // rmsnorm of the q_a columns in place in those rows (q_a_layernorm, S = the row width), gemm q_b_proj.
+  int64_t q_lora = 0;
   int64_t block_size = 64, splits = 16, max_context = 0;
 
   int64_t proj_size() const { return heads * head_dim; }  // P
@@ -85,6 +91,10 @@ struct CaseKernels {
   codegen::KernelInstance mla_prep;     // kv_a_layernorm + cache write + absorbed query
   codegen::KernelInstance mla_attn;     // split-KV attention partials
   codegen::KernelInstance mla_combine;  // merge + W_UV (+ K3 gate)
+  // q-LoRA models only (op "" otherwise).
+  codegen::KernelInstance mla_in;       // gemm: q_a | kv_a_proj_with_mqa | g_proj over x
+  codegen::KernelInstance q_norm;       // rmsnorm of the q_a columns of mla_in's rows (S = row width)
+  codegen::KernelInstance q_b;          // gemm: q_b_proj [N*(PN+R), q_lora]
   // FP8 cases only (op "" otherwise): gemm over e4m3, bf16 and e4m3 weights [P | 80 | 208, H] (Q8 5),
   // the per-weight choice away from the in_proj's leading bits, rows that end inside a block.
   codegen::KernelInstance mixed;

@@ -563,7 +563,9 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   auto cq = rand_f32(P * CK, rng, -0.6, 0.6), ck = rand_f32(P * CK, rng, -0.6, 0.6),
        cv = rand_f32(P * CK, rng, -0.6, 0.6);
   auto dt_bias = rand_f32(P, rng, -3, -1);
-  auto a_log = rand_f32(NH, rng, -1, 1.5);
+  // K3 ranks (AR): the whole A_log, of which this rank's heads start at rank*NH.
+  const int64_t a_log_at = m.a_log_rank >= 0 ? m.a_log_rank * NH : 0;
+  auto a_log = rand_f32(m.a_log_rank >= 0 ? m.a_log_size : NH, rng, -1, 1.5);
   auto onorm_bf = rand_bf16(D, rng, 0.5, 1.5);
   auto onorm_f = rand_f32(D, rng, 0.5, 1.5);
 
@@ -630,6 +632,7 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
                                   {"state_stride", Arg(static_cast<uint32_t>(state_stride))},
                                   {"conv_stride", Arg(static_cast<uint32_t>(conv_stride))}};
   if (GR > 0) args.emplace("w_gb", Arg(d_gb));
+  if (m.a_log_rank >= 0) args.emplace("rank", Arg(static_cast<uint32_t>(m.a_log_rank)));
   if (Q > 1) args.emplace("num_accepted", Arg(d_acc));
   const float ms = ctx.kernels.launch(k.kda, args);
 
@@ -683,7 +686,7 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
           double f = 0;
           for (int64_t rr = 0; rr < FR; ++rr)
             f += bf16_to_f32(w_fb[ch * FR + rr]) * bf16_to_f32(proj[t * NP + fa_col + rr]);
-          alpha[cc] = ref::kda_alpha(ref::round_bf16(f), dt_bias[ch], a_log[j], lb);
+          alpha[cc] = ref::kda_alpha(ref::round_bf16(f), dt_bias[ch], a_log[a_log_at + j], lb);
           if (GR > 0) {
             double gg = 0;
             for (int64_t rr = 0; rr < GR; ++rr)
@@ -1026,20 +1029,125 @@ void check_mlp(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
 // MLA: mla_prep -> mla_attn -> mla_combine on a paged cache with random history, against the
 // absorbed-attention math of compiler/reference/layer.cpp mla_mixer (cache write before attention,
 // causal within the request's new rows, bf16 q_lat / o_lat / o at vLLM's storage points).
+// The q-LoRA front of a K3 MLA layer, the layer program's first three mixer steps: gemm [q_a | kv_a | g]
+// over random x, rmsnorm (q_a_layernorm) of the q_a columns of those rows (S = the row width, residual
+// null), gemm q_b_proj. Each step is checked against the reference of its own GPU input.
+struct MlaFront {
+  DevBuf fused, q;             // [T, row] bf16 [q_a | kv | g], [T, NQ] bf16 q rows
+  int64_t row = 0;
+  std::vector<double> gpu;     // [T, NQ + L+R + G]: q from the q_b gemm, kv and gate from the fused rows
+  std::vector<double> from_x;  // the same rows computed from x by the reference alone
+};
+
+MlaFront mla_q_lora_front(Ctx& ctx, const Case& c, const CaseKernels& k, Rng& rng) {
+  const ModelShape& m = *c.model;
+  const int64_t T = c.rows(), H = m.hidden, N = m.mla_heads, QL = m.q_lora, LR = m.lora + m.rope;
+  const int64_t NQ = N * (m.nope + m.rope), G = m.mla_gate ? N * m.v_dim : 0, row = QL + LR + G, ld = NQ + LR + G;
+  auto x = rand_bf16(T * H, rng, -1, 1);
+  const Mat mx = to_mat(x, T, H);
+  const double ah = std::sqrt(3.0 / H), aq = std::sqrt(3.0 / QL);
+  const HostWeight wqa = rand_weight(QL, H, rng, -ah, ah, false), wkv = rand_weight(LR, H, rng, -2 * ah, 2 * ah, false);
+  const HostWeight wg = rand_weight(std::max<int64_t>(G, 1), H, rng, -3 * ah, 3 * ah, false);
+  const HostWeight wqb = rand_weight(NQ, QL, rng, -aq, aq, false);
+  auto qa_norm_w = rand_bf16(QL, rng, 0.5, 1.5);
+
+  MlaFront f;
+  f.row = row;
+  f.fused = DevBuf(T * row * 2);
+  f.fused.poison();
+  DevBuf dx = device_copy(x), dnw = device_copy(qa_norm_w);
+  const DevWeight dqa = device_weight(wqa), dkv = device_weight(wkv), dg = device_weight(wg), dqb = device_weight(wqb);
+  std::map<std::string, Arg> in_args{{"x", dx}, {"out", f.fused}};
+  bind_weight(in_args, "w0", dqa);
+  bind_weight(in_args, "w1", dkv);
+  if (G > 0) bind_weight(in_args, "w2", dg);
+  const float t_in = ctx.kernels.launch(k.mla_in, in_args);
+  const std::vector<double> e_qa = linear_bf16(mx, wqa.real(), QL, H), e_kv = linear_bf16(mx, wkv.real(), LR, H);
+  const std::vector<double> e_g = G > 0 ? linear_bf16(mx, wg.real(), G, H) : std::vector<double>{};
+  std::vector<double> expect(T * row);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < row; ++j)
+      expect[t * row + j] = j < QL ? e_qa[t * QL + j] : j < QL + LR ? e_kv[t * LR + j - QL] : e_g[t * G + j - QL - LR];
+  const std::vector<double> fused = bf16_out(f.fused);
+  ctx.report.add(c.name(), "gemm mla in_proj (q_a, kv_a, g)", rel(fused, expect), kBf16Tol,
+                 ctx.time ? fmt::format("{:.1f} us", t_in * 1e3) : fmt::format("row {}", row));
+
+  DevBuf qn(T * QL * 2), q_copy(T * QL * 2);
+  qn.poison();
+  q_copy.poison();
+  const float t_norm = ctx.kernels.launch(
+      k.q_norm, {{"hidden", f.fused}, {"weight", dnw}, {"out", qn}, {"residual_out", q_copy}, {"eps", 1e-5f}});
+  Mat gqa(T, QL);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < QL; ++j) gqa(t, j) = fused[t * row + j];
+  const ref::AddNorm en = ref::fused_add_rms_norm(gqa, nullptr, to_double(qa_norm_w), 1e-5, ref::Rounding::vllm());
+  ctx.report.add(c.name(), "rmsnorm q_a (strided rows)", rel(bf16_out(qn), en.x.v), kBf16Tol,
+                 ctx.time ? fmt::format("{:.1f} us", t_norm * 1e3) : fmt::format("S {}", row));
+  ctx.report.add(c.name(), "rmsnorm q_a residual_out", rel(bf16_out(q_copy), en.residual.v), 1e-6);
+
+  f.q = DevBuf(T * NQ * 2);
+  f.q.poison();
+  std::map<std::string, Arg> qb_args{{"x", qn}, {"out", f.q}};
+  bind_weight(qb_args, "w0", dqb);
+  const float t_qb = ctx.kernels.launch(k.q_b, qb_args);
+  Mat mqn(T, QL);
+  mqn.v = bf16_out(qn);
+  const std::vector<double> q = bf16_out(f.q), wqb_real = wqb.real();
+  ctx.report.add(c.name(), "gemm q_b", rel(q, linear_bf16(mqn, wqb_real, NQ, QL)), kBf16Tol,
+                 ctx.time ? fmt::format("{:.1f} us", t_qb * 1e3) : std::string());
+
+  // From x alone: q_a -> q_a_layernorm -> q_b, kv and g, rounded where the GPU path stores bf16.
+  Mat mqa(T, QL);
+  mqa.v = e_qa;
+  const ref::AddNorm enx = ref::fused_add_rms_norm(mqa, nullptr, to_double(qa_norm_w), 1e-5, ref::Rounding::vllm());
+  const std::vector<double> q_x = linear_bf16(enx.x, wqb_real, NQ, QL);
+  f.gpu.resize(T * ld);
+  f.from_x.resize(T * ld);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < ld; ++j) {
+      f.gpu[t * ld + j] = j < NQ ? q[t * NQ + j] : fused[t * row + QL + j - NQ];
+      f.from_x[t * ld + j] = j < NQ ? q_x[t * NQ + j] : expect[t * row + QL + j - NQ];
+    }
+  return f;
+}
+
+// MLA prep + attention + combine. Plain q_proj models: one random stacked buffer [q | kv | gate] (row
+// stride ld) so that the kernels' row strides are exercised. q-LoRA models (K3): the front above, and the
+// kernels read q from the q_b output and kv and the gate from the fused rows, as the layer program binds
+// them; the output is also checked against the reference from x.
 void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   const ModelShape& m = *c.model;
   const int64_t W = c.width, Q = c.q, T = c.rows(), N = m.mla_heads, L = m.lora, R = m.rope, PN = m.nope, V = m.v_dim,
                 BS = m.block_size, NS = m.splits, LR = L + R;
-  // One stacked projection buffer [q | kv | gate] so that the kernels' row strides are exercised.
   const int64_t NQ = N * (PN + R), G = m.mla_gate ? N * V : 0, ld = NQ + LR + G;
   Rng rng(seed);
-  std::vector<uint16_t> proj(T * ld);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < ld; ++j) {
-      const double span = j < NQ ? 1.0 : j < NQ + LR ? 2.0 : 3.0;
-      const double v = rng.uniform(-span, span);
-      proj[t * ld + j] = to_bf16(v == 0 ? span : v);
-    }
+  std::vector<double> pj;  // [T, ld] the q | kv | gate values the kernels read
+  std::optional<MlaFront> front;
+  DevBuf d_proj;
+  CUdeviceptr q_ptr = 0, kv_ptr = 0;
+  uint32_t stride_q = 0, stride_kv = 0;
+  if (m.q_lora > 0) {
+    front.emplace(mla_q_lora_front(ctx, c, k, rng));
+    pj = front->gpu;
+    q_ptr = front->q.ptr;
+    stride_q = static_cast<uint32_t>(NQ);
+    kv_ptr = front->fused.ptr + m.q_lora * 2;
+    stride_kv = static_cast<uint32_t>(front->row);
+  } else {
+    std::vector<uint16_t> proj(T * ld);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < ld; ++j) {
+        const double span = j < NQ ? 1.0 : j < NQ + LR ? 2.0 : 3.0;
+        const double v = rng.uniform(-span, span);
+        proj[t * ld + j] = to_bf16(v == 0 ? span : v);
+      }
+    pj = to_double(proj);
+    d_proj = device_copy(proj);
+    q_ptr = d_proj.ptr;
+    stride_q = static_cast<uint32_t>(ld);
+    kv_ptr = d_proj.ptr + NQ * 2;
+    stride_kv = static_cast<uint32_t>(ld);
+  }
   const double akb = std::sqrt(3.0 / PN);
   // kv_b [N*(PN+V), L]: e4m3 with block scales when the MLA kernels are the FP8 ones (both must agree).
   const bool fp8 = q8_of(k.mla_prep) != 0;
@@ -1077,7 +1185,7 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   const Pool<uint16_t> pcache(num_blocks, cache_dense, cache_stride, live_slots(base + 1, W * MB + 2),
                               [&](size_t n) { return rand_bf16(n, rng, -2, 2); });
 
-  DevBuf d_proj = device_copy(proj), d_norm = device_copy(norm_w);
+  DevBuf d_norm = device_copy(norm_w);
   const DevWeight d_kvb = device_weight(kv_b);
   DevBuf d_lens = device_copy(lens), d_bt = device_copy(perm), d_slots = device_copy(slot_map);
   const DevBuf& d_cache = pcache.dev;
@@ -1085,10 +1193,10 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   DevBuf q_abs(T * N * LR * 2), part_o(W * NS * Q * N * L * 4), part_ml(W * NS * Q * N * 2 * 4), out(T * N * V * 2);
   for (DevBuf* b : {&q_abs, &part_o, &part_ml, &out}) b->poison();
   const float eps = 1e-5f, scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(PN + R)));
-  std::map<std::string, Arg> pargs{{"q", d_proj},
-                                   {"stride_q", Arg(static_cast<uint32_t>(ld))},
-                                   {"kv", d_proj.ptr + NQ * 2},
-                                   {"stride_kv", Arg(static_cast<uint32_t>(ld))},
+  std::map<std::string, Arg> pargs{{"q", q_ptr},
+                                   {"stride_q", Arg(stride_q)},
+                                   {"kv", kv_ptr},
+                                   {"stride_kv", Arg(stride_kv)},
                                    {"kv_norm_w", d_norm},
                                    {"seq_lens", d_lens},
                                    {"slot_mapping", d_slots},
@@ -1110,82 +1218,98 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   std::map<std::string, Arg> cargs{{"part_o", part_o},
                                    {"part_ml", part_ml},
                                    {"seq_lens", d_lens},
-                                   {"stride_g", Arg(static_cast<uint32_t>(ld))},
+                                   {"stride_g", Arg(stride_kv)},
                                    {"out", out}};
   bind_weight(cargs, "kv_b", d_kvb);
-  if (m.mla_gate) cargs.emplace("gate", Arg(d_proj.ptr + (NQ + LR) * 2));
+  if (m.mla_gate) cargs.emplace("gate", Arg(kv_ptr + LR * 2));  // the gate columns follow kv
   const float t_comb = ctx.kernels.launch(k.mla_combine, cargs);
 
-  // ---- reference (per live block: [BS, L+R]) ----
-  std::map<int64_t, std::vector<double>> cache = pcache.dense_double();
-  auto cache_row = [&](int64_t slot) { return cache.at(slot / BS).data() + (slot % BS) * LR; };
-  std::set<int64_t> written;  // slots (block*BS + offset) the step writes
+  // ---- reference over [q | kv | gate] rows pj (per live block: [BS, L+R]) ----
+  struct Expect {
+    std::map<int64_t, std::vector<double>> cache;
+    std::set<int64_t> written;  // slots (block*BS + offset) the step writes
+    std::vector<double> qabs, out;
+  };
   const std::vector<double> nw = to_double(norm_w);
-  for (int64_t t = 0; t < T; ++t) {
-    if (lens[t / Q] == 0 || slot_map[t] < 0) continue;
-    std::vector<double> cv(L), cn(L);
-    for (int64_t l = 0; l < L; ++l) cv[l] = bf16_to_f32(proj[t * ld + NQ + l]);
-    ref::rms_norm(cv, nw, eps, cn);
-    double* dst = cache_row(slot_map[t]);
-    for (int64_t l = 0; l < L; ++l) dst[l] = ref::round_bf16(cn[l]);
-    for (int64_t e = 0; e < R; ++e) dst[L + e] = bf16_to_f32(proj[t * ld + NQ + L + e]);
-    written.insert(slot_map[t]);
-  }
-  std::vector<double> qabs_ref(T * N * LR), out_ref(T * N * V, 0.0);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t n = 0; n < N; ++n) {
-      double* qa = qabs_ref.data() + (t * N + n) * LR;
-      const uint16_t* qn = proj.data() + t * ld + n * (PN + R);
-      for (int64_t l = 0; l < L; ++l) {
-        double s = 0;
-        for (int64_t j = 0; j < PN; ++j) s += bf16_to_f32(qn[j]) * kvb[(n * (PN + V) + j) * L + l];
-        qa[l] = ref::round_bf16(s);
-      }
-      for (int64_t e = 0; e < R; ++e) qa[L + e] = bf16_to_f32(qn[PN + e]);
+  auto reference = [&](const std::vector<double>& rows) {
+    Expect x;
+    std::map<int64_t, std::vector<double>>& cache = x.cache;
+    cache = pcache.dense_double();
+    auto cache_row = [&](int64_t slot) { return cache.at(slot / BS).data() + (slot % BS) * LR; };
+    std::set<int64_t>& written = x.written;
+    for (int64_t t = 0; t < T; ++t) {
+      if (lens[t / Q] == 0 || slot_map[t] < 0) continue;
+      std::vector<double> cv(L), cn(L);
+      for (int64_t l = 0; l < L; ++l) cv[l] = rows[t * ld + NQ + l];
+      ref::rms_norm(cv, nw, eps, cn);
+      double* dst = cache_row(slot_map[t]);
+      for (int64_t l = 0; l < L; ++l) dst[l] = ref::round_bf16(cn[l]);
+      for (int64_t e = 0; e < R; ++e) dst[L + e] = rows[t * ld + NQ + L + e];
+      written.insert(slot_map[t]);
     }
-  for (int64_t r = 0; r < W; ++r) {
-    if (lens[r] == 0) continue;
-    for (int64_t i = 0; i < Q; ++i) {
-      const int64_t t = r * Q + i, last = lens[r] - Q + i;
+    std::vector<double>& qabs_ref = x.qabs;
+    std::vector<double>& out_ref = x.out;
+    qabs_ref.assign(T * N * LR, 0.0);
+    out_ref.assign(T * N * V, 0.0);
+    for (int64_t t = 0; t < T; ++t)
       for (int64_t n = 0; n < N; ++n) {
-        const double* qa = qabs_ref.data() + (t * N + n) * LR;
-        std::vector<double> sc(last + 1);
-        double mx = -std::numeric_limits<double>::infinity();
-        for (int64_t p = 0; p <= last; ++p) {
-          const double* row = cache_row(static_cast<int64_t>(bt[r * MB + p / BS]) * BS + p % BS);
-          double d = 0;
-          for (int64_t e = 0; e < LR; ++e) d += qa[e] * row[e];
-          sc[p] = d * scale;
-          mx = std::max(mx, sc[p]);
+        double* qa = qabs_ref.data() + (t * N + n) * LR;
+        const double* qn = rows.data() + t * ld + n * (PN + R);
+        for (int64_t l = 0; l < L; ++l) {
+          double s = 0;
+          for (int64_t j = 0; j < PN; ++j) s += qn[j] * kvb[(n * (PN + V) + j) * L + l];
+          qa[l] = ref::round_bf16(s);
         }
-        double z = 0;
-        for (double& e : sc) z += (e = std::exp(e - mx));
-        std::vector<double> ol(L, 0.0);
-        for (int64_t p = 0; p <= last; ++p) {
-          const double* row = cache_row(static_cast<int64_t>(bt[r * MB + p / BS]) * BS + p % BS);
-          for (int64_t l = 0; l < L; ++l) ol[l] += sc[p] / z * row[l];
-        }
-        ref::round_bf16_if(true, ol);
-        for (int64_t v = 0; v < V; ++v) {
-          double o = 0;
-          for (int64_t l = 0; l < L; ++l) o += ol[l] * kvb[(n * (PN + V) + PN + v) * L + l];
-          o = ref::round_bf16(o);
-          if (m.mla_gate) o = ref::round_bf16(o * ref::sigmoid(bf16_to_f32(proj[t * ld + NQ + LR + n * V + v])));
-          out_ref[t * N * V + n * V + v] = o;
+        for (int64_t e = 0; e < R; ++e) qa[L + e] = qn[PN + e];
+      }
+    for (int64_t r = 0; r < W; ++r) {
+      if (lens[r] == 0) continue;
+      for (int64_t i = 0; i < Q; ++i) {
+        const int64_t t = r * Q + i, last = lens[r] - Q + i;
+        for (int64_t n = 0; n < N; ++n) {
+          const double* qa = qabs_ref.data() + (t * N + n) * LR;
+          std::vector<double> sc(last + 1);
+          double mx = -std::numeric_limits<double>::infinity();
+          for (int64_t p = 0; p <= last; ++p) {
+            const double* row = cache_row(static_cast<int64_t>(bt[r * MB + p / BS]) * BS + p % BS);
+            double d = 0;
+            for (int64_t e = 0; e < LR; ++e) d += qa[e] * row[e];
+            sc[p] = d * scale;
+            mx = std::max(mx, sc[p]);
+          }
+          double z = 0;
+          for (double& e : sc) z += (e = std::exp(e - mx));
+          std::vector<double> ol(L, 0.0);
+          for (int64_t p = 0; p <= last; ++p) {
+            const double* row = cache_row(static_cast<int64_t>(bt[r * MB + p / BS]) * BS + p % BS);
+            for (int64_t l = 0; l < L; ++l) ol[l] += sc[p] / z * row[l];
+          }
+          ref::round_bf16_if(true, ol);
+          for (int64_t v = 0; v < V; ++v) {
+            double o = 0;
+            for (int64_t l = 0; l < L; ++l) o += ol[l] * kvb[(n * (PN + V) + PN + v) * L + l];
+            o = ref::round_bf16(o);
+            if (m.mla_gate) o = ref::round_bf16(o * ref::sigmoid(rows[t * ld + NQ + LR + n * V + v]));
+            out_ref[t * N * V + n * V + v] = o;
+          }
         }
       }
     }
-  }
+    return x;
+  };
+  const Expect e = reference(pj);
+  const std::vector<double>& qabs_ref = e.qabs;
+  const std::vector<double>& out_ref = e.out;
 
   std::vector<double> got, want;
   int64_t touched = 0;
   for (const auto& [b, v0] : pcache.before) {
     const std::vector<uint16_t> g = pcache.after(b);
-    for (int64_t e = 0; e < cache_dense; ++e) {
-      if (written.count(b * BS + e / LR)) {
-        got.push_back(bf16_to_f32(g[e]));
-        want.push_back(cache.at(b)[e]);
-      } else if (g[e] != v0[e]) {
+    for (int64_t i = 0; i < cache_dense; ++i) {
+      if (e.written.count(b * BS + i / LR)) {
+        got.push_back(bf16_to_f32(g[i]));
+        want.push_back(e.cache.at(b)[i]);
+      } else if (g[i] != v0[i]) {
         ++touched;
       }
     }
@@ -1197,9 +1321,13 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
                               num_blocks - 1));
   ctx.report.add(c.name(), "mla_prep q_abs", rel(bf16_out(q_abs), qabs_ref), kBf16Tol,
                  ctx.time ? fmt::format("{:.1f} us", t_prep * 1e3) : fp8 ? "kv_b e4m3" : std::string());
-  ctx.report.add(c.name(), "mla attn+combine out", rel(bf16_out(out), out_ref), kBf16Tol,
+  const std::vector<double> out_gpu = bf16_out(out);
+  ctx.report.add(c.name(), "mla attn+combine out", rel(out_gpu, out_ref), kBf16Tol,
                  ctx.time ? fmt::format("attn {:.1f} us, combine {:.1f} us", t_attn * 1e3, t_comb * 1e3)
                           : fmt::format("contexts up to {}", *std::max_element(lens.begin(), lens.end())));
+  if (front)
+    ctx.report.add(c.name(), "mla q-LoRA chain (from x)", rel(out_gpu, reference(front->from_x).out), kBf16Tol,
+                   "gemm, rmsnorm, gemm q_b, prep, attn, combine + gate");
 }
 
 }  // namespace

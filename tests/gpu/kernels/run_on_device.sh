@@ -23,8 +23,10 @@ while [ "$i" -lt "$n" ]; do
   i=$((i + 1))
 done
 # kimi-linear-tiny w3 q2: a padded request and spec-decode slots; the padded variant adds padded pools
-# and the fused w13; the FP8 one the e4m3 weights with their block scales (fused w13 scales).
-for name in "kimi-linear-tiny w3 q2" "kimi-linear-tiny w3 q2 padded" "kimi-linear-tiny w3 q2 padded fp8"; do
+# and the fused w13; the FP8 one the e4m3 weights with their block scales (fused w13 scales). The K3
+# ones: the q-LoRA chain (strided rmsnorm rows, gate columns), and a tensor-parallel rank's A_log offset.
+for name in "kimi-linear-tiny w3 q2" "kimi-linear-tiny w3 q2 padded" "kimi-linear-tiny w3 q2 padded fp8" \
+            "kimi-k3-tiny w3 q2" "kimi-k3-tiny-tp2-rank1 w4 q2"; do
   small=$(awk -F'\t' -v n="$name" '$2 == n {print $1}' "$logs/cases.txt")
   [ -n "$small" ] || { echo "no case named $name" >> "$logs/sanitizer.log"; failed=$((failed + 1)); continue; }
   for tool in memcheck racecheck; do

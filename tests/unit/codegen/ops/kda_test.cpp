@@ -70,13 +70,41 @@ TEST(KdaOp, LaunchShapeAndSource) {
   EXPECT_NE(src.find("DP_GRID_DEPENDENCY_ENTRY();"), std::string::npos) << src;
 }
 
-// Kimi-Linear tiny (2 heads), Kimi-Linear-48B (32 heads) and Kimi-K3 (96 heads, full-rank gate, safe gate, fp32 o_norm).
+// K3 at tensor_parallel > 1 (AR): the whole A_log, the rank's heads at rank*NH; a u32 `rank` after the
+// existing parameters. AR 0 is the instance without it (same name, signature and source).
+KernelInstance kda_ar(int64_t w, int64_t q, int64_t nh, const std::string& t = "sm_90a") {
+  KernelInstance k = kda(w, q, nh, 0, true, t);
+  k.params["AR"] = 1;
+  return k;
+}
+
+TEST(KdaOp, ReplicatedALogByRank) {
+  EXPECT_EQ(kernel_name(kda_ar(8, 2, 12)), "kda_step_w8_q2_nh12_d128_cv4_fr128_gr0_sg1_on1_ar1");
+  KernelInstance zero = kda(8, 2, 12, 0, true);
+  zero.params["AR"] = 0;
+  EXPECT_EQ(kernel_name(zero), "kda_step_w8_q2_nh12_d128_cv4_fr128_gr0_sg1_on1");
+  EXPECT_EQ(generate_source(zero), generate_source(kda(8, 2, 12, 0, true)));
+  const KernelSignature k = kernel_signature(kda_ar(8, 2, 12));
+  ASSERT_EQ(k.params.size(), 21u);
+  EXPECT_EQ(k.params[8].name, "a_log");
+  EXPECT_EQ(k.params[8].shape, "[A_log size] fp32");
+  EXPECT_EQ(k.params[20].name, "rank");
+  EXPECT_EQ(k.params[20].kind, KernelParam::Kind::u32);
+  EXPECT_EQ(k.bytes, 16 * 8 + 5 * 4);
+  const std::string src = generate_source(kda_ar(8, 2, 12));
+  EXPECT_NE(src.find("dp_kda_step<8, 2, 12, 128, 4, 128, 0, 1, 1, 1>(proj, w_fb,"), std::string::npos) << src;
+  EXPECT_NE(src.find("state_stride, conv_stride, rank);"), std::string::npos) << src;
+}
+
+// Kimi-Linear tiny (2 heads), Kimi-Linear-48B (32 heads) and Kimi-K3 (96 heads, full-rank gate, safe gate,
+// fp32 o_norm; and a TP-8 rank's 12 heads with the replicated A_log).
 std::vector<KernelInstance> compile_set(const std::string& t) {
   return {
       kda(1, 1, 2, 128, false, t),
       kda(8, 2, 2, 128, false, t),
       kda(8, 2, 32, 128, false, t),
       kda(2, 1, 96, 0, true, t),
+      kda_ar(8, 2, 12, t),
   };
 }
 
