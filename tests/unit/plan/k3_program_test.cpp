@@ -169,9 +169,10 @@ TEST(K3Programs, MixersAndDenseLayersAtEveryWidthQAndTensorParallel) {
           EXPECT_EQ(arg(o, "x").offset, arg(comb, "out").offset);
         }
         // No tensor-parallel source at TP 1.
-        if (tp == 1)
+        if (tp == 1) {
           for (const ProgramStep& s : pr.steps)
             for (const ProgramArg& a : s.args) EXPECT_NE(a.from, ProgramArg::From::tp) << s.name;
+        }
       }
     }
 }
