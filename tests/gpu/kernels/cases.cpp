@@ -99,7 +99,7 @@ std::string Case::name() const {
 
 // Indices are stable where run_on_device.sh and RESULTS.md refer to them: the dense cases first (0..21,
 // as before the layouts existed), then the padded and wide ones, the dense 48B-shaped case (the timed
-// one, the last bf16 case), then the FP8 cases (31 on), then the MXFP4 latent-MoE cases (43 on).
+// one, the last bf16 case), then the FP8 cases (31 on), then the MXFP4 latent-MoE cases (42 on).
 std::vector<Case> all_cases() {
   const auto& m = model_shapes();
   std::vector<Case> v;
