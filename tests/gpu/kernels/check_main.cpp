@@ -1127,28 +1127,33 @@ void check_latent_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t se
   }
   const int repeat = ctx.time ? 20 : 1;
   const float up_ms = ctx.kernels.launch(k.moe_up, up_args, repeat);
-  // h for the rows of each expert, from latent rows `in` [T, D].
-  auto up_ref = [&](const std::vector<double>& in) {
-    std::vector<double> out(T * KT * I);
+  // h for the rows of each expert, from latent rows [T, D]: for each of `ins` (the GPU's latent and the
+  // reference's), each expert dequantised once.
+  auto up_ref = [&](const std::vector<const std::vector<double>*>& ins) {
+    std::vector<std::vector<double>> outs(ins.size(), std::vector<double>(T * KT * I));
     for (int32_t e : R.used_v) {
       const std::vector<double> g = h1.at(e).real(), u = h3.at(e).real();
       for (int64_t t = 0; t < T; ++t)
         for (int64_t j = 0; j < KT; ++j) {
           if (R.gid[t * KT + j] != e) continue;
-          const double* xt = in.data() + t * D;
-          for (int64_t i = 0; i < I; ++i) {
-            double gs = 0, us = 0;
-            for (int64_t d = 0; d < D; ++d) {
-              gs += g[i * D + d] * xt[d];
-              us += u[i * D + d] * xt[d];
+          for (size_t n = 0; n < ins.size(); ++n) {
+            const double* xt = ins[n]->data() + t * D;
+            for (int64_t i = 0; i < I; ++i) {
+              double gs = 0, us = 0;
+              for (int64_t d = 0; d < D; ++d) {
+                gs += g[i * D + d] * xt[d];
+                us += u[i * D + d] * xt[d];
+              }
+              outs[n][(t * KT + j) * I + i] = ref::round_bf16(act(m, ref::round_bf16(gs), ref::round_bf16(us)));
             }
-            out[(t * KT + j) * I + i] = ref::round_bf16(act(m, ref::round_bf16(gs), ref::round_bf16(us)));
           }
         }
     }
-    return out;
+    return outs;
   };
-  const std::vector<double> h_gpu = bf16_out(h), h_ref = up_ref(lat_gpu);
+  const std::vector<double> h_gpu = bf16_out(h);
+  const std::vector<std::vector<double>> hs_both = up_ref({&lat_gpu, &lat_ref});
+  const std::vector<double>&h_ref = hs_both[0], &h_chain = hs_both[1];
   // Bandwidth on the bytes the launch must read: the used experts' packed codes and scales.
   const double up_bytes = static_cast<double>(R.used_v.size()) * 2 * (pk + sk);
   ctx.report.add(c.name(), "moe_up mxfp4 routed", rel(h_gpu, h_ref), kBf16Tol,
@@ -1170,34 +1175,41 @@ void check_latent_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t se
                                                         {"stride_w2", Arg(static_cast<uint32_t>(stride_w2))},
                                                         {"stride_w2_scale", Arg(static_cast<uint32_t>(stride_s2))}},
                                            repeat);
-  auto down_ref = [&](const std::vector<double>& hh, const std::vector<double>& wts) {
-    std::vector<double> ye(T * KT * D);  // round(w * W2 h) per (row, position)
+  // The scaled latent sum from (h, weights) pairs: the GPU's h with its weights, and the reference
+  // chain's; each expert dequantised once.
+  using HW = std::pair<const std::vector<double>*, const std::vector<double>*>;
+  auto down_ref = [&](const std::vector<HW>& ins) {
+    std::vector<std::vector<double>> ye(ins.size(), std::vector<double>(T * KT * D));  // round(w * W2 h)
     for (int32_t e : R.used_v) {
       const std::vector<double> w = h2.at(e).real();
       for (int64_t t = 0; t < T; ++t)
         for (int64_t j = 0; j < KT; ++j) {
           if (R.gid[t * KT + j] != e) continue;
-          const double* ht = hh.data() + (t * KT + j) * I;
-          for (int64_t n = 0; n < D; ++n) {
-            double acc = 0;
-            for (int64_t i = 0; i < I; ++i) acc += w[n * I + i] * ht[i];
-            ye[(t * KT + j) * D + n] = ref::round_bf16(wts[t * KT + j] * acc);
+          for (size_t k2 = 0; k2 < ins.size(); ++k2) {
+            const double* ht = ins[k2].first->data() + (t * KT + j) * I;
+            for (int64_t n = 0; n < D; ++n) {
+              double acc = 0;
+              for (int64_t i = 0; i < I; ++i) acc += w[n * I + i] * ht[i];
+              ye[k2][(t * KT + j) * D + n] = ref::round_bf16((*ins[k2].second)[t * KT + j] * acc);
+            }
           }
         }
     }
-    std::vector<double> o(T * D);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t n = 0; n < D; ++n) {
-        double acc = 0;
-        for (int64_t j = 0; j < KT; ++j) acc += ye[(t * KT + j) * D + n];
-        o[t * D + n] = ref::round_bf16(ref::round_bf16(acc) * m.routed_scaling);
-      }
+    std::vector<std::vector<double>> o(ins.size(), std::vector<double>(T * D));
+    for (size_t k2 = 0; k2 < ins.size(); ++k2)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t n = 0; n < D; ++n) {
+          double acc = 0;
+          for (int64_t j = 0; j < KT; ++j) acc += ye[k2][(t * KT + j) * D + n];
+          o[k2][t * D + n] = ref::round_bf16(ref::round_bf16(acc) * m.routed_scaling);
+        }
     return o;
   };
   const std::vector<double> gw_d(R.gw.begin(), R.gw.end());
   const std::vector<double> sum_gpu = bf16_out(sum);
+  const std::vector<std::vector<double>> sums_both = down_ref({{&h_gpu, &gw_d}, {&h_chain, &R.w_want}});
   const double down_bytes = static_cast<double>(R.used_v.size()) * (pk + sk);
-  ctx.report.add(c.name(), "moe_down mxfp4 (latent sum)", rel(sum_gpu, down_ref(h_gpu, gw_d)), kBf16Tol,
+  ctx.report.add(c.name(), "moe_down mxfp4 (latent sum)", rel(sum_gpu, sums_both[0]), kBf16Tol,
                  ctx.time ? fmt::format("{:.1f} us, {:.0f} GB/s on {} experts' packed bytes", down_ms * 1e3,
                                         down_bytes / (down_ms * 1e-3) * 1e-9, R.used_v.size())
                           : std::string());
@@ -1262,7 +1274,7 @@ void check_latent_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t se
   ctx.report.add(c.name(), "gemm latent up + shared (AD)", rel(out_gpu, out_ref(ln_gpu, sh_gpu)), kBf16Tol,
                  ctx.time ? fmt::format("{:.1f} us", lup_ms * 1e3) : std::string());
   // The whole latent MoE from x: every stage from the reference's own previous stage.
-  const std::vector<double> chain = out_ref(norm_ref(down_ref(up_ref(lat_ref), R.w_want)), sh_ref);
+  const std::vector<double> chain = out_ref(norm_ref(sums_both[1]), sh_ref);
   ctx.report.add(c.name(), "latent moe chain (from x)", rel(out_gpu, chain), kBf16Tol,
                  fmt::format("{} experts used", R.used_v.size()));
 }
