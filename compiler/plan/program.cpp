@@ -205,7 +205,14 @@ class Builder {
       push(StepBuilder("rmsnorm", {{"W", t_}, {"H", H}})
                .ws("hidden", a_).io("residual", "residual_out").weight("weight", "post_attention_layernorm.weight")
                .ws("out", x2_).io("residual_out", "residual_out").f32("eps", m_.rms_norm_eps));
-      if (ffn() == Ffn::dense) dense(); else if (ffn() == Ffn::latent_moe) latent_moe(); else moe();
+      if (ffn() == Ffn::dense)
+        dense();
+      else if (ffn() == Ffn::latent_moe)
+        latent_moe();
+      else if (m_.moe.expert_format == model::ExpertFormat::mxfp4)
+        moe_mxfp4();
+      else
+        moe();
       p.steps = std::move(steps_);
       p.workspace = ws_.top;
     } catch (const Unavailable& u) {
@@ -237,9 +244,7 @@ class Builder {
       throw Unavailable{"Kimi-K3 layers (block attention residuals, latent MXFP4 experts, q_lora MLA, full-rank "
                         "KDA gate) have no layer program in this version"};
     // MXFP4 experts are read by the Q4 forms of moe_up / moe_down, which have no shared expert: the
-    // latent MoE runs its shared expert apart; the plain MoE has no program for them yet.
-    if (m_.moe.expert_format != model::ExpertFormat::bf16 && ffn() == Ffn::moe)
-      throw Unavailable{"MXFP4 experts outside the latent MoE have no layer program in this version"};
+    // latent MoE (latent_moe) and the plain MoE over MXFP4 experts (moe_mxfp4) run it apart.
     if (t_ > 32)
       throw Unavailable{fmt::format("width {} x q {} = {} rows: the skinny GEMMs hold at most 32 rows", w_, q_, t_)};
     if (mixer() == Mixer::kda) {
@@ -441,6 +446,83 @@ class Builder {
     reduce_into_out();
   }
 
+  // A plain MoE layer over MXFP4 experts (experts at the hidden width): the Q4 forms of moe_up /
+  // moe_down (no shared expert) write the scaled routed sum to scratch; the shared expert runs apart
+  // (mlp_up, then its down gemm with the routed sum as addend, AD = 1) into the layer output. Under
+  // tensor parallelism both are this rank's partials, summed by the one allreduce (op 1) as in moe().
+  void moe_mxfp4() {
+    const model::MoeConfig& e = m_.moe;
+    const int64_t H = m_.hidden, E = e.num_experts, K = e.top_k;
+    const std::string ex = "block_sparse_moe.experts.{e}.", sh = "block_sparse_moe.shared_experts.";
+    const int64_t I = lw_.rows(ex + "w1.weight_packed");
+    if (I % e.mxfp4_group != 0)
+      throw Unavailable{fmt::format("MXFP4 experts: this rank's intermediate width {} is not a multiple of {} (one "
+                                    "scale per {} values of w2's rows)", I, e.mxfp4_group, e.mxfp4_group)};
+    const bool shared = lw_.find(sh + "gate_proj.weight") != nullptr;
+    const int64_t S = shared ? lw_.rows(sh + "gate_proj.weight") : 0;
+    const int64_t U = std::min(E, t_ * K), act = m_.activation == model::Activation::situ ? 1 : 0;
+    const uint64_t logits = ws_.take(t_ * E * 4), ids = ws_.take(t_ * K * 4), tw = ws_.take(t_ * K * 4);
+    const uint64_t experts = ws_.take((1 + U) * 4), slots = ws_.take(U * t_ * 4);
+    const uint64_t h = ws_.take(t_ * K * I * 2);
+    push(gemm(H, {"block_sparse_moe.gate.weight"}, /*f32=*/true).ws("x", x2_).ws("out", logits));
+    push(StepBuilder("moe_route", {{"W", t_}, {"E", E}, {"K", K}, {"RN", e.renormalize ? 1 : 0}})
+             .ws("logits", logits).weight("bias", "block_sparse_moe.gate.e_score_correction_bias")
+             .ws("topk_ids", ids).ws("topk_weights", tw).ws("experts", experts).ws("expert_slots", slots));
+    push(mxfp4_up(x2_, H, I, act, experts, slots, h));
+    const uint64_t out = shared ? ws_.take(t_ * H * 2) : partial_of_out();  // the routed sum, or the output
+    StepBuilder down = mxfp4_down(H, I, h, experts, slots, tw);
+    down.ws_or_io("out", out, "out");
+    push(down);
+    if (shared) {
+      const uint64_t hs = ws_.take(t_ * S * 2);
+      push(shared_up(S, act, hs));
+      push(gemm(S, {sh + "down_proj.weight"}, false, /*add=*/true)
+               .ws("x", hs).ws("add", out).ws_or_io("out", partial_of_out(), "out"));
+    }
+    reduce_into_out();
+  }
+
+  // moe_up over MXFP4 routed experts (Q4, no shared expert) reading x [T, D].
+  StepBuilder mxfp4_up(uint64_t x, int64_t D, int64_t I, int64_t act, uint64_t experts, uint64_t slots, uint64_t h) {
+    const model::MoeConfig& e = m_.moe;
+    const std::string ex = "block_sparse_moe.experts.{e}.";
+    StepBuilder up("moe_up", {{"W", t_}, {"D", D}, {"I", I}, {"E", e.num_experts}, {"K", e.top_k}, {"S", 0},
+                              {"ACT", act}, {"Q4", 1}});
+    for (const char* w : {"w1", "w3"}) {
+      const std::string packed = ex + w + ".weight_packed", scale = ex + w + ".weight_scale";
+      const std::string p(w);
+      up.weight(w, packed).weight((p + "_scale").c_str(), scale).expert_stride(("stride_" + p).c_str(), packed)
+          .expert_stride(("stride_" + p + "_scale").c_str(), scale);
+    }
+    up.ws("x", x).ws("experts", experts).ws("expert_slots", slots).ws("h", h);
+    if (act) up.f32("act_beta", m_.situ_beta).f32("act_linear_beta", m_.situ_linear_beta);
+    return up;
+  }
+  // moe_down over MXFP4 routed experts (Q4) writing the scaled routed sum [T, D]; "out" left to the caller.
+  StepBuilder mxfp4_down(int64_t D, int64_t I, uint64_t h, uint64_t experts, uint64_t slots, uint64_t tw) {
+    const model::MoeConfig& e = m_.moe;
+    const std::string ex = "block_sparse_moe.experts.{e}.";
+    StepBuilder down("moe_down",
+                     {{"W", t_}, {"D", D}, {"I", I}, {"E", e.num_experts}, {"K", e.top_k}, {"S", 0}, {"Q4", 1}});
+    down.ws("h", h).weight("w2", ex + "w2.weight_packed").weight("w2_scale", ex + "w2.weight_scale")
+        .expert_stride("stride_w2", ex + "w2.weight_packed").expert_stride("stride_w2_scale", ex + "w2.weight_scale")
+        .ws("experts", experts).ws("expert_slots", slots).ws("topk_weights", tw)
+        .f32("routed_scaling", e.routed_scaling);
+    return down;
+  }
+  // The shared expert's gate/up (mlp_up over ws.x2) into hs [T, S].
+  StepBuilder shared_up(int64_t S, int64_t act, uint64_t hs) {
+    const std::string sh = "block_sparse_moe.shared_experts.";
+    std::map<std::string, int64_t> sp{{"W", t_}, {"D", m_.hidden}, {"I", S}, {"ACT", act}};
+    if (fp8_all("the shared expert's gate/up", {sh + "gate_proj.weight", sh + "up_proj.weight"})) sp["Q8"] = 1;
+    StepBuilder su("mlp_up", sp);
+    su.ws("x", x2_).ws("h", hs);
+    bind_weight(su, "w_gate", sh + "gate_proj.weight");
+    bind_weight(su, "w_up", sh + "up_proj.weight");
+    if (act) su.f32("act_beta", m_.situ_beta).f32("act_linear_beta", m_.situ_linear_beta);
+    return su;
+  }
+
   // K3 latent MoE (model-family.md 3c): the routed experts run in the latent width D; the shared expert
   // at full width on x2; out = up_lat(norm(latent sum)) + shared(x2). MXFP4 experts (the K3 checkpoints'
   // packed U8 codes + U8 E8M0 scales) go to the Q4 forms of moe_up / moe_down, bf16 ones to the plain
@@ -456,8 +538,9 @@ class Builder {
     const int64_t H = m_.hidden, E = e.num_experts, K = e.top_k, D = e.latent_dim;
     const bool q4 = e.expert_format == model::ExpertFormat::mxfp4;
     const std::string ex = "block_sparse_moe.experts.{e}.", sh = "block_sparse_moe.shared_experts.";
-    const std::string w1 = ex + (q4 ? "w1.weight_packed" : "w1.weight"), w3 = ex + (q4 ? "w3.weight_packed" : "w3.weight"),
-                      w2 = ex + (q4 ? "w2.weight_packed" : "w2.weight");
+    const std::string w1 = ex + (q4 ? "w1.weight_packed" : "w1.weight");
+    const std::string w3 = ex + (q4 ? "w3.weight_packed" : "w3.weight");
+    const std::string w2 = ex + (q4 ? "w2.weight_packed" : "w2.weight");
     const int64_t I = lw_.rows(w1);  // this rank's shard of the expert intermediate width
     if (q4 && I % e.mxfp4_group != 0)
       throw Unavailable{fmt::format("MXFP4 experts: this rank's intermediate width {} is not a multiple of {} (one "
@@ -469,47 +552,33 @@ class Builder {
     const uint64_t experts = ws_.take((1 + U) * 4), slots = ws_.take(U * t_ * 4);
     const uint64_t lat = ws_.take(t_ * D * 2), h = ws_.take(t_ * K * I * 2);
     // [T, D] latent sum, then [T, H] shared expert output (the all-reduced pair at tensor_parallel > 1).
-    const uint64_t sums = ws_.take(t_ * (D + (shared ? H : 0)) * 2), shared_out = sums + static_cast<uint64_t>(t_ * D * 2);
+    const uint64_t sums = ws_.take(t_ * (D + (shared ? H : 0)) * 2);
+    const uint64_t shared_out = sums + static_cast<uint64_t>(t_ * D * 2);
     push(gemm(H, {"block_sparse_moe.gate.weight"}, /*f32=*/true).ws("x", x2_).ws("out", logits));
     push(StepBuilder("moe_route", {{"W", t_}, {"E", E}, {"K", K}, {"RN", e.renormalize ? 1 : 0}})
              .ws("logits", logits).weight("bias", "block_sparse_moe.gate.e_score_correction_bias")
              .ws("topk_ids", ids).ws("topk_weights", tw).ws("experts", experts).ws("expert_slots", slots));
     push(gemm(H, {"block_sparse_moe.routed_expert_down_proj.weight"}).ws("x", x2_).ws("out", lat));
 
-    std::map<std::string, int64_t> upp{{"W", t_}, {"D", D}, {"I", I}, {"E", E}, {"K", K}, {"S", 0}, {"ACT", act}};
-    if (q4) upp["Q4"] = 1;
-    StepBuilder up("moe_up", upp);
-    up.ws("x", lat).weight("w1", w1).weight("w3", w3).expert_stride("stride_w1", w1).expert_stride("stride_w3", w3)
-        .ws("experts", experts).ws("expert_slots", slots).ws("h", h);
     if (q4) {
-      up.weight("w1_scale", ex + "w1.weight_scale").weight("w3_scale", ex + "w3.weight_scale")
-          .expert_stride("stride_w1_scale", ex + "w1.weight_scale").expert_stride("stride_w3_scale", ex + "w3.weight_scale");
+      push(mxfp4_up(lat, D, I, act, experts, slots, h));
+      StepBuilder down = mxfp4_down(D, I, h, experts, slots, tw);
+      down.ws("out", sums);
+      push(down);
     } else {
-      up.null("shared_gate").null("shared_up").null("hs");
+      StepBuilder up("moe_up", {{"W", t_}, {"D", D}, {"I", I}, {"E", E}, {"K", K}, {"S", 0}, {"ACT", act}});
+      up.ws("x", lat).weight("w1", w1).weight("w3", w3).expert_stride("stride_w1", w1).expert_stride("stride_w3", w3)
+          .ws("experts", experts).ws("expert_slots", slots).ws("h", h).null("shared_gate").null("shared_up").null("hs");
+      if (act) up.f32("act_beta", m_.situ_beta).f32("act_linear_beta", m_.situ_linear_beta);
+      push(up);
+      push(StepBuilder("moe_down", {{"W", t_}, {"D", D}, {"I", I}, {"E", E}, {"K", K}, {"S", 0}})
+               .ws("h", h).weight("w2", w2).expert_stride("stride_w2", w2).ws("experts", experts)
+               .ws("expert_slots", slots).ws("topk_weights", tw).ws("out", sums)
+               .f32("routed_scaling", e.routed_scaling).null("hs").null("shared_down"));
     }
-    if (act) up.f32("act_beta", m_.situ_beta).f32("act_linear_beta", m_.situ_linear_beta);
-    push(up);
-    std::map<std::string, int64_t> downp{{"W", t_}, {"D", D}, {"I", I}, {"E", E}, {"K", K}, {"S", 0}};
-    if (q4) downp["Q4"] = 1;
-    StepBuilder down("moe_down", downp);
-    down.ws("h", h).weight("w2", w2).expert_stride("stride_w2", w2).ws("experts", experts).ws("expert_slots", slots)
-        .ws("topk_weights", tw).ws("out", sums).f32("routed_scaling", e.routed_scaling);
-    if (q4)
-      down.weight("w2_scale", ex + "w2.weight_scale").expert_stride("stride_w2_scale", ex + "w2.weight_scale");
-    else
-      down.null("hs").null("shared_down");
-    push(down);
-
     if (shared) {
       const uint64_t hs = ws_.take(t_ * S * 2);
-      std::map<std::string, int64_t> sp{{"W", t_}, {"D", H}, {"I", S}, {"ACT", act}};
-      if (fp8_all("the shared expert's gate/up", {sh + "gate_proj.weight", sh + "up_proj.weight"})) sp["Q8"] = 1;
-      StepBuilder su("mlp_up", sp);
-      su.ws("x", x2_).ws("h", hs);
-      bind_weight(su, "w_gate", sh + "gate_proj.weight");
-      bind_weight(su, "w_up", sh + "up_proj.weight");
-      if (act) su.f32("act_beta", m_.situ_beta).f32("act_linear_beta", m_.situ_linear_beta);
-      push(su);
+      push(shared_up(S, act, hs));
       push(gemm(S, {sh + "down_proj.weight"}).ws("x", hs).ws("out", shared_out));
     }
     if (sharded()) {

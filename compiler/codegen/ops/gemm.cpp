@@ -116,7 +116,8 @@ std::vector<OpSpec> gemm_ops() {
               }
             }
             if (p.at("AD"))
-              a.push_back({"add", KernelParam::Kind::pointer, "const dp_bf16*", shape({p.at("W"), gemm_ntot(p)}, "bf16"),
+              a.push_back({"add", KernelParam::Kind::pointer, "const dp_bf16*",
+                           shape({p.at("W"), gemm_ntot(p)}, "bf16"),
                            "addend: out = bf16(bf16(x W^T) + add) (K3 latent MoE: the shared expert's output)"});
             return a;
           },

@@ -1,6 +1,7 @@
 // Layer programs of the K3 latent MoE with MXFP4 routed experts (program.cpp latent_moe): the steps, their
 // kernels and bindings (packed U8 codes and U8 scales, expert strides, the scratch the steps pass on),
-// the single all-reduce of the latent sum and the shared output at tensor_parallel 2.
+// the single all-reduce of the latent sum and the shared output at tensor_parallel 2; and the plain MoE
+// over MXFP4 experts (program.cpp moe_mxfp4).
 //
 // Kimi-K3 models get no program yet (their mixers and block attention residuals have none), so these
 // tests read the kimi-k3-tiny preset with Kimi-Linear mixers (low-rank KDA gate, no q-LoRA, no MLA
@@ -153,6 +154,43 @@ TEST(LatentMoePrograms, KimiK3StaysWithoutProgramAndPlansEveryClass) {
   const Plan plan = make_plan(latent_model(), deploy_of(1), "deploy.json");
   ASSERT_FALSE(plan.programs.empty());
   for (const LayerProgram& pr : plan.programs) EXPECT_EQ(pr.unavailable, "") << to_string(pr.cls) << " w" << pr.width;
+}
+
+// Kimi-Linear-tiny with the routed experts in MXFP4 (the K3 preset's compressed-tensors description):
+// a plain MoE over MXFP4 experts at the hidden width. The Q4 forms write the routed sum to scratch, the
+// shared expert's down gemm adds it (AD) into the output; at tensor_parallel 2 both are partials and the
+// FFN's one allreduce sums them.
+TEST(LatentMoePrograms, PlainMoeOverMxfp4Experts) {
+  Json c = parse_json(*embedded_file("presets/kimi-linear-tiny.json"), "preset");
+  c["quantization_config"] =
+      parse_json(*embedded_file("presets/kimi-k3-tiny.json"), "preset")["quantization_config"];
+  const model::Model m = model::model_from_config(c, "config.json");
+  ASSERT_EQ(m.moe.expert_format, model::ExpertFormat::mxfp4);
+  for (int64_t tp : {1, 2}) {
+    const LayerProgram p = layer_program(m, deploy_of(tp), LayerClass::kda_moe, 2);
+    ASSERT_EQ(p.unavailable, "") << "tp " << tp;
+    const std::vector<const ProgramStep*> f = ffn_steps(p);
+    std::vector<std::string> names;
+    for (const ProgramStep* s : f) names.push_back(s->name);
+    if (tp == 1) {
+      EXPECT_EQ(names, (std::vector<std::string>{"gemm_w2_k256_na16_f1", "moe_route_w2_e16_k4_rn1",
+                                                 "moe_up_w2_d256_i128_e16_k4_s0_act0_q41",
+                                                 "moe_down_w2_d256_i128_e16_k4_s0_q41", "mlp_up_w2_d256_i128_act0",
+                                                 "gemm_w2_k128_na256_ad1"}));
+    } else {
+      EXPECT_EQ(names, (std::vector<std::string>{"gemm_w2_k256_na16_f1", "moe_route_w2_e16_k4_rn1",
+                                                 "moe_up_w2_d256_i64_e16_k4_s0_act0_q41",
+                                                 "moe_down_w2_d256_i64_e16_k4_s0_q41", "mlp_up_w2_d256_i64_act0",
+                                                 "gemm_w2_k64_na256_ad1", "allreduce_w2_h256_r2"}));
+      EXPECT_EQ(arg(*f.back(), "op").value, 1);
+      EXPECT_EQ(arg(*f.back(), "partial").offset, arg(*f[5], "out").offset);
+    }
+    EXPECT_EQ(arg(*f[2], "x").offset, arg(*f[0], "x").offset);  // the experts read x2 itself
+    EXPECT_EQ(arg(*f[2], "w3_scale").name, "block_sparse_moe.experts.{e}.w3.weight_scale");
+    EXPECT_EQ(arg(*f[5], "add").offset, arg(*f[3], "out").offset);
+    EXPECT_EQ(arg(*f[5], "w0").name, "block_sparse_moe.shared_experts.down_proj.weight");
+    EXPECT_EQ(arg(*f[5], "out").from, tp == 1 ? ProgramArg::From::io : ProgramArg::From::workspace);
+  }
 }
 
 }  // namespace
