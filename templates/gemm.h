@@ -474,7 +474,234 @@ __device__ __forceinline__ void dp_mma_rows_fp8(WRow wrow, XRow xrow, int b0, in
 }
 #endif
 
-// A weight matrix [N, K] for the row accessors: bf16, or e4m3 with its block scales.
+// ---------------------------------------------------------------------------------------------------
+// MXFP4 weights (OCP microscaling, compressed-tensors "mxfp4-pack-quantized": Kimi-K3's routed experts).
+// A row of K values is K/2 bytes of E2M1 codes, two per byte, the even element in the low nibble, and
+// K/32 bytes of E8M0 scales, one per group of 32 consecutive values; the real weight is
+// e2m1(code) * 2^(scale - 127), e2m1 codes 0..7 = {0, 0.5, 1, 1.5, 2, 3, 4, 6} and 8..15 the same
+// negated. One 16-byte load of a row is exactly one group (32 values, one scale byte). Rows are walked
+// in chunks of 128 columns (4 groups), the unit of the K-slices; K must be a multiple of 32.
+// Scales are decoded exactly for bytes 1..252 (every value's bf16 exponent stays in range); 0 decodes
+// code 1 (0.5 * 2^-127) as 0 on NVIDIA, and 253..255 (255: NaN in the format) are not supported.
+#define DP_FP4_GROUP 32
+#define DP_FP4_CHUNK 128
+
+// Row r of an MXFP4 matrix [N, K]: its packed codes [K/2] bytes and its scales [K/32] bytes.
+struct dp_fp4_row {
+  const dp_u8* w;
+  const dp_u8* s;
+};
+template <typename R>
+struct dp_is_fp4_row {
+  static constexpr bool value = false;
+};
+template <>
+struct dp_is_fp4_row<dp_fp4_row> {
+  static constexpr bool value = true;
+};
+template <int K>
+__device__ __forceinline__ dp_fp4_row dp_fp4_matrix_row(const dp_u8* w, const dp_u8* s, int r) {
+  return dp_fp4_row{w + (dp_u64)r * (K / 2), s + (dp_u64)r * (K / DP_FP4_GROUP)};
+}
+
+// Portable decoding (the lane-FMA loop): code c's value times 2 is nibble c & 7 of 0xC8643210
+// ({0, 1, 2, 3, 4, 6, 8, 12}); the group's factor 2^(s-127) / 2 is built from the exponent bits.
+__device__ __forceinline__ float dp_e8m0_half(dp_u32 s) {  // 2^(s - 128), s in 1..254
+  return dp_bits_to_f32((s > 1u ? s - 1u : 1u) << 23);
+}
+// Eight codes of a word (element 0 in the low nibble) as value * 2 in fp32, exact.
+__device__ __forceinline__ void dp_e2m1x8_to_f32x2(dp_u32 w, float out[8]) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const dp_u32 c = (w >> (4 * k)) & 0xfu;
+    const float m = (float)((0xC8643210u >> (4 * (c & 7u))) & 0xfu);
+    out[k] = (c & 8u) ? -m : m;
+  }
+}
+
+// Lane partials over MXFP4 rows, as dp_dot_rows over vectors of 32 columns (one group each):
+// v = v0 + lane + 32*i, i < kIters, v < v_end; each vector's products are summed, then scaled by its
+// group's scale.
+template <int T, int M, int kIters>
+__device__ __forceinline__ void dp_dot_rows_fp4(const dp_fp4_row (&w)[M], const dp_bf16* const (&x)[T], int v0,
+                                                int v_end, int lane, float (&acc)[M][T]) {
+  if constexpr (kIters > 0) {
+    constexpr int kUnroll = kIters < 4 ? kIters : 4;
+    for (int i0 = 0; i0 < kIters; i0 += kUnroll) {
+      dp_u32x4 wv[kUnroll][M];
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int v = v0 + lane + DP_GROUP * (i0 + j);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          if (i0 + j < kIters && v < v_end) {
+            wv[j][m] = dp_load16(w[m].w + 16 * v);
+          } else {
+            wv[j][m].x = wv[j][m].y = wv[j][m].z = wv[j][m].w = 0u;
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        const int v = v0 + lane + DP_GROUP * (i0 + j);
+        if (i0 + j >= kIters || v >= v_end) continue;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const float sc = dp_e8m0_half(w[m].s[v]);
+          const dp_u32 ww[4] = {wv[j][m].x, wv[j][m].y, wv[j][m].z, wv[j][m].w};
+          float p[T];
+#pragma unroll
+          for (int t = 0; t < T; ++t) p[t] = 0.0f;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            float wf[8];  // [8] fp32: value * 2
+            dp_e2m1x8_to_f32x2(ww[k], wf);
+#pragma unroll
+            for (int t = 0; t < T; ++t) {
+              if (!x[t]) continue;
+              float xf[8];
+              dp_unpack8_bf16(dp_load16(x[t] + 32 * v + 8 * k), xf);
+#pragma unroll
+              for (int e = 0; e < 8; ++e) p[t] += wf[e] * xf[e];
+            }
+          }
+#pragma unroll
+          for (int t = 0; t < T; ++t) acc[m][t] += p[t] * sc;
+        }
+      }
+    }
+  }
+}
+
+#if DP_VENDOR_NVIDIA
+// The tensor-core operands of one MXFP4 group: the eight codes of `w` (element 0 in the low nibble) as
+// four bf16x2 words (elements 2k, 2k+1 in word k, the even one in the low half) holding the exact
+// real values e2m1 * 2^(s-127), from lookup tables of the group built by dp_fp4_tables. A bf16 value
+// with a one-bit mantissa has a 9-bit pattern of exponent and mantissa (E << 7 | m << 6), split into its
+// high byte and low byte: tab[0], tab[1] hold the high bytes of codes 0-3 and 4-7, tab[2], tab[3] the
+// low bytes; prmt looks four codes up at once (the codes' low three bits are byte selectors), the sign
+// bits of the codes (bit 3 of each nibble) are moved to bit 7 of the high bytes, and two more prmt
+// interleave low and high bytes into bf16 pairs. 15 integer instructions for eight values.
+__device__ __forceinline__ void dp_fp4_tables(dp_u32 s, dp_u32 (&tab)[4]) {
+  const dp_u32 e1 = s > 0u ? s - 1u : 0u;  // exponent of 0.5 * 2^(s-127); s = 0: code 1 becomes 0
+  const dp_u32 sh = s << 7;
+  const dp_u32 p0 = e1 << 23;                        // codes 0, 1: 0 and 0.5
+  const dp_u32 p1 = (sh | (sh << 16)) | 0x00400000u; // codes 2, 3: 1 and 1.5
+  const dp_u32 p2 = p1 + 0x00800080u;                // codes 4, 5: 2 and 3
+  const dp_u32 p3 = p1 + 0x01000100u;                // codes 6, 7: 4 and 6
+  tab[0] = __byte_perm(p0, p1, 0x7531u);
+  tab[1] = __byte_perm(p2, p3, 0x7531u);
+  tab[2] = __byte_perm(p0, p1, 0x6420u);
+  tab[3] = __byte_perm(p2, p3, 0x6420u);
+}
+__device__ __forceinline__ void dp_e2m1x8_to_bf16x8(dp_u32 w, const dp_u32 (&tab)[4], dp_u32 out[4]) {
+  const dp_u32 a = w & 0x77777777u, ah = a >> 16, w4 = w << 4;
+  // Sign bits: element 2k's at bit 7 of byte k of w << 4, element 2k+1's at bit 7 of byte k of w.
+  const dp_u32 hi01 = __byte_perm(tab[0], tab[1], a) | (__byte_perm(w4, w, 0x5140u) & 0x80808080u);
+  const dp_u32 hi23 = __byte_perm(tab[0], tab[1], ah) | (__byte_perm(w4, w, 0x7362u) & 0x80808080u);
+  const dp_u32 lo01 = __byte_perm(tab[2], tab[3], a), lo23 = __byte_perm(tab[2], tab[3], ah);
+  out[0] = __byte_perm(lo01, hi01, 0x5140u);
+  out[1] = __byte_perm(lo01, hi01, 0x7362u);
+  out[2] = __byte_perm(lo23, hi23, 0x5140u);
+  out[3] = __byte_perm(lo23, hi23, 0x7362u);
+}
+
+// Tensor-core dot products of one warp over MXFP4 weight rows (dp_fp4_row): MT tiles of 16 rows against
+// NT tiles of 8 activation rows over the 128-column chunks [c0, c_end) of K. Lane (g, q) loads group q
+// of every chunk (columns [128c + 32q, +32): one 16-byte load and one scale byte) of weight rows g and
+// g + 8 of every tile, and the same 32 columns of activation row g of every tile (four 16-byte loads);
+// converted to bf16 with the group's scale folded in (exact), they are eight 16-deep steps whose k
+// slots the lane fills with its own columns for both operands, as dp_mma_rows does. kUnroll chunks of
+// weight loads are issued before any is used.
+//   wrow(m): dp_fp4_row of weight row m (0 <= m < 16*MT); xrow(t): [K] bf16 or null (a zero row)
+template <int K, int MT, int NT, typename WRow, typename XRow>
+__device__ __forceinline__ void dp_mma_rows_fp4(WRow wrow, XRow xrow, int c0, int c_end, float (&acc)[MT][NT][4]) {
+  static_assert(K % DP_FP4_GROUP == 0, "mxfp4 weights: K must be a multiple of 32 (one scale per 32 values)");
+  constexpr int kUnroll = MT == 1 ? 4 : 2;  // chunks of weight loads in flight
+  const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
+  const dp_u8* wp[MT][2];  // rows g, g+8 of each tile, at this lane's group of chunk 0
+  const dp_u8* sp[MT][2];
+  const dp_bf16* xp[NT];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const dp_fp4_row row = wrow(16 * mt + g + 8 * r);
+      wp[mt][r] = row.w + 16 * q;
+      sp[mt][r] = row.s + q;
+    }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const dp_bf16* p = xrow(8 * nt + g);
+    xp[nt] = p ? p + 32 * q : nullptr;
+  }
+  for (int cb = c0; cb < c_end; cb += kUnroll) {
+    dp_u32x4 wv[kUnroll][MT][2];  // weight vectors in flight
+    dp_u32 sc[kUnroll][MT][2];    // their scale bytes
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = cb + u;
+      const bool in = c < c_end && DP_FP4_CHUNK * c + DP_FP4_GROUP * q < K;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (in) {
+            wv[u][mt][r] = dp_load16(wp[mt][r] + 64 * c);
+            sc[u][mt][r] = sp[mt][r][4 * c];
+          } else {
+            wv[u][mt][r].x = wv[u][mt][r].y = wv[u][mt][r].z = wv[u][mt][r].w = 0u;
+            sc[u][mt][r] = 0u;
+          }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = cb + u;
+      if (c >= c_end) continue;  // uniform over the warp
+      const bool in = DP_FP4_CHUNK * c + DP_FP4_GROUP * q < K;
+      dp_u32 xw[NT][16];  // activation row g's 32 columns as bf16 pairs
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          dp_u32x4 v;
+          if (in && xp[nt]) {
+            v = dp_load16(xp[nt] + DP_FP4_CHUNK * c + 8 * i);
+          } else {
+            v.x = v.y = v.z = v.w = 0u;
+          }
+          xw[nt][4 * i] = v.x;
+          xw[nt][4 * i + 1] = v.y;
+          xw[nt][4 * i + 2] = v.z;
+          xw[nt][4 * i + 3] = v.w;
+        }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        dp_u32 a[2][16];  // rows g, g+8: 32 columns as bf16 pairs (real values)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          dp_u32 tab[4];
+          dp_fp4_tables(sc[u][mt][r], tab);
+          const dp_u32x4 v = wv[u][mt][r];
+          dp_e2m1x8_to_bf16x8(v.x, tab, a[r]);
+          dp_e2m1x8_to_bf16x8(v.y, tab, a[r] + 4);
+          dp_e2m1x8_to_bf16x8(v.z, tab, a[r] + 8);
+          dp_e2m1x8_to_bf16x8(v.w, tab, a[r] + 12);
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            dp_mma_16816(acc[mt][nt], a[0][2 * i], a[1][2 * i], a[0][2 * i + 1], a[1][2 * i + 1], xw[nt][2 * i],
+                         xw[nt][2 * i + 1]);
+      }
+    }
+  }
+}
+#endif
+
+// A weight matrix [N, K] for the row accessors: bf16, e4m3 with its block scales, or MXFP4.
 template <int K>
 struct dp_bf16_matrix {
   const dp_bf16* w;
@@ -486,24 +713,34 @@ struct dp_fp8_matrix {
   const float* s;
   __device__ __forceinline__ dp_fp8_row row(int r) const { return dp_fp8_matrix_row<K>(w, s, r); }
 };
+template <int K>
+struct dp_fp4_matrix {
+  const dp_u8* w;
+  const dp_u8* s;
+  __device__ __forceinline__ dp_fp4_row row(int r) const { return dp_fp4_matrix_row<K>(w, s, r); }
+};
 
 #if DP_VENDOR_NVIDIA
-// dp_mma_rows or dp_mma_rows_fp8 (by what wrow returns) over the whole of K.
+// dp_mma_rows, dp_mma_rows_fp8 or dp_mma_rows_fp4 (by what wrow returns) over the whole of K.
 template <int K, int MT, int NT, typename WRow, typename XRow>
 __device__ __forceinline__ void dp_mma_rows_all(WRow wrow, XRow xrow, float (&acc)[MT][NT][4]) {
   if constexpr (dp_is_fp8_row<decltype(wrow(0))>::value)
     dp_mma_rows_fp8<K, MT, NT>(wrow, xrow, 0, (K + DP_FP8_BLOCK - 1) / DP_FP8_BLOCK, acc);
+  else if constexpr (dp_is_fp4_row<decltype(wrow(0))>::value)
+    dp_mma_rows_fp4<K, MT, NT>(wrow, xrow, 0, (K + DP_FP4_CHUNK - 1) / DP_FP4_CHUNK, acc);
   else
     dp_mma_rows<K, MT, NT>(wrow, xrow, 0, (K + 31) / 32, acc);
 }
 #endif
 
-// dp_dot_rows or dp_dot_rows_fp8 (by the row type) over the whole of K.
+// dp_dot_rows, dp_dot_rows_fp8 or dp_dot_rows_fp4 (by the row type) over the whole of K.
 template <int T, int M, int K, typename R>
 __device__ __forceinline__ void dp_dot_rows_all(const R (&w)[M], const dp_bf16* const (&x)[T], int lane,
                                                 float (&acc)[M][T]) {
   if constexpr (dp_is_fp8_row<R>::value)
     dp_dot_rows_fp8<T, M, (K / 16 + DP_GROUP - 1) / DP_GROUP>(w, x, 0, K / 16, lane, acc);
+  else if constexpr (dp_is_fp4_row<R>::value)
+    dp_dot_rows_fp4<T, M, (K / DP_FP4_GROUP + DP_GROUP - 1) / DP_GROUP>(w, x, 0, K / DP_FP4_GROUP, lane, acc);
   else
     dp_dot_rows<T, M, (K / 8 + DP_GROUP - 1) / DP_GROUP>(w, x, 0, K / 8, lane, acc);
 }
@@ -531,7 +768,8 @@ __host__ __device__ constexpr int dp_fma_rows() {
 // (the caller repeats a valid one and ignores its result).
 //   wrow(slot, m): pointer to row m (< 16*MT) of the slot, [K] bf16; or its dp_fp8_row (e4m3 weights)
 //   xrow(t): pointer to activation row t (< T), [K] bf16, or null (masked: contributes 0)
-// NVIDIA with T >= 2, and e4m3 weights at any T: tensor cores (dp_mma_rows, dp_mma_rows_fp8). T == 1, and AMD: the lane-FMA loop (dp_dot_rows),
+// NVIDIA with T >= 2, and e4m3 or MXFP4 weights at any T: tensor cores (dp_mma_rows, dp_mma_rows_fp8,
+// dp_mma_rows_fp4). T == 1, and AMD: the lane-FMA loop (dp_dot_rows),
 // kFmaRows rows at a time (each lane streams 16-byte vectors of whole row slices: measured faster than
 // the tensor-core tile's 64-byte row pieces when one activation row leaves nothing to multiply).
 template <int T, int K, int MT, int S, typename WRow, typename XRow>
@@ -544,11 +782,12 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
   const int lane = (int)threadIdx.x % DP_GROUP;
   const int slot = group / S, slice = group % S;
   constexpr bool kFp8 = dp_is_fp8_row<decltype(wrow(0, 0))>::value;
-  // e4m3 rows: the K-slices are whole 128-column blocks.
+  constexpr bool kFp4 = dp_is_fp4_row<decltype(wrow(0, 0))>::value;
+  // e4m3 and MXFP4 rows: the K-slices are whole 128-column blocks (chunks).
   constexpr int kBlocks = (K + DP_FP8_BLOCK - 1) / DP_FP8_BLOCK;
   constexpr int kSliceBlocks = (kBlocks + S - 1) / S;
 #if DP_VENDOR_NVIDIA
-  constexpr bool kMma = T >= 2 || kFp8;
+  constexpr bool kMma = T >= 2 || kFp8 || kFp4;
 #else
   constexpr bool kMma = false;
 #endif
@@ -564,6 +803,11 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
       const int b0 = slice * kSliceBlocks;
       const int b_end = (b0 + kSliceBlocks < kBlocks) ? b0 + kSliceBlocks : kBlocks;
       dp_mma_rows_fp8<K, MT, NT>([&](int m) { return wrow(slot, m); },
+                                 [&](int t) { return t < T ? xrow(t) : nullptr; }, b0, b_end, acc);
+    } else if constexpr (kFp4) {
+      const int b0 = slice * kSliceBlocks;
+      const int b_end = (b0 + kSliceBlocks < kBlocks) ? b0 + kSliceBlocks : kBlocks;
+      dp_mma_rows_fp4<K, MT, NT>([&](int m) { return wrow(slot, m); },
                                  [&](int t) { return t < T ? xrow(t) : nullptr; }, b0, b_end, acc);
     } else {
       const int c0 = slice * G::kSliceChunks;
@@ -583,9 +827,9 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
         }
 #endif
   } else {
-    // Vectors of 8 bf16, or of 16 e4m3 (8 per 128-column block).
-    constexpr int kSliceVecs = kFp8 ? kSliceBlocks * 8 : G::kSliceChunks * 4;
-    constexpr int kVecs = kFp8 ? K / 16 : G::kVecs;
+    // Vectors of 8 bf16, of 16 e4m3 (8 per 128-column block), or of 32 MXFP4 values (4 per chunk).
+    constexpr int kSliceVecs = kFp8 ? kSliceBlocks * 8 : kFp4 ? kSliceBlocks * 4 : G::kSliceChunks * 4;
+    constexpr int kVecs = kFp8 ? K / 16 : kFp4 ? K / DP_FP4_GROUP : G::kVecs;
     constexpr int kIters = (kSliceVecs + DP_GROUP - 1) / DP_GROUP;
     constexpr int kFmaRows = dp_fma_rows<T, RS, kIters>();
     const int v0 = slice * kSliceVecs;
@@ -604,6 +848,8 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
         for (int t = 0; t < T; ++t) acc[m][t] = 0.0f;
       if constexpr (kFp8)
         dp_dot_rows_fp8<T, kFmaRows, kIters>(w, xr, v0, v_end, lane, acc);
+      else if constexpr (kFp4)
+        dp_dot_rows_fp4<T, kFmaRows, kIters>(w, xr, v0, v_end, lane, acc);
       else
         dp_dot_rows<T, kFmaRows, kIters>(w, xr, v0, v_end, lane, acc);
       dp_group_reduce<T, kFmaRows>(acc);
@@ -642,11 +888,13 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
 // Launch: grid = sum over segments of ceil(N_s / RB) blocks (segment 0's tiles first), block 256.
 // kQ8 (bit s: weight s is e4m3 with fp32 128 x 128 block scales s_s, dp_fp8_row) selects the weights'
 // storage per segment; dp_gemm is the all-bf16 form.
-template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S, int kQ8>
+template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S, int kQ8,
+          int kAdd = 0>
 __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x,  // [T, K] bf16
                                                  void* __restrict__ out,  // [T, Ntot] bf16 (fp32 if kOutF32)
                                                  const void* const (&ws)[6],   // [N_s, K] bf16 or e4m3
-                                                 const float* const (&ss)[6]) {  // e4m3: [ceil(N_s/128), ceil(K/128)]
+                                                 const float* const (&ss)[6],  // e4m3: [ceil(N_s/128), ceil(K/128)]
+                                                 const dp_bf16* __restrict__ add = nullptr) {  // kAdd: [T, Ntot] bf16
   typedef dp_gemm_geometry<K, MT, S> G;
   constexpr int kNtot = N0 + N1 + N2 + N3 + N4 + N5;
   static_assert(N0 > 0, "gemm: segment 0 must have rows");
@@ -704,10 +952,14 @@ __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x, 
     const int r = row0 + i / T;
     if (r >= n_seg) continue;
     const dp_u64 o = (dp_u64)t * kNtot + col0 + r;
-    if (kOutF32)
+    if constexpr (kAdd != 0) {
+      // The product rounded to bf16 (as a separate GEMM would store it), plus the addend, rounded again.
+      ((dp_bf16*)out)[o] = dp_f32_to_bf16(dp_round_bf16(result[i]) + dp_bf16_to_f32(add[o]));
+    } else if (kOutF32) {
       ((float*)out)[o] = result[i];
-    else
+    } else {
       ((dp_bf16*)out)[o] = dp_f32_to_bf16(result[i]);
+    }
   }
 }
 
@@ -735,4 +987,19 @@ __device__ __forceinline__ void dp_gemm_q8(const dp_bf16* __restrict__ x, void* 
   const void* const ws[6] = {w0, w1, w2, w3, w4, w5};
   const float* const ss[6] = {s0, s1, s2, s3, s4, s5};
   dp_gemm_segments<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, kQ8>(x, out, ws, ss);
+}
+
+// The GEMM plus a bf16 addend of the output's shape: out = bf16(bf16(x W^T) + add), the sum of two bf16
+// tensors as a separate add would form it (the K3 latent MoE: latent up-projection + shared expert).
+// bf16 output only; the weights as for dp_gemm_q8 (kQ8 0: all bf16, their scales null).
+template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S, int kQ8>
+__device__ __forceinline__ void dp_gemm_add(const dp_bf16* __restrict__ x, void* __restrict__ out, const void* w0,
+                                            const float* s0, const void* w1, const float* s1, const void* w2,
+                                            const float* s2, const void* w3, const float* s3, const void* w4,
+                                            const float* s4, const void* w5, const float* s5,
+                                            const dp_bf16* __restrict__ add) {
+  static_assert(kOutF32 == 0, "gemm: the addend form writes bf16");
+  const void* const ws[6] = {w0, w1, w2, w3, w4, w5};
+  const float* const ss[6] = {s0, s1, s2, s3, s4, s5};
+  dp_gemm_segments<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, kQ8, 1>(x, out, ws, ss, add);
 }

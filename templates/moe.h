@@ -244,14 +244,18 @@ __device__ __forceinline__ void dp_gate_up_warp_tile(XRow xrow, WM wg, WM wu, in
 //   1: warp tiles of 8 features (dp_gate_up_warp_tile), the shared expert's first, then each used
 //      expert's, walked by all warps of the grid with a stride (any grid; the compiler sizes it to the
 //      most tiles a step can have, at most about two blocks per SM). On AMD: the block tiles of 0,
-//      walked by the blocks of the grid with a stride.
-template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S, int kWarpTiles, int kQ8>
+//      walked by the blocks of the grid with a stride. MXFP4 experts (kQ4) take the warp tiles from one
+//      row on NVIDIA.
+// Expert storage: bf16; e4m3 with 128 x 128 block scales (kQ8, every matrix, routed and shared); or
+// MXFP4 (kQ4: the routed experts' packed E2M1 codes [I, D/2] bytes and E8M0 scales [I, D/32] bytes,
+// strides in bytes; no shared expert, SI == 0).
+template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S, int kWarpTiles, int kQ8, int kQ4 = 0>
 __device__ __forceinline__ void dp_moe_up_impl(
     const dp_bf16* __restrict__ x,             // [T, D] bf16 post-attention-norm rows (or latent)
-    const void* w1, const float* w1_scale,     // [E, stride_w1] expert gate (w1) weights, [I, D] each
-    const void* w3, const float* w3_scale,     // [E, stride_w3] expert up (w3) weights, [I, D] each
-    const void* shared_gate, const float* shared_gate_scale,  // [SI, D] shared expert gate_proj (null if SI == 0)
-    const void* shared_up, const float* shared_up_scale,      // [SI, D] shared expert up_proj
+    const void* w1, const void* w1_scale,      // [E, stride_w1] expert gate (w1) weights, [I, D] each
+    const void* w3, const void* w3_scale,      // [E, stride_w3] expert up (w3) weights, [I, D] each
+    const void* shared_gate, const void* shared_gate_scale,  // [SI, D] shared expert gate_proj (null if SI == 0)
+    const void* shared_up, const void* shared_up_scale,      // [SI, D] shared expert up_proj
     const dp_i32* __restrict__ experts,        // [1 + U] i32 from dp_moe_route
     const dp_i32* __restrict__ expert_slots,   // [U, T] i32 from dp_moe_route
     dp_bf16* __restrict__ h,                   // [T, KT, I] bf16: activated product of row t's j-th expert
@@ -259,15 +263,18 @@ __device__ __forceinline__ void dp_moe_up_impl(
     dp_u32 stride_w1, dp_u32 stride_w1_scale,  // elements between experts of w1 and of its scales
     dp_u32 stride_w3, dp_u32 stride_w3_scale,  // elements between experts of w3 and of its scales
     float act_beta, float act_lbeta) {         // SiTU betas (kAct 1)
-  // Expert (or shared expert) matrices: bf16, or e4m3 with their block scales (kQ8).
-  auto mat = [&](const void* w, const float* sc, dp_u64 w_off, dp_u64 s_off) {
-    if constexpr (kQ8 != 0)
-      return dp_fp8_matrix<D>{(const dp_u8*)w + w_off, sc + s_off};
+  static_assert(kQ4 == 0 || (SI == 0 && kQ8 == 0), "moe_up: MXFP4 experts have no shared expert and no e4m3");
+  // Expert (or shared expert) matrices: bf16, e4m3 with their block scales (kQ8), or MXFP4 (kQ4).
+  auto mat = [&](const void* w, const void* sc, dp_u64 w_off, dp_u64 s_off) {
+    if constexpr (kQ4 != 0)
+      return dp_fp4_matrix<D>{(const dp_u8*)w + w_off, (const dp_u8*)sc + s_off};
+    else if constexpr (kQ8 != 0)
+      return dp_fp8_matrix<D>{(const dp_u8*)w + w_off, (const float*)sc + s_off};
     else
       return dp_bf16_matrix<D>{(const dp_bf16*)w + w_off};
   };
 #if DP_VENDOR_NVIDIA
-  if constexpr (kWarpTiles && T >= 2) {
+  if constexpr (kWarpTiles && (T >= 2 || kQ4 != 0)) {
     constexpr int tS = (SI + 7) / 8, tI = (I + 7) / 8;  // 8-feature tiles of the shared expert, of one expert
     const int warps = (int)gridDim.x * DP_GEMM_GROUPS;
     const int total = tS + experts[0] * tI;
@@ -361,6 +368,20 @@ __device__ __forceinline__ void dp_moe_up_q8(const dp_bf16* __restrict__ x, cons
       h, hs, stride_w1, stride_w1_scale, stride_w3, stride_w3_scale, act_beta, act_lbeta);
 }
 
+// Routed experts in MXFP4 (the K3 latent MoE: D is the latent width), no shared expert. The scale
+// tensors are stacked like the packed weights; strides in bytes (packed: at least I*D/2, a multiple of
+// 16; scales: at least I*D/32).
+template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S, int kWarpTiles>
+__device__ __forceinline__ void dp_moe_up_q4(const dp_bf16* __restrict__ x, const dp_u8* w1, const dp_u8* w1_scale,
+                                             const dp_u8* w3, const dp_u8* w3_scale, const dp_i32* __restrict__ experts,
+                                             const dp_i32* __restrict__ expert_slots, dp_bf16* __restrict__ h,
+                                             dp_u32 stride_w1, dp_u32 stride_w1_scale, dp_u32 stride_w3,
+                                             dp_u32 stride_w3_scale, float act_beta = 0.0f, float act_lbeta = 0.0f) {
+  dp_moe_up_impl<T, D, I, E, KT, SI, kAct, MT, S, kWarpTiles, 0, 1>(
+      x, w1, w1_scale, w3, w3_scale, nullptr, nullptr, nullptr, nullptr, experts, expert_slots, h, nullptr, stride_w1,
+      stride_w1_scale, stride_w3, stride_w3_scale, act_beta, act_lbeta);
+}
+
 // Dense MLP gate/up: h = act(gate x, up x). Launch: grid ceil(I/RB), block 256. dp_mlp_up: bf16 weights;
 // dp_mlp_up_q8: e4m3 gate_proj and up_proj with their 128 x 128 block scales.
 template <int T, int D, int I, int kAct, int MT, int S, typename WM>
@@ -407,12 +428,13 @@ __device__ __forceinline__ void dp_mlp_up_q8(const dp_bf16* __restrict__ x, cons
 // M = 16 with T >= 2 on NVIDIA: the block's 16 rows of an item are one tensor-core tile (dp_mma_rows)
 // against the rows that chose the expert, each item's products scaled by their rows' weights as they
 // are added up. Otherwise (T = 1, AMD): the lane-FMA loop, at most 4 rows at a time.
-template <int T, int D, int I, int E, int KT, int SI, int M, int kQ8>
+// Expert storage as for dp_moe_up_impl: bf16, e4m3 (kQ8) or MXFP4 (kQ4, routed only, SI == 0).
+template <int T, int D, int I, int E, int KT, int SI, int M, int kQ8, int kQ4 = 0>
 __device__ __forceinline__ void dp_moe_down_impl(
     const dp_bf16* __restrict__ h,             // [T, KT, I] bf16 from dp_moe_up
     const dp_bf16* __restrict__ hs,            // [T, SI] bf16 from dp_moe_up (null if SI == 0)
-    const void* w2, const float* w2_scale,     // [E, stride_w2] expert down (w2) weights, [D, I] each
-    const void* shared_down, const float* shared_down_scale,  // [D, SI] shared expert down_proj (null if SI == 0)
+    const void* w2, const void* w2_scale,      // [E, stride_w2] expert down (w2) weights, [D, I] each
+    const void* shared_down, const void* shared_down_scale,  // [D, SI] shared expert down_proj (null if SI == 0)
     const dp_i32* __restrict__ experts,        // [1 + U] i32 from dp_moe_route
     const dp_i32* __restrict__ expert_slots,   // [U, T] i32 from dp_moe_route
     const float* __restrict__ topk_weights,    // [T, KT] fp32 from dp_moe_route
@@ -420,9 +442,11 @@ __device__ __forceinline__ void dp_moe_down_impl(
     float routed_scaling,
     dp_u32 stride_w2, dp_u32 stride_w2_scale) {  // elements between experts of w2 (dense: D*I) and of its scales
   static_assert(I % 8 == 0 && SI % 8 == 0 && D % 8 == 0, "moe_down: widths must be multiples of 8");
+  static_assert(kQ4 == 0 || (SI == 0 && kQ8 == 0), "moe_down: MXFP4 experts have no shared expert and no e4m3");
   constexpr int kShared = SI > 0 ? 1 : 0;
 #if DP_VENDOR_NVIDIA
-  constexpr bool kMma = (T >= 2 || kQ8 != 0) && M == 16;  // e4m3 weights: tensor cores also for one row
+  // e4m3 and MXFP4 weights: tensor cores also for one row.
+  constexpr bool kMma = (T >= 2 || kQ8 != 0 || kQ4 != 0) && M == 16;
 #else
   constexpr bool kMma = false;
 #endif
@@ -440,10 +464,13 @@ __device__ __forceinline__ void dp_moe_down_impl(
     const int r = row0 + m < D ? row0 + m : 0;  // rows past the matrix re-read row 0 and are dropped
     const bool sh = kShared && item == 0;
     const dp_u64 e = sh ? 0 : (dp_u64)experts[1 + item - kShared];
-    if constexpr (kQ8 != 0) {
+    if constexpr (kQ4 != 0) {
+      return dp_fp4_matrix_row<I>((const dp_u8*)w2 + e * stride_w2, (const dp_u8*)w2_scale + e * stride_w2_scale, r);
+    } else if constexpr (kQ8 != 0) {
       // The shared expert's rows are SI long, the routed ones I: one row function per width.
-      return sh ? dp_fp8_matrix_row<SI>((const dp_u8*)shared_down, shared_down_scale, r)
-                : dp_fp8_matrix_row<I>((const dp_u8*)w2 + e * stride_w2, w2_scale + e * stride_w2_scale, r);
+      return sh ? dp_fp8_matrix_row<SI>((const dp_u8*)shared_down, (const float*)shared_down_scale, r)
+                : dp_fp8_matrix_row<I>((const dp_u8*)w2 + e * stride_w2, (const float*)w2_scale + e * stride_w2_scale,
+                                       r);
     } else {
       return sh ? (const dp_bf16*)shared_down + (dp_u64)r * SI : (const dp_bf16*)w2 + e * stride_w2 + (dp_u64)r * I;
     }
@@ -563,4 +590,15 @@ __device__ __forceinline__ void dp_moe_down_q8(const dp_bf16* __restrict__ h, co
   dp_moe_down_impl<T, D, I, E, KT, SI, M, 1>(h, hs, w2, w2_scale, shared_down, shared_down_scale, experts,
                                              expert_slots, topk_weights, out, routed_scaling, stride_w2,
                                              stride_w2_scale);
+}
+// Routed experts in MXFP4 (the K3 latent MoE: D is the latent width, out the scaled latent sum), no
+// shared expert; strides in bytes (packed: at least D*I/2, a multiple of 16; scales: at least D*I/32).
+template <int T, int D, int I, int E, int KT, int SI, int M>
+__device__ __forceinline__ void dp_moe_down_q4(const dp_bf16* __restrict__ h, const dp_u8* w2, const dp_u8* w2_scale,
+                                               const dp_i32* __restrict__ experts,
+                                               const dp_i32* __restrict__ expert_slots,
+                                               const float* __restrict__ topk_weights, dp_bf16* __restrict__ out,
+                                               float routed_scaling, dp_u32 stride_w2, dp_u32 stride_w2_scale) {
+  dp_moe_down_impl<T, D, I, E, KT, SI, M, 0, 1>(h, nullptr, w2, w2_scale, nullptr, nullptr, experts, expert_slots,
+                                                topk_weights, out, routed_scaling, stride_w2, stride_w2_scale);
 }

@@ -140,9 +140,10 @@ class StepBuilder {
              to_string(a.from));
       if (a.from == From::weight) {
         const WeightSpec& w = lw.get(a.name);
-        const std::string dt = w.dtype == DType::F32    ? "fp32"
-                               : w.dtype == DType::BF16 ? "bf16"
+        const std::string dt = w.dtype == DType::F32       ? "fp32"
+                               : w.dtype == DType::BF16    ? "bf16"
                                : w.dtype == DType::F8_E4M3 ? "e4m3"
+                               : w.dtype == DType::U8      ? "u8"
                                                            : "?";
         if (!p.shape.ends_with(" " + dt)) {
           // An e4m3 weight where the op reads bf16 (a projection this version dequantises nowhere): no
@@ -204,7 +205,14 @@ class Builder {
       push(StepBuilder("rmsnorm", {{"W", t_}, {"H", H}})
                .ws("hidden", a_).io("residual", "residual_out").weight("weight", "post_attention_layernorm.weight")
                .ws("out", x2_).io("residual_out", "residual_out").f32("eps", m_.rms_norm_eps));
-      if (ffn() == Ffn::dense) dense(); else moe();
+      if (ffn() == Ffn::dense)
+        dense();
+      else if (ffn() == Ffn::latent_moe)
+        latent_moe();
+      else if (m_.moe.expert_format == model::ExpertFormat::mxfp4)
+        moe_mxfp4();
+      else
+        moe();
       p.steps = std::move(steps_);
       p.workspace = ws_.top;
     } catch (const Unavailable& u) {
@@ -238,9 +246,8 @@ class Builder {
       throw Unavailable{fmt::format("Kimi-K3 block attention residuals (attn_res_block_size {}) have no layer "
                                     "program in this version: the programs carry vLLM's plain (hidden, residual) pair",
                                     m_.attn_res_block)};
-    if (ffn() == Ffn::latent_moe) throw Unavailable{"latent MoE has no layer program in this version"};
-    if (m_.moe.expert_format != model::ExpertFormat::bf16 && ffn() != Ffn::dense)
-      throw Unavailable{"MXFP4 experts have no layer program in this version"};
+    // MXFP4 experts are read by the Q4 forms of moe_up / moe_down, which have no shared expert: the
+    // latent MoE (latent_moe) and the plain MoE over MXFP4 experts (moe_mxfp4) run it apart.
     if (t_ > 32)
       throw Unavailable{fmt::format("width {} x q {} = {} rows: the skinny GEMMs hold at most 32 rows", w_, q_, t_)};
     if (mixer() == Mixer::kda) {
@@ -283,10 +290,12 @@ class Builder {
     if (fp8(key)) b.weight((std::string(param) + "_scale").c_str(), scale_key(key));
   }
   // The gemm of up to six weights over one input: NA..NF from their rows, Q8 from their storage.
-  StepBuilder gemm(int64_t k, const std::vector<std::string>& keys, bool f32 = false) {
+  // add: the output plus a bf16 addend (AD = 1, parameter "add").
+  StepBuilder gemm(int64_t k, const std::vector<std::string>& keys, bool f32 = false, bool add = false) {
     static const char* seg[6] = {"NA", "NB", "NC", "ND", "NE", "NF"};
     static const char* par[6] = {"w0", "w1", "w2", "w3", "w4", "w5"};
     std::map<std::string, int64_t> params{{"W", t_}, {"K", k}, {"F", f32 ? 1 : 0}};
+    if (add) params["AD"] = 1;
     int64_t q8 = 0;
     for (size_t i = 0; i < 6; ++i) {
       params[seg[i]] = i < keys.size() ? lw_.rows(keys[i]) : 0;
@@ -470,6 +479,164 @@ class Builder {
     }
     push(down);
     reduce_into_out();
+  }
+
+  // A plain MoE layer over MXFP4 experts (experts at the hidden width): the Q4 forms of moe_up /
+  // moe_down (no shared expert) write the scaled routed sum to scratch; the shared expert runs apart
+  // (mlp_up, then its down gemm with the routed sum as addend, AD = 1) into the layer output. Under
+  // tensor parallelism both are this rank's partials, summed by the one allreduce (op 1) as in moe().
+  void moe_mxfp4() {
+    const model::MoeConfig& e = m_.moe;
+    const int64_t H = m_.hidden, E = e.num_experts, K = e.top_k;
+    const std::string ex = "block_sparse_moe.experts.{e}.", sh = "block_sparse_moe.shared_experts.";
+    const int64_t I = lw_.rows(ex + "w1.weight_packed");
+    if (I % e.mxfp4_group != 0)
+      throw Unavailable{fmt::format("MXFP4 experts: this rank's intermediate width {} is not a multiple of {} (one "
+                                    "scale per {} values of w2's rows)", I, e.mxfp4_group, e.mxfp4_group)};
+    const bool shared = lw_.find(sh + "gate_proj.weight") != nullptr;
+    const int64_t S = shared ? lw_.rows(sh + "gate_proj.weight") : 0;
+    const int64_t U = std::min(E, t_ * K), act = m_.activation == model::Activation::situ ? 1 : 0;
+    const uint64_t logits = ws_.take(t_ * E * 4), ids = ws_.take(t_ * K * 4), tw = ws_.take(t_ * K * 4);
+    const uint64_t experts = ws_.take((1 + U) * 4), slots = ws_.take(U * t_ * 4);
+    const uint64_t h = ws_.take(t_ * K * I * 2);
+    push(gemm(H, {"block_sparse_moe.gate.weight"}, /*f32=*/true).ws("x", x2_).ws("out", logits));
+    push(StepBuilder("moe_route", {{"W", t_}, {"E", E}, {"K", K}, {"RN", e.renormalize ? 1 : 0}})
+             .ws("logits", logits).weight("bias", "block_sparse_moe.gate.e_score_correction_bias")
+             .ws("topk_ids", ids).ws("topk_weights", tw).ws("experts", experts).ws("expert_slots", slots));
+    push(mxfp4_up(x2_, H, I, act, experts, slots, h));
+    const uint64_t out = shared ? ws_.take(t_ * H * 2) : partial_of_out();  // the routed sum, or the output
+    StepBuilder down = mxfp4_down(H, I, h, experts, slots, tw);
+    down.ws_or_io("out", out, "out");
+    push(down);
+    if (shared) {
+      const uint64_t hs = ws_.take(t_ * S * 2);
+      push(shared_up(S, act, hs));
+      push(gemm(S, {sh + "down_proj.weight"}, false, /*add=*/true)
+               .ws("x", hs).ws("add", out).ws_or_io("out", partial_of_out(), "out"));
+    }
+    reduce_into_out();
+  }
+
+  // moe_up over MXFP4 routed experts (Q4, no shared expert) reading x [T, D].
+  StepBuilder mxfp4_up(uint64_t x, int64_t D, int64_t I, int64_t act, uint64_t experts, uint64_t slots, uint64_t h) {
+    const model::MoeConfig& e = m_.moe;
+    const std::string ex = "block_sparse_moe.experts.{e}.";
+    StepBuilder up("moe_up", {{"W", t_}, {"D", D}, {"I", I}, {"E", e.num_experts}, {"K", e.top_k}, {"S", 0},
+                              {"ACT", act}, {"Q4", 1}});
+    for (const char* w : {"w1", "w3"}) {
+      const std::string packed = ex + w + ".weight_packed", scale = ex + w + ".weight_scale";
+      const std::string p(w);
+      up.weight(w, packed).weight((p + "_scale").c_str(), scale).expert_stride(("stride_" + p).c_str(), packed)
+          .expert_stride(("stride_" + p + "_scale").c_str(), scale);
+    }
+    up.ws("x", x).ws("experts", experts).ws("expert_slots", slots).ws("h", h);
+    if (act) up.f32("act_beta", m_.situ_beta).f32("act_linear_beta", m_.situ_linear_beta);
+    return up;
+  }
+  // moe_down over MXFP4 routed experts (Q4) writing the scaled routed sum [T, D]; "out" left to the caller.
+  StepBuilder mxfp4_down(int64_t D, int64_t I, uint64_t h, uint64_t experts, uint64_t slots, uint64_t tw) {
+    const model::MoeConfig& e = m_.moe;
+    const std::string ex = "block_sparse_moe.experts.{e}.";
+    StepBuilder down("moe_down",
+                     {{"W", t_}, {"D", D}, {"I", I}, {"E", e.num_experts}, {"K", e.top_k}, {"S", 0}, {"Q4", 1}});
+    down.ws("h", h).weight("w2", ex + "w2.weight_packed").weight("w2_scale", ex + "w2.weight_scale")
+        .expert_stride("stride_w2", ex + "w2.weight_packed").expert_stride("stride_w2_scale", ex + "w2.weight_scale")
+        .ws("experts", experts).ws("expert_slots", slots).ws("topk_weights", tw)
+        .f32("routed_scaling", e.routed_scaling);
+    return down;
+  }
+  // The shared expert's gate/up (mlp_up over ws.x2) into hs [T, S].
+  StepBuilder shared_up(int64_t S, int64_t act, uint64_t hs) {
+    const std::string sh = "block_sparse_moe.shared_experts.";
+    std::map<std::string, int64_t> sp{{"W", t_}, {"D", m_.hidden}, {"I", S}, {"ACT", act}};
+    if (fp8_all("the shared expert's gate/up", {sh + "gate_proj.weight", sh + "up_proj.weight"})) sp["Q8"] = 1;
+    StepBuilder su("mlp_up", sp);
+    su.ws("x", x2_).ws("h", hs);
+    bind_weight(su, "w_gate", sh + "gate_proj.weight");
+    bind_weight(su, "w_up", sh + "up_proj.weight");
+    if (act) su.f32("act_beta", m_.situ_beta).f32("act_linear_beta", m_.situ_linear_beta);
+    return su;
+  }
+
+  // K3 latent MoE (model-family.md 3c): the routed experts run in the latent width D; the shared expert
+  // at full width on x2; out = up_lat(norm(latent sum)) + shared(x2). MXFP4 experts (the K3 checkpoints'
+  // packed U8 codes + U8 E8M0 scales) go to the Q4 forms of moe_up / moe_down, bf16 ones to the plain
+  // forms, both without a shared expert (S = 0). The latent sum [T, D] and the shared expert's output
+  // [T, H] sit side by side in one buffer, so that at tensor_parallel > 1 a single allreduce (op 1,
+  // row length D + H over the flat [T, D] + [T, H] pair) sums both: the all-reduces of a layer stay one
+  // after the o-projection and one after the FFN, alternating the exchange buffer's halves as
+  // allreduce.h requires. The latent up-projection is replicated: it reads the summed, normalised
+  // latent and adds the summed shared output in its epilogue (gemm AD = 1), writing the layer output on
+  // every rank.
+  void latent_moe() {
+    const model::MoeConfig& e = m_.moe;
+    const int64_t H = m_.hidden, E = e.num_experts, K = e.top_k, D = e.latent_dim;
+    const bool q4 = e.expert_format == model::ExpertFormat::mxfp4;
+    const std::string ex = "block_sparse_moe.experts.{e}.", sh = "block_sparse_moe.shared_experts.";
+    const std::string w1 = ex + (q4 ? "w1.weight_packed" : "w1.weight");
+    const std::string w3 = ex + (q4 ? "w3.weight_packed" : "w3.weight");
+    const std::string w2 = ex + (q4 ? "w2.weight_packed" : "w2.weight");
+    const int64_t I = lw_.rows(w1);  // this rank's shard of the expert intermediate width
+    if (q4 && I % e.mxfp4_group != 0)
+      throw Unavailable{fmt::format("MXFP4 experts: this rank's intermediate width {} is not a multiple of {} (one "
+                                    "scale per {} values of w2's rows)", I, e.mxfp4_group, e.mxfp4_group)};
+    const bool shared = lw_.find(sh + "gate_proj.weight") != nullptr;
+    const int64_t S = shared ? lw_.rows(sh + "gate_proj.weight") : 0;
+    const int64_t U = std::min(E, t_ * K), act = m_.activation == model::Activation::situ ? 1 : 0;
+    const uint64_t logits = ws_.take(t_ * E * 4), ids = ws_.take(t_ * K * 4), tw = ws_.take(t_ * K * 4);
+    const uint64_t experts = ws_.take((1 + U) * 4), slots = ws_.take(U * t_ * 4);
+    const uint64_t lat = ws_.take(t_ * D * 2), h = ws_.take(t_ * K * I * 2);
+    // [T, D] latent sum, then [T, H] shared expert output (the all-reduced pair at tensor_parallel > 1).
+    const uint64_t sums = ws_.take(t_ * (D + (shared ? H : 0)) * 2);
+    const uint64_t shared_out = sums + static_cast<uint64_t>(t_ * D * 2);
+    push(gemm(H, {"block_sparse_moe.gate.weight"}, /*f32=*/true).ws("x", x2_).ws("out", logits));
+    push(StepBuilder("moe_route", {{"W", t_}, {"E", E}, {"K", K}, {"RN", e.renormalize ? 1 : 0}})
+             .ws("logits", logits).weight("bias", "block_sparse_moe.gate.e_score_correction_bias")
+             .ws("topk_ids", ids).ws("topk_weights", tw).ws("experts", experts).ws("expert_slots", slots));
+    push(gemm(H, {"block_sparse_moe.routed_expert_down_proj.weight"}).ws("x", x2_).ws("out", lat));
+
+    if (q4) {
+      push(mxfp4_up(lat, D, I, act, experts, slots, h));
+      StepBuilder down = mxfp4_down(D, I, h, experts, slots, tw);
+      down.ws("out", sums);
+      push(down);
+    } else {
+      StepBuilder up("moe_up", {{"W", t_}, {"D", D}, {"I", I}, {"E", E}, {"K", K}, {"S", 0}, {"ACT", act}});
+      up.ws("x", lat).weight("w1", w1).weight("w3", w3).expert_stride("stride_w1", w1).expert_stride("stride_w3", w3)
+          .ws("experts", experts).ws("expert_slots", slots).ws("h", h).null("shared_gate").null("shared_up").null("hs");
+      if (act) up.f32("act_beta", m_.situ_beta).f32("act_linear_beta", m_.situ_linear_beta);
+      push(up);
+      push(StepBuilder("moe_down", {{"W", t_}, {"D", D}, {"I", I}, {"E", E}, {"K", K}, {"S", 0}})
+               .ws("h", h).weight("w2", w2).expert_stride("stride_w2", w2).ws("experts", experts)
+               .ws("expert_slots", slots).ws("topk_weights", tw).ws("out", sums)
+               .f32("routed_scaling", e.routed_scaling).null("hs").null("shared_down"));
+    }
+    if (shared) {
+      const uint64_t hs = ws_.take(t_ * S * 2);
+      push(shared_up(S, act, hs));
+      push(gemm(S, {sh + "down_proj.weight"}).ws("x", hs).ws("out", shared_out));
+    }
+    if (sharded()) {
+      StepBuilder b("allreduce", {{"W", t_}, {"H", D + (shared ? H : 0)}, {"R", d_.tensor_parallel}});
+      b.ws("partial", sums).ws("out", sums).tp("peers", "peers").tp("flag", "flag").tp("rank", "rank")
+          .tp("layer", "layer").u32("op", 1).tp("timeout_us", "timeout_us");
+      push(b);
+    }
+    uint64_t normed = sums;
+    if (e.latent_norm) {
+      normed = ws_.take(t_ * D * 2);
+      const uint64_t copy = ws_.take(t_ * D * 2);  // residual_out of a norm without a residual: unused copy
+      push(StepBuilder("rmsnorm", {{"W", t_}, {"H", D}})
+               .ws("hidden", sums).null("residual").weight("weight", "block_sparse_moe.routed_expert_norm.weight")
+               .ws("out", normed).ws("residual_out", copy).f32("eps", m_.rms_norm_eps));
+    }
+    StepBuilder upl = gemm(D, {"block_sparse_moe.routed_expert_up_proj.weight"});
+    upl.ws("x", normed).io("out", "out");
+    if (shared) {
+      upl = gemm(D, {"block_sparse_moe.routed_expert_up_proj.weight"}, false, /*add=*/true);
+      upl.ws("x", normed).io("out", "out").ws("add", shared_out);
+    }
+    push(upl);
   }
 
   // ---- Tensor parallelism ----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdio>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -849,7 +850,20 @@ uint64_t dp_session::exchange_bytes() const {
   const DeploySettings& d = bundle->deploy;
   int64_t rows = 0;
   for (const int64_t w : d.widths) rows = std::max<int64_t>(rows, w * d.q);
-  return allreduce_exchange_bytes(d.tensor_parallel, rows, bundle->manifest().model.hidden_size);
+  // Each rank's slot holds the largest all-reduce of the programs: [rows, hidden] after the o-projection
+  // and the FFN, and for the K3 latent MoE the latent sum and the shared output together (their
+  // allreduce kernel's `partial` is [W, latent + hidden]).
+  int64_t elems = rows * bundle->manifest().model.hidden_size;
+  for (const format::KernelEntry& k : bundle->manifest().kernels) {
+    if (!k.name.starts_with("allreduce_")) continue;
+    for (const format::KernelParamEntry& p : k.params) {
+      int64_t w = 0, h = 0;
+      if (p.name == "partial" && std::sscanf(p.shape.c_str(), "[%lld, %lld]", reinterpret_cast<long long*>(&w),
+                                             reinterpret_cast<long long*>(&h)) == 2)
+        elems = std::max<int64_t>(elems, w * h);
+    }
+  }
+  return allreduce_exchange_bytes(d.tensor_parallel, 1, elems);
 }
 
 Status dp_session::set_peers(const uint64_t* exchange, int32_t num_ranks, uint32_t timeout) {

@@ -72,10 +72,13 @@ std::vector<OpSpec> gemm_ops() {
            {"NE", "ne", 0, 1 << 20, "rows of weight 4 (0: absent)", true},
            {"NF", "nf", 0, 1 << 20, "rows of weight 5 (0: absent)", true},
            {"F", "f", 0, 1, "1: fp32 output (router logits), 0: bf16", true},
-           {"Q8", "q8", 0, 63, "bit s set: weight s is e4m3 with 128 x 128 block scales (0: all bf16)", true}},
+           {"Q8", "q8", 0, 63, "bit s set: weight s is e4m3 with 128 x 128 block scales (0: all bf16)", true},
+           {"AD", "ad", 0, 1, "1: add a bf16 addend of the output's shape (bf16 output)", true}},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"K"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"K"});
+            if (p.at("AD") && p.at("F"))
+              fail(Errc::input, "{}: parameters AD = 1 and F = 1: the addend form writes bf16", who);
             for (int i = 0; i < 6; ++i)
               if (((p.at("Q8") >> i) & 1) && p.at(kGemmSegKeys[i]) == 0)
                 fail(Errc::input, "{}: parameter Q8 = {} marks weight {} as e4m3, but {} = 0 (absent)", who,
@@ -89,7 +92,7 @@ std::vector<OpSpec> gemm_ops() {
             const GemmGeometry g = gemm_geometry(p.at("W"), p.at("K"), gemm_ntot(p));
             std::vector<int64_t> a{p.at("W"),  p.at("K"),  p.at("NA"), p.at("NB"), p.at("NC"), p.at("ND"),
                                    p.at("NE"), p.at("NF"), p.at("F"),  g.mt,       g.s};
-            if (p.at("Q8")) a.push_back(p.at("Q8"));
+            if (p.at("Q8") || p.at("AD")) a.push_back(p.at("Q8"));
             return a;
           },
           [](const Params& p) {
@@ -112,6 +115,10 @@ std::vector<OpSpec> gemm_ops() {
                              shape({n, p.at("K")}, "bf16"), "weight [out, in]"});
               }
             }
+            if (p.at("AD"))
+              a.push_back({"add", KernelParam::Kind::pointer, "const dp_bf16*",
+                           shape({p.at("W"), gemm_ntot(p)}, "bf16"),
+                           "addend: out = bf16(bf16(x W^T) + add) (K3 latent MoE: the shared expert's output)"});
             return a;
           },
           [](const Params& p) {
@@ -124,14 +131,15 @@ std::vector<OpSpec> gemm_ops() {
           "DP_KERNEL_BOUNDS",
           [](const Params& p) {
             DeviceCall c;
-            if (!p.at("Q8")) return c;  // dp_gemm over the bf16 weights given
-            c.fn = "dp_gemm_q8";
+            if (!p.at("Q8") && !p.at("AD")) return c;  // dp_gemm over the bf16 weights given
+            c.fn = p.at("AD") ? "dp_gemm_add" : "dp_gemm_q8";
             c.args = {"x", "out"};
             for (int i = 0; i < 6; ++i) {
               const bool present = p.at(kGemmSegKeys[i]) > 0, fp8 = (p.at("Q8") >> i) & 1;
               c.args.push_back(present ? kWeightNames[i] : "nullptr");
               c.args.push_back(fp8 ? kScaleNames[i] : "nullptr");
             }
+            if (p.at("AD")) c.args.push_back("add");
             return c;
           },
       },

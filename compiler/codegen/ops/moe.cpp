@@ -19,12 +19,13 @@ int64_t moe_max_used(const Params& p) { return std::min(p.at("E"), p.at("W") * p
 // moe_up from 2 activation rows: every warp computes whole 8-feature tiles (gate and up rows in one
 // tensor-core tile, over all of D) and walks the step's tiles with a grid stride; one row keeps the
 // block tiles of 16 features (4 K-slices, lane FMAs). Measured on the H200 (bench/NOTES.md).
-bool moe_up_warp_tiles(const Params& p) { return p.at("W") >= 2; }
+// MXFP4 experts (Q4) take the warp tiles from one row (tensor cores, like the e4m3 ones in moe_down).
+bool moe_up_warp_tiles(const Params& p) { return p.at("W") >= 2 || p.at("Q4"); }
 
 // moe_down: output features per block (M). One activation row: every group keeps 4 x 1 lane-FMA
 // accumulators for its items and streams 4 rows of each. From 2 rows, and for e4m3 weights: a 16-row
 // tensor-core tile per item (on AMD the lane-FMA loop walks the 16 rows 4 at a time).
-int64_t moe_down_rows(const Params& p) { return p.at("W") == 1 && !p.at("Q8") ? 4 : kTileRows; }
+int64_t moe_down_rows(const Params& p) { return p.at("W") == 1 && !p.at("Q8") && !p.at("Q4") ? 4 : kTileRows; }
 
 // The e4m3 variants call the device function's _q8 form with every parameter in order.
 DeviceCall q8_call(const Params& p, const char* fn) {
@@ -34,9 +35,82 @@ DeviceCall q8_call(const Params& p, const char* fn) {
   return c;
 }
 
+// MXFP4 routed experts (Q4 = 1, the K3 latent MoE): E2M1 codes two per byte and E8M0 scales, one per 32
+// values along a row, as compressed-tensors packs them; the _q4 forms take no shared expert.
+ParamSpec q4_param() {
+  return ParamSpec{"Q4", "q4", 0, 1, "1: routed expert matrices MXFP4 (packed E2M1 + E8M0 scales per 32); S = 0", true};
+}
+void check_q4(const Params& p, const std::string& who, const char* k_key) {
+  if (!p.at("Q4")) return;
+  if (p.at("Q8"))
+    fail(Errc::input, "{}: parameters Q4 = 1 and Q8 = {}: the experts are either MXFP4 or e4m3", who, p.at("Q8"));
+  if (p.at("S"))
+    fail(Errc::input, "{}: parameter S = {} with Q4 = 1: the MXFP4 forms have no shared expert (S must be 0)", who,
+         p.at("S"));
+  if (p.at(k_key) % kMxfp4Group)
+    fail(Errc::input, "{}: parameter {} = {} is not a multiple of {} (MXFP4 rows hold one scale per {} values)", who,
+         k_key, p.at(k_key), kMxfp4Group, kMxfp4Group);
+}
+
 void check_topk(const Params& p, const std::string& who) {
   if (p.at("K") > p.at("E"))
     fail(Errc::input, "{}: parameter K = {} (top-k) exceeds E = {} experts", who, p.at("K"), p.at("E"));
+}
+
+// The MXFP4 forms' arguments: the routed experts' packed codes and scales (u8, stacked by expert with
+// byte strides), no shared expert.
+std::vector<ArgSpec> moe_up_q4_args(const Params& p) {
+  const int64_t W = p.at("W"), D = p.at("D"), I = p.at("I"), E = p.at("E"), K = p.at("K"), U = moe_max_used(p);
+  std::vector<ArgSpec> a{
+      {"x", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, D}, "bf16"), "expert input rows (K3: the latent)"}};
+  for (const char* w : {"w1", "w3"}) {
+    const std::string what = std::string(w) == "w1" ? "gate" : "up";
+    a.push_back({w, KernelParam::Kind::pointer, "const dp_u8*",
+                 fmt::format("[{}, stride_{}] u8", E, w),
+                 fmt::format("expert {} weights, MXFP4 packed: expert e's [{}, {}] bytes at e*stride_{} (two E2M1 "
+                             "codes per byte, the even column in the low nibble)",
+                             what, I, D / 2, w)});
+    a.push_back({w == std::string("w1") ? "w1_scale" : "w3_scale", KernelParam::Kind::pointer, "const dp_u8*",
+                 fmt::format("[{}, stride_{}_scale] u8", E, w),
+                 fmt::format("E8M0 scales of {}: expert e's [{}, {}] at e*stride_{}_scale (2^(s-127) per 32 values)", w,
+                             I, D / kMxfp4Group, w)});
+  }
+  a.push_back({"experts", KernelParam::Kind::pointer, "const dp_i32*", shape({1 + U}, "i32"), "from moe_route"});
+  a.push_back({"expert_slots", KernelParam::Kind::pointer, "const dp_i32*", shape({U, W}, "i32"), "from moe_route"});
+  a.push_back({"h", KernelParam::Kind::pointer, "dp_bf16*", shape({W, K, I}, "bf16"), "routed activations"});
+  for (const char* w : {"w1", "w3"}) {
+    const bool g = std::string(w) == "w1";
+    a.push_back({g ? "stride_w1" : "stride_w3", KernelParam::Kind::u32, "dp_u32", "",
+                 fmt::format("bytes between experts of {}, a multiple of 16, at least {} (dense)", w, I * D / 2)});
+    a.push_back({g ? "stride_w1_scale" : "stride_w3_scale", KernelParam::Kind::u32, "dp_u32", "",
+                 fmt::format("bytes between experts of {}_scale, at least {} (dense)", w, I * D / kMxfp4Group)});
+  }
+  if (p.at("ACT")) {
+    a.push_back({"act_beta", KernelParam::Kind::f32, "float", "", "SiTU beta"});
+    a.push_back({"act_linear_beta", KernelParam::Kind::f32, "float", "", "SiTU linear beta"});
+  }
+  return a;
+}
+
+std::vector<ArgSpec> moe_down_q4_args(const Params& p) {
+  const int64_t W = p.at("W"), D = p.at("D"), I = p.at("I"), E = p.at("E"), K = p.at("K"), U = moe_max_used(p);
+  return {
+      {"h", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, K, I}, "bf16"), "from moe_up"},
+      {"w2", KernelParam::Kind::pointer, "const dp_u8*", fmt::format("[{}, stride_w2] u8", E),
+       fmt::format("expert down weights, MXFP4 packed: expert e's [{}, {}] bytes at e*stride_w2", D, I / 2)},
+      {"w2_scale", KernelParam::Kind::pointer, "const dp_u8*", fmt::format("[{}, stride_w2_scale] u8", E),
+       fmt::format("E8M0 scales of w2: expert e's [{}, {}] at e*stride_w2_scale", D, I / kMxfp4Group)},
+      {"experts", KernelParam::Kind::pointer, "const dp_i32*", shape({1 + U}, "i32"), "from moe_route"},
+      {"expert_slots", KernelParam::Kind::pointer, "const dp_i32*", shape({U, W}, "i32"), "from moe_route"},
+      {"topk_weights", KernelParam::Kind::pointer, "const float*", shape({W, K}, "fp32"), "from moe_route"},
+      {"out", KernelParam::Kind::pointer, "dp_bf16*", shape({W, D}, "bf16"),
+       "routed_scaling * the weighted sum of the experts (K3: the latent sum)"},
+      {"routed_scaling", KernelParam::Kind::f32, "float", "", "routed_scaling_factor"},
+      {"stride_w2", KernelParam::Kind::u32, "dp_u32", "",
+       fmt::format("bytes between experts of w2, a multiple of 16, at least {} (dense)", D * I / 2)},
+      {"stride_w2_scale", KernelParam::Kind::u32, "dp_u32", "",
+       fmt::format("bytes between experts of w2_scale, at least {} (dense)", D * I / kMxfp4Group)},
+  };
 }
 
 }  // namespace
@@ -89,10 +163,12 @@ std::vector<OpSpec> moe_ops() {
            {"K", "k", 1, 32, "experts per token (top-k)"},
            {"S", "s", 0, 1 << 20, "shared expert width (this rank's shard); 0: none"},
            {"ACT", "act", 0, 1, "0: silu(gate)*up, 1: K3 SiTU"},
-           q8_param("1: every expert matrix (routed and shared) e4m3 with 128 x 128 block scales")},
+           q8_param("1: every expert matrix (routed and shared) e4m3 with 128 x 128 block scales"),
+           q4_param()},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"D", "I", "S"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"D", "I", "S"});
+            check_q4(p, who, "D");
             check_topk(p, who);
           },
           [](const Params& p) {
@@ -105,6 +181,7 @@ std::vector<OpSpec> moe_ops() {
             const bool q8 = p.at("Q8") != 0;
             const char* wt = q8 ? "const dp_u8*" : "const dp_bf16*";
             const char* dt = q8 ? "e4m3" : "bf16";
+            if (p.at("Q4")) return moe_up_q4_args(p);
             std::vector<ArgSpec> a{
                 {"x", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, D}, "bf16"), "post-attention-norm rows"}};
             // A weight, then (e4m3) its scales: the shared expert's [ceil(S/128), ceil(D/128)], the routed
@@ -172,7 +249,7 @@ std::vector<OpSpec> moe_ops() {
           },
           [](const Params&) { return kGemmThreads; },
           "DP_KERNEL_BOUNDS",
-          [](const Params& p) { return q8_call(p, "dp_moe_up_q8"); },
+          [](const Params& p) { return p.at("Q4") ? DeviceCall{"dp_moe_up_q4", {}} : q8_call(p, "dp_moe_up_q8"); },
       },
       {
           // Down projection of every used expert, weighted sum, routed scaling, plus the shared expert.
@@ -185,10 +262,12 @@ std::vector<OpSpec> moe_ops() {
            {"E", "e", 1, 1024, "routed experts"},
            {"K", "k", 1, 32, "experts per token (top-k)"},
            {"S", "s", 0, 1 << 20, "shared expert width (this rank's shard); 0: none"},
-           q8_param("1: every expert matrix (routed and shared) e4m3 with 128 x 128 block scales")},
+           q8_param("1: every expert matrix (routed and shared) e4m3 with 128 x 128 block scales"),
+           q4_param()},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"D", "I", "S"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"I", "S"});
+            check_q4(p, who, "I");
             check_topk(p, who);
           },
           [](const Params& p) {
@@ -201,6 +280,7 @@ std::vector<OpSpec> moe_ops() {
             const bool q8 = p.at("Q8") != 0;
             const char* wt = q8 ? "const dp_u8*" : "const dp_bf16*";
             const char* dt = q8 ? "e4m3" : "bf16";
+            if (p.at("Q4")) return moe_down_q4_args(p);
             std::vector<ArgSpec> a{
                 {"h", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, K, I}, "bf16"), "from moe_up"},
                 {"hs", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, S}, "bf16"),
@@ -241,7 +321,9 @@ std::vector<OpSpec> moe_ops() {
           },
           [](const Params&) { return kGemmThreads; },
           "DP_KERNEL_BOUNDS",
-          [](const Params& p) { return q8_call(p, "dp_moe_down_q8"); },
+          [](const Params& p) {
+            return p.at("Q4") ? DeviceCall{"dp_moe_down_q4", {}} : q8_call(p, "dp_moe_down_q8");
+          },
       },
       {
           // Dense MLP gate/up + activation (its down projection is a gemm).

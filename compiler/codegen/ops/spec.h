@@ -93,6 +93,7 @@ inline constexpr int64_t kTargetBlocks = 264;  // about two blocks per SM of a 1
 // ops that read weights (0: bf16), the scale argument of an e4m3 weight argument ("w0" -> "w0_scale")
 // and its shape.
 inline constexpr int64_t kFp8Block = 128;
+inline constexpr int64_t kMxfp4Group = 32;  // MXFP4: values per E8M0 scale (Q4 forms)
 ParamSpec q8_param(const char* doc);
 std::string scale_shape(int64_t rows, int64_t cols);  // "[ceil(rows/128), ceil(cols/128)] fp32"
 // Fails unless `keys` are multiples of 16 (rows read as 16-byte e4m3 vectors).

@@ -35,6 +35,7 @@ const std::vector<ModelShape>& model_shapes() {
     k3.situ = true;
     k3.mla_gate = true;
     k3.q_lora = 128;
+    k3.latent = 128;  // its latent MoE (the mxfp4 cases)
     v.push_back(k3);
     // Kimi-Linear-48B-A3B (model-family.md 1), TP 1.
     ModelShape big;
@@ -91,6 +92,19 @@ const std::vector<ModelShape>& model_shapes() {
     k3big.splits = 16;
     k3big.max_context = 2000;
     v.push_back(k3big);
+    // Kimi-K3 (model-family.md 1b, 2b), TP 1: the latent MoE only (hidden 7168, latent 3584, 896 MXFP4
+    // experts of intermediate 3072, top-16, shared width 2 x 3072 = 6144, SiTU, routed scaling 1).
+    ModelShape k3lat;
+    k3lat.name = "kimi-k3";
+    k3lat.hidden = 7168;
+    k3lat.latent = 3584;
+    k3lat.experts = 896;
+    k3lat.top_k = 16;
+    k3lat.inter = 3072;
+    k3lat.shared = 6144;
+    k3lat.routed_scaling = 1.0;
+    k3lat.situ = true;
+    v.push_back(k3lat);
     return v;
   }();
   return shapes;
@@ -108,12 +122,13 @@ const char* to_string(Layout l) {
 std::string Case::name() const {
   std::string name = fmt::format("{} w{} q{}", model->name, width, q);
   if (layout != Layout::dense) name += std::string(" ") + to_string(layout);
+  if (mxfp4) name += " mxfp4";
   return fp8 ? name + " fp8" : name;
 }
 
 // Indices are stable where run_on_device.sh and RESULTS.md refer to them: the dense cases first (0..21,
 // as before the layouts existed), then the padded and wide ones, the dense 48B-shaped case (the timed
-// one, the last bf16 case), then the FP8 cases (31 on).
+// one, the last bf16 case), then the FP8 cases (31 on), then the MXFP4 latent-MoE cases (42 on).
 std::vector<Case> all_cases() {
   const auto& m = model_shapes();
   std::vector<Case> v;
@@ -147,13 +162,28 @@ std::vector<Case> all_cases() {
   v.push_back({&m[4], 4, 2});
   v.push_back({&m[5], 1, 1});
   v.push_back({&m[5], 8, 2});
+  // MXFP4 latent MoE: the K3-tiny shapes (latent 128) at 1, 3 x 2 and 8 rows, padded stacks (fused w13
+  // and its scales, padding after every w2 expert and its scales); the K3 shapes at every width 1..8
+  // (timed) and padded at width 8.
+  auto lat = [&](const ModelShape* s, int64_t w, int64_t q, Layout l) {
+    Case c{s, w, q, l};
+    c.mxfp4 = true;
+    v.push_back(c);
+  };
+  lat(&m[1], 1, 1, Layout::dense);
+  lat(&m[1], 3, 2, Layout::dense);
+  lat(&m[1], 8, 1, Layout::dense);
+  lat(&m[1], 3, 2, Layout::padded);
+  lat(&m[1], 8, 2, Layout::padded);
+  for (int64_t w = 1; w <= 8; ++w) lat(&m[6], w, 1, Layout::dense);
+  lat(&m[6], 8, 1, Layout::padded);
   return v;
 }
 
 std::vector<codegen::KernelInstance> CaseKernels::all() const {
   std::vector<codegen::KernelInstance> v{rmsnorm,  in_proj, kda,      o_proj,   router,   route,       moe_up,
                                          moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine, mixed,
-                                         mla_in,   q_norm,  q_b};
+                                         mla_in,   q_norm,  q_b,      lat_down, lat_norm, lat_up};
   std::erase_if(v, [](const codegen::KernelInstance& k) { return k.op.empty(); });
   return v;
 }
@@ -236,6 +266,26 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
       i->params["Q8"] = 1;
     k.mixed = gemm(H, {P, 80, 208}, false);
     k.mixed.params["Q8"] = 0b101;
+  }
+  if (c.mxfp4) {
+    const int64_t D = m.latent;
+    CaseKernels l;
+    l.router = k.router;
+    l.route = k.route;
+    l.lat_down = gemm(H, {D}, false);
+    l.moe_up = {"moe_up",
+                {{"W", T}, {"D", D}, {"I", m.inter}, {"E", m.experts}, {"K", m.top_k}, {"S", 0}, {"ACT", act},
+                 {"Q4", 1}},
+                target};
+    l.moe_down = {"moe_down",
+                  {{"W", T}, {"D", D}, {"I", m.inter}, {"E", m.experts}, {"K", m.top_k}, {"S", 0}, {"Q4", 1}},
+                  target};
+    l.lat_norm = {"rmsnorm", {{"W", T}, {"H", D}}, target};
+    l.mlp_up = {"mlp_up", {{"W", T}, {"D", H}, {"I", m.shared}, {"ACT", act}}, target};
+    l.mlp_down = gemm(m.shared, {H}, false);
+    l.lat_up = gemm(D, {H}, false);
+    l.lat_up.params["AD"] = 1;
+    return l;
   }
   return k;
 }

@@ -25,6 +25,7 @@ struct ModelShape {
   int64_t a_log_size = 0, a_log_rank = -1;
   // MoE
   int64_t experts = 0, top_k = 0, inter = 0, shared = 0;  // shared: shared-expert width
+  int64_t latent = 0;  // K3 latent MoE: the width the routed experts run in (0: none)
   double routed_scaling = 1.0;
   // dense MLP
   int64_t dense_inter = 0;
@@ -68,8 +69,14 @@ struct Case {
   // experts. The router and the KDA gate and beta projections stay bf16. Ops that read no FP8 weight
   // (rmsnorm, kda_step, moe_route, mla_attn) are not checked again in these cases.
   bool fp8 = false;
+  // The K3 latent MoE with MXFP4 routed experts (packed E2M1 codes + E8M0 scales, as the K3 checkpoints
+  // ship them): router, moe_route, latent down gemm, moe_up / moe_down Q4 in the latent width (no shared
+  // expert), RMSNorm of the latent sum (no residual), the shared expert (mlp_up + down gemm) at full
+  // width and the latent up gemm with the shared output as addend (AD); only these ops are checked.
+  bool mxfp4 = false;
   int64_t rows() const { return width * q; }
-  // "kimi-linear-tiny w3 q2", "kimi-linear-tiny w3 q2 padded", "kimi-linear-tiny w3 q2 padded fp8"
+  // "kimi-linear-tiny w3 q2", "kimi-linear-tiny w3 q2 padded", "kimi-linear-tiny w3 q2 padded fp8",
+  // "kimi-k3 w8 q1 mxfp4"
   std::string name() const;
 };
 
@@ -98,6 +105,11 @@ struct CaseKernels {
   // FP8 cases only (op "" otherwise): gemm over e4m3, bf16 and e4m3 weights [P | 80 | 208, H] (Q8 5),
   // the per-weight choice away from the in_proj's leading bits, rows that end inside a block.
   codegen::KernelInstance mixed;
+  // MXFP4 latent-MoE cases only (op "" otherwise); they reuse router, route, moe_up / moe_down (Q4, in
+  // the latent width, S = 0), mlp_up and mlp_down (the shared expert: [S, H] gate/up, [H, S] down).
+  codegen::KernelInstance lat_down;     // gemm [D, H]: routed_expert_down_proj
+  codegen::KernelInstance lat_norm;     // rmsnorm over D, no residual: routed_expert_norm
+  codegen::KernelInstance lat_up;       // gemm [H, D] + addend (AD 1): routed_expert_up_proj + shared
   std::vector<codegen::KernelInstance> all() const;  // the instances with an op
 };
 CaseKernels kernels_of(const Case& c, const std::string& target);

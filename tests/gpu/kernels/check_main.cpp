@@ -742,22 +742,29 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
                               state_dense, conv_stride, conv_dense, base + 1, num_slots - 1));
 }
 
-// Router logits -> moe_route -> moe_up -> moe_down, each checked on its own (inputs: the previous
-// GPU outputs) and the whole chain against the reference from x.
-void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
+// The router and moe_route of a MoE step over x [T, H] (fresh router weights and bias), each checked:
+// the router's fp32 logits against linear(), the top-k ids against ref::route (near-ties accepted and
+// noted), the weights against the reference over the GPU's choice, the used-expert table exactly.
+// `ok` is false when the ids or the table are wrong (the expert kernels would index garbage).
+struct Routed {
+  DevBuf ids, tw, experts, eslots;
+  std::vector<int32_t> gid;      // [T, KT] the GPU's top-k ids
+  std::vector<float> gw;         // [T, KT] its weights
+  std::vector<double> w_want;    // [T, KT] the reference weights over the GPU's choice
+  std::vector<int32_t> used_v;   // the used experts, ascending
+  bool ok = false;
+};
+Routed check_routing(Ctx& ctx, const Case& c, const CaseKernels& k, Rng& rng, const DevBuf& dx, const Mat& mx) {
   const ModelShape& m = *c.model;
-  const int64_t T = c.rows(), H = m.hidden, E = m.experts, KT = m.top_k, I = m.inter, S = m.shared;
+  const int64_t T = c.rows(), H = m.hidden, E = m.experts, KT = m.top_k;
   const int64_t U = std::min(E, T * KT);
-  Rng rng(seed);
-  auto x = rand_bf16(T * H, rng, -1, 1);
-  const Mat mx = to_mat(x, T, H);
   const double ah = std::sqrt(3.0 / H);
   auto wr = rand_bf16(E * H, rng, -2 * ah, 2 * ah);
   auto bias = rand_f32(E, rng, -0.1, 0.1);
   // Wide layout: every row picks the last expert (its biased score beats any other), the one whose
   // weights lie past 2^32 elements.
   if (c.layout == Layout::wide && E > 1) bias[E - 1] += 2.0f;
-  DevBuf dx = device_copy(x), dwr = device_copy(wr), dbias = device_copy(bias);
+  DevBuf dwr = device_copy(wr), dbias = device_copy(bias);
   DevBuf logits(T * E * 4);
   logits.poison();
   ctx.kernels.launch(k.router, {{"x", dx}, {"out", logits}, {"w0", dwr}});
@@ -765,18 +772,24 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   ctx.report.add(c.name(), "gemm router (fp32)", rel(gl, linear_bf16(mx, to_double(wr), E, H, false)), kF32Tol);
 
   // ---- route ----
-  DevBuf ids(T * KT * 4), tw(T * KT * 4), experts((1 + U) * 4), eslots(U * T * 4);
-  for (DevBuf* b : {&ids, &tw, &experts, &eslots}) b->poison();
+  Routed R;
+  R.ids = DevBuf(T * KT * 4);
+  R.tw = DevBuf(T * KT * 4);
+  R.experts = DevBuf((1 + U) * 4);
+  R.eslots = DevBuf(U * T * 4);
+  for (DevBuf* b : {&R.ids, &R.tw, &R.experts, &R.eslots}) b->poison();
   const float route_ms = ctx.kernels.launch(k.route, {{"logits", logits},
                                                       {"bias", dbias},
-                                                      {"topk_ids", ids},
-                                                      {"topk_weights", tw},
-                                                      {"experts", experts},
-                                                      {"expert_slots", eslots}});
-  const std::vector<int32_t> gid = ids.download<int32_t>();
-  const std::vector<float> gw = tw.download<float>();
-  const std::vector<int32_t> gex = experts.download<int32_t>();
-  const std::vector<int32_t> gsl = eslots.download<int32_t>();
+                                                      {"topk_ids", R.ids},
+                                                      {"topk_weights", R.tw},
+                                                      {"experts", R.experts},
+                                                      {"expert_slots", R.eslots}});
+  R.gid = R.ids.download<int32_t>();
+  R.gw = R.tw.download<float>();
+  const std::vector<int32_t>& gid = R.gid;
+  const std::vector<float>& gw = R.gw;
+  const std::vector<int32_t> gex = R.experts.download<int32_t>();
+  const std::vector<int32_t> gsl = R.eslots.download<int32_t>();
   model::MoeConfig cfg;
   cfg.num_experts = E;
   cfg.top_k = KT;
@@ -832,7 +845,29 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
     }
   }
   ctx.report.zero(c.name(), "moe_route expert table", table_bad);
-  if (bad_ids || table_bad) return;  // the expert kernels would index garbage
+  R.w_want = std::move(w_want);
+  R.used_v = used_v;
+  R.ok = !bad_ids && !table_bad;
+  return R;
+}
+
+// Router logits -> moe_route -> moe_up -> moe_down, each checked on its own (inputs: the previous
+// GPU outputs) and the whole chain against the reference from x.
+void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
+  const ModelShape& m = *c.model;
+  const int64_t T = c.rows(), H = m.hidden, E = m.experts, KT = m.top_k, I = m.inter, S = m.shared;
+  Rng rng(seed);
+  auto x = rand_bf16(T * H, rng, -1, 1);
+  const Mat mx = to_mat(x, T, H);
+  const double ah = std::sqrt(3.0 / H);
+  DevBuf dx = device_copy(x);
+  Routed R = check_routing(ctx, c, k, rng, dx, mx);
+  if (!R.ok) return;  // the expert kernels would index garbage
+  const std::vector<int32_t>& gid = R.gid;
+  const std::vector<float>& gw = R.gw;
+  const std::vector<double>& w_want = R.w_want;
+  const std::vector<int32_t>& used_v = R.used_v;
+  DevBuf &experts = R.experts, &eslots = R.eslots, &tw = R.tw;
 
   // ---- weights: only routed experts get values; the rest (and any padding) stay NaN on the device ----
   // Layouts (cases.h): dense stacks w1, w3 [E, I, H] and w2 [E, H, I]; padded: vLLM's fused w13
@@ -983,6 +1018,268 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
                  ctx.time ? fmt::format("{:.1f} us", down_ms * 1e3) : std::string());
   ctx.report.add(c.name(), "moe chain (from x)", rel(out_gpu, down_ref(h_ref, hs_ref, w_want)), kBf16Tol,
                  fmt::format("{} experts used", used_v.size()));
+}
+
+// ---- MXFP4 latent MoE (Case::mxfp4) ---------------------------------------------------------------------
+
+constexpr int64_t kMxfp4Group = 32;  // values per E8M0 scale
+
+// An MXFP4 matrix [rows, cols] as the K3 checkpoints store it (compressed-tensors mxfp4-pack-quantized):
+// random E2M1 codes, two per byte (the even column in the low nibble), and one E8M0 scale byte per 32
+// values of a row, around 2^-(log2(sqrt(cols) * 3)) so that a row's dot product with unit-sized
+// activations is of order one. Its real values come from the reference's own decoder
+// (ref::dequant_mxfp4).
+struct Fp4Weight {
+  int64_t rows = 0, cols = 0;
+  std::vector<uint8_t> packed;  // [rows, cols / 2]
+  std::vector<uint8_t> scale;   // [rows, cols / 32]
+  std::vector<double> real() const {
+    return ref::dequant_mxfp4(std::vector<double>(packed.begin(), packed.end()),
+                              std::vector<double>(scale.begin(), scale.end()), rows, cols, kMxfp4Group, "mxfp4 weight");
+  }
+};
+Fp4Weight rand_fp4(int64_t rows, int64_t cols, Rng& rng) {
+  Fp4Weight w;
+  w.rows = rows;
+  w.cols = cols;
+  w.packed.resize(static_cast<size_t>(rows * cols / 2));
+  w.scale.resize(static_cast<size_t>(rows * cols / kMxfp4Group));
+  for (uint8_t& b : w.packed) b = static_cast<uint8_t>(rng.next() & 0xff);
+  const int centre = 127 - static_cast<int>(std::lround(std::log2(std::sqrt(static_cast<double>(cols)) * 3.0)));
+  for (uint8_t& s : w.scale) s = static_cast<uint8_t>(centre - 1 + rng.below(3));
+  return w;
+}
+
+// moe_up / moe_down over MXFP4 experts in the latent width, checked on their own (inputs: the previous GPU
+// outputs) and the whole latent MoE from x against the reference (the rounding points of
+// compiler/reference/layer.cpp ffn(), latent_moe at TP 1).
+void check_latent_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
+  const ModelShape& m = *c.model;
+  const int64_t T = c.rows(), H = m.hidden, D = m.latent, E = m.experts, KT = m.top_k, I = m.inter, S = m.shared;
+  Rng rng(seed);
+  auto x = rand_bf16(T * H, rng, -1, 1);
+  const Mat mx = to_mat(x, T, H);
+  DevBuf dx = device_copy(x);
+  Routed R = check_routing(ctx, c, k, rng, dx, mx);
+  if (!R.ok) return;  // the expert kernels would index garbage
+  const double ah = std::sqrt(3.0 / H), ad = std::sqrt(3.0 / D), as = std::sqrt(3.0 / S);
+
+  // ---- latent down ----
+  const HostWeight wdl = rand_weight(D, H, rng, -ah, ah, false);
+  const DevWeight dwdl = device_weight(wdl);
+  DevBuf lat(T * D * 2);
+  lat.poison();
+  const float lat_ms = ctx.kernels.launch(k.lat_down, {{"x", dx}, {"out", lat}, {"w0", dwdl.values}});
+  const std::vector<double> lat_ref = linear_bf16(mx, wdl.real(), D, H), lat_gpu = bf16_out(lat);
+  ctx.report.add(c.name(), "gemm latent down", rel(lat_gpu, lat_ref), kBf16Tol,
+                 ctx.time ? fmt::format("{:.1f} us", lat_ms * 1e3) : std::string());
+
+  // ---- MXFP4 expert stacks: dense [E, I*D/2] bytes (w1, w3) and [E, D*I/2] (w2), scales [E, I*D/32] and
+  // [E, D*I/32]; padded: the fused w13 (w3 = w13 + I*D/2, strides I*D) with its fused scales (w3_scale =
+  // w13_scale + I*D/32, strides I*D/16), 64 spare bytes after every w2 expert and 3 after its scales.
+  // Only the routed experts are uploaded; the rest is poison (0xFF: code -6 with scale byte 255). ----
+  const bool fused = c.layout != Layout::dense;
+  const int64_t pk = I * D / 2, sk = I * D / kMxfp4Group;  // bytes of one matrix, of its scales
+  const int64_t stride_w13 = fused ? 2 * pk : pk, stride_s13 = fused ? 2 * sk : sk;
+  const int64_t stride_w2 = fused ? pk + 64 : pk, stride_s2 = fused ? sk + 3 : sk;
+  DevBuf w1(E * stride_w13), w3(fused ? 0 : E * pk), w2(E * stride_w2);
+  DevBuf s1(E * stride_s13), s3(fused ? 0 : E * sk), s2(E * stride_s2);
+  for (DevBuf* b : {&w1, &w3, &w2, &s1, &s3, &s2}) b->poison();
+  const CUdeviceptr w1_ptr = w1.ptr, w3_ptr = fused ? w1.ptr + pk : w3.ptr;
+  const CUdeviceptr s1_ptr = s1.ptr, s3_ptr = fused ? s1.ptr + sk : s3.ptr;
+  std::map<int32_t, Fp4Weight> h1, h3, h2;
+  for (int32_t e : R.used_v) {
+    Rng er(seed * 1000 + static_cast<uint64_t>(e));
+    h1[e] = rand_fp4(I, D, er);
+    h3[e] = rand_fp4(I, D, er);
+    h2[e] = rand_fp4(D, I, er);
+    w1.upload(h1[e].packed, static_cast<size_t>(e * stride_w13));
+    s1.upload(h1[e].scale, static_cast<size_t>(e * stride_s13));
+    if (fused) {
+      w1.upload(h3[e].packed, static_cast<size_t>(e * stride_w13 + pk));
+      s1.upload(h3[e].scale, static_cast<size_t>(e * stride_s13 + sk));
+    } else {
+      w3.upload(h3[e].packed, static_cast<size_t>(e * pk));
+      s3.upload(h3[e].scale, static_cast<size_t>(e * sk));
+    }
+    w2.upload(h2[e].packed, static_cast<size_t>(e * stride_w2));
+    s2.upload(h2[e].scale, static_cast<size_t>(e * stride_s2));
+  }
+  const std::string layout_note =
+      fmt::format("{}: stride_w1/w3 {}, _scale {}; stride_w2 {}, _scale {} (dense {}, {})",
+                  fused ? "fused w13" : "separate w1, w3", stride_w13, stride_s13, stride_w2, stride_s2, pk, sk);
+
+  // ---- moe_up (Q4) ----
+  DevBuf h(T * KT * I * 2);
+  h.poison();
+  std::map<std::string, Arg> up_args{{"x", lat},
+                                     {"w1", w1_ptr},
+                                     {"w1_scale", s1_ptr},
+                                     {"w3", w3_ptr},
+                                     {"w3_scale", s3_ptr},
+                                     {"experts", R.experts},
+                                     {"expert_slots", R.eslots},
+                                     {"h", h},
+                                     {"stride_w1", Arg(static_cast<uint32_t>(stride_w13))},
+                                     {"stride_w1_scale", Arg(static_cast<uint32_t>(stride_s13))},
+                                     {"stride_w3", Arg(static_cast<uint32_t>(stride_w13))},
+                                     {"stride_w3_scale", Arg(static_cast<uint32_t>(stride_s13))}};
+  if (m.situ) {
+    up_args.emplace("act_beta", Arg(static_cast<float>(m.situ_beta)));
+    up_args.emplace("act_linear_beta", Arg(static_cast<float>(m.situ_linear_beta)));
+  }
+  const int repeat = ctx.time ? 20 : 1;
+  const float up_ms = ctx.kernels.launch(k.moe_up, up_args, repeat);
+  // h for the rows of each expert, from latent rows [T, D]: for each of `ins` (the GPU's latent and the
+  // reference's), each expert dequantised once.
+  auto up_ref = [&](const std::vector<const std::vector<double>*>& ins) {
+    std::vector<std::vector<double>> outs(ins.size(), std::vector<double>(T * KT * I));
+    for (int32_t e : R.used_v) {
+      const std::vector<double> g = h1.at(e).real(), u = h3.at(e).real();
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < KT; ++j) {
+          if (R.gid[t * KT + j] != e) continue;
+          for (size_t n = 0; n < ins.size(); ++n) {
+            const double* xt = ins[n]->data() + t * D;
+            for (int64_t i = 0; i < I; ++i) {
+              double gs = 0, us = 0;
+              for (int64_t d = 0; d < D; ++d) {
+                gs += g[i * D + d] * xt[d];
+                us += u[i * D + d] * xt[d];
+              }
+              outs[n][(t * KT + j) * I + i] = ref::round_bf16(act(m, ref::round_bf16(gs), ref::round_bf16(us)));
+            }
+          }
+        }
+    }
+    return outs;
+  };
+  const std::vector<double> h_gpu = bf16_out(h);
+  const std::vector<std::vector<double>> hs_both = up_ref({&lat_gpu, &lat_ref});
+  const std::vector<double>&h_ref = hs_both[0], &h_chain = hs_both[1];
+  // Bandwidth on the bytes the launch must read: the used experts' packed codes and scales.
+  const double up_bytes = static_cast<double>(R.used_v.size()) * 2 * (pk + sk);
+  ctx.report.add(c.name(), "moe_up mxfp4 routed", rel(h_gpu, h_ref), kBf16Tol,
+                 ctx.time ? fmt::format("{:.1f} us, {:.0f} GB/s on {} experts' packed bytes", up_ms * 1e3,
+                                        up_bytes / (up_ms * 1e-3) * 1e-9, R.used_v.size())
+                          : layout_note);
+
+  // ---- moe_down (Q4): the scaled latent sum ----
+  DevBuf sum(T * D * 2);
+  sum.poison();
+  const float down_ms = ctx.kernels.launch(k.moe_down, {{"h", h},
+                                                        {"w2", w2},
+                                                        {"w2_scale", s2},
+                                                        {"experts", R.experts},
+                                                        {"expert_slots", R.eslots},
+                                                        {"topk_weights", R.tw},
+                                                        {"out", sum},
+                                                        {"routed_scaling", static_cast<float>(m.routed_scaling)},
+                                                        {"stride_w2", Arg(static_cast<uint32_t>(stride_w2))},
+                                                        {"stride_w2_scale", Arg(static_cast<uint32_t>(stride_s2))}},
+                                           repeat);
+  // The scaled latent sum from (h, weights) pairs: the GPU's h with its weights, and the reference
+  // chain's; each expert dequantised once.
+  using HW = std::pair<const std::vector<double>*, const std::vector<double>*>;
+  auto down_ref = [&](const std::vector<HW>& ins) {
+    std::vector<std::vector<double>> ye(ins.size(), std::vector<double>(T * KT * D));  // round(w * W2 h)
+    for (int32_t e : R.used_v) {
+      const std::vector<double> w = h2.at(e).real();
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < KT; ++j) {
+          if (R.gid[t * KT + j] != e) continue;
+          for (size_t k2 = 0; k2 < ins.size(); ++k2) {
+            const double* ht = ins[k2].first->data() + (t * KT + j) * I;
+            for (int64_t n = 0; n < D; ++n) {
+              double acc = 0;
+              for (int64_t i = 0; i < I; ++i) acc += w[n * I + i] * ht[i];
+              ye[k2][(t * KT + j) * D + n] = ref::round_bf16((*ins[k2].second)[t * KT + j] * acc);
+            }
+          }
+        }
+    }
+    std::vector<std::vector<double>> o(ins.size(), std::vector<double>(T * D));
+    for (size_t k2 = 0; k2 < ins.size(); ++k2)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t n = 0; n < D; ++n) {
+          double acc = 0;
+          for (int64_t j = 0; j < KT; ++j) acc += ye[k2][(t * KT + j) * D + n];
+          o[k2][t * D + n] = ref::round_bf16(ref::round_bf16(acc) * m.routed_scaling);
+        }
+    return o;
+  };
+  const std::vector<double> gw_d(R.gw.begin(), R.gw.end());
+  const std::vector<double> sum_gpu = bf16_out(sum);
+  const std::vector<std::vector<double>> sums_both = down_ref({{&h_gpu, &gw_d}, {&h_chain, &R.w_want}});
+  const double down_bytes = static_cast<double>(R.used_v.size()) * (pk + sk);
+  ctx.report.add(c.name(), "moe_down mxfp4 (latent sum)", rel(sum_gpu, sums_both[0]), kBf16Tol,
+                 ctx.time ? fmt::format("{:.1f} us, {:.0f} GB/s on {} experts' packed bytes", down_ms * 1e3,
+                                        down_bytes / (down_ms * 1e-3) * 1e-9, R.used_v.size())
+                          : std::string());
+
+  // ---- RMSNorm of the latent sum (no residual: residual_out is a copy of the input) ----
+  auto nw = rand_bf16(D, rng, 0.5, 1.5);
+  DevBuf dnw = device_copy(nw), ln(T * D * 2), copy(T * D * 2);
+  ln.poison();
+  copy.poison();
+  ctx.kernels.launch(k.lat_norm, {{"hidden", sum},
+                                  {"residual", CUdeviceptr(0)},
+                                  {"weight", dnw},
+                                  {"out", ln},
+                                  {"residual_out", copy},
+                                  {"eps", static_cast<float>(1e-5)}});
+  auto norm_ref = [&](const std::vector<double>& in) {
+    Mat mi(T, D);
+    mi.v = in;
+    return ref::fused_add_rms_norm(mi, nullptr, to_double(nw), 1e-5, ref::Rounding::vllm()).x.v;
+  };
+  const std::vector<double> ln_gpu = bf16_out(ln);
+  ctx.report.add(c.name(), "rmsnorm latent", rel(ln_gpu, norm_ref(sum_gpu)), kBf16Tol);
+  ctx.report.add(c.name(), "rmsnorm latent residual_out", rel(bf16_out(copy), sum_gpu), 1e-6);
+
+  // ---- shared expert at full width (bf16) ----
+  const HostWeight sg = rand_weight(S, H, rng, -ah, ah, false), su = rand_weight(S, H, rng, -ah, ah, false),
+                   sd = rand_weight(H, S, rng, -as, as, false);
+  const DevWeight dsg = device_weight(sg), dsu = device_weight(su), dsd = device_weight(sd);
+  DevBuf hs(T * S * 2), sh(T * H * 2);
+  hs.poison();
+  sh.poison();
+  std::map<std::string, Arg> su_args{{"x", dx}, {"w_gate", dsg.values}, {"w_up", dsu.values}, {"h", hs}};
+  if (m.situ) {
+    su_args.emplace("act_beta", Arg(static_cast<float>(m.situ_beta)));
+    su_args.emplace("act_linear_beta", Arg(static_cast<float>(m.situ_linear_beta)));
+  }
+  ctx.kernels.launch(k.mlp_up, su_args);
+  ctx.kernels.launch(k.mlp_down, {{"x", hs}, {"out", sh}, {"w0", dsd.values}});
+  const std::vector<double> sgr = linear_bf16(mx, sg.real(), S, H), sur = linear_bf16(mx, su.real(), S, H);
+  std::vector<double> hs_ref(T * S);
+  for (size_t i = 0; i < hs_ref.size(); ++i) hs_ref[i] = ref::round_bf16(act(m, sgr[i], sur[i]));
+  Mat mhs(T, S);
+  mhs.v = hs_ref;
+  const std::vector<double> sdd = sd.real(), sh_ref = linear_bf16(mhs, sdd, H, S), sh_gpu = bf16_out(sh);
+  ctx.report.add(c.name(), "shared expert (mlp_up + down)", rel(sh_gpu, sh_ref), kBf16Tol);
+
+  // ---- latent up + shared (gemm AD) ----
+  const HostWeight wul = rand_weight(H, D, rng, -ad, ad, false);
+  const DevWeight dwul = device_weight(wul);
+  DevBuf out(T * H * 2);
+  out.poison();
+  const float lup_ms = ctx.kernels.launch(k.lat_up, {{"x", ln}, {"out", out}, {"w0", dwul.values}, {"add", sh}});
+  const std::vector<double> wuld = wul.real();
+  auto out_ref = [&](const std::vector<double>& normed, const std::vector<double>& shared) {
+    Mat mn(T, D);
+    mn.v = normed;
+    std::vector<double> o = linear_bf16(mn, wuld, H, D);
+    for (size_t i = 0; i < o.size(); ++i) o[i] = ref::round_bf16(o[i] + shared[i]);
+    return o;
+  };
+  const std::vector<double> out_gpu = bf16_out(out);
+  ctx.report.add(c.name(), "gemm latent up + shared (AD)", rel(out_gpu, out_ref(ln_gpu, sh_gpu)), kBf16Tol,
+                 ctx.time ? fmt::format("{:.1f} us", lup_ms * 1e3) : std::string());
+  // The whole latent MoE from x: every stage from the reference's own previous stage.
+  const std::vector<double> chain = out_ref(norm_ref(sums_both[1]), sh_ref);
+  ctx.report.add(c.name(), "latent moe chain (from x)", rel(out_gpu, chain), kBf16Tol,
+                 fmt::format("{} experts used", R.used_v.size()));
 }
 
 void check_mlp(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
@@ -1388,8 +1685,12 @@ int main(int argc, char** argv) {
       if (case_index >= 0 && static_cast<int64_t>(ci) != case_index) continue;
       std::printf("%s\n", cs.name().c_str());
       const CaseKernels k = kernels_of(cs, "sm_90a");
-      const bool timing = time && cs.model->name == "kimi-linear-48b";
+      const bool timing = time && (cs.model->name == "kimi-linear-48b" || cs.model->name == "kimi-k3");
       c.time = timing;
+      if (cs.mxfp4) {  // the latent MoE with MXFP4 experts: only its ops
+        check_latent_moe(c, cs, k, seed += 10);
+        continue;
+      }
       if (!cs.fp8) check_rmsnorm(c, cs, k, seed += 10);  // FP8 cases: only the ops that read FP8 weights
       check_gemm(c, cs, k.in_proj, cs.fp8 ? "kda in_proj (q, k, v e4m3)" : "kda in_proj (6 weights)", seed += 10);
       check_gemm(c, cs, k.o_proj, "o_proj", seed += 10);

@@ -16,17 +16,18 @@ failed=0
 i=0
 while [ "$i" -lt "$n" ]; do
   extra=""
-  # The 48B-shaped cases are timed.
-  awk -F'\t' -v i="$i" '$1 == i && $2 ~ /^kimi-linear-48b /' "$logs/cases.txt" | grep -q . && extra="--time"
+  # The 48B-shaped and K3-shaped cases are timed.
+  awk -F'\t' -v i="$i" '$1 == i && $2 ~ /^(kimi-linear-48b|kimi-k3) /' "$logs/cases.txt" | grep -q . && extra="--time"
   "$check" "$dir/cubins" --case "$i" --out "$logs/kernel_check.tsv" $extra >> "$logs/kernel_check.log" 2>&1 ||
     failed=$((failed + 1))
   i=$((i + 1))
 done
 # kimi-linear-tiny w3 q2: a padded request and spec-decode slots; the padded variant adds padded pools
 # and the fused w13; the FP8 one the e4m3 weights with their block scales (fused w13 scales). The K3
-# ones: the q-LoRA chain (strided rmsnorm rows, gate columns), and a tensor-parallel rank's A_log offset.
+# ones: the q-LoRA chain (strided rmsnorm rows, gate columns), a tensor-parallel rank's A_log offset, and
+# the latent MoE with fused MXFP4 w13 and padded w2 stacks.
 for name in "kimi-linear-tiny w3 q2" "kimi-linear-tiny w3 q2 padded" "kimi-linear-tiny w3 q2 padded fp8" \
-            "kimi-k3-tiny w3 q2" "kimi-k3-tiny-tp2-rank1 w4 q2"; do
+            "kimi-k3-tiny w3 q2" "kimi-k3-tiny-tp2-rank1 w4 q2" "kimi-k3-tiny w3 q2 padded mxfp4"; do
   small=$(awk -F'\t' -v n="$name" '$2 == n {print $1}' "$logs/cases.txt")
   [ -n "$small" ] || { echo "no case named $name" >> "$logs/sanitizer.log"; failed=$((failed + 1)); continue; }
   for tool in memcheck racecheck; do

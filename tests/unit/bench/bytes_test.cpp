@@ -257,5 +257,67 @@ TEST(BenchBytes, Fp8KernelsOfAProgramCoverTheLayer) {
   if (checked == 0) GTEST_SKIP() << "no FP8 layer class has a program in this build (the plan refuses them)";
 }
 
+// MXFP4 experts (Kimi-K3): the packed E2M1 bytes (two values per byte) and the E8M0 scale bytes (one per
+// 32 values) of w1, w3 and w2 are what an expert costs, per routed expert; the bench's share of the HBM
+// limit is taken on these bytes.
+TEST(BenchBytes, Mxfp4ExpertsCountTheirPackedBytesAndScales) {
+  const model::Model m = model::load_model("kimi-k3");
+  ASSERT_EQ(m.moe.expert_format, model::ExpertFormat::mxfp4);
+  const uint64_t packed = 3072ull * 1792, scales = 3072ull * 112;  // [3072, 3584] and [3584, 3072] alike
+  EXPECT_EQ(expert_bytes(m, 1), 3 * (packed + scales));
+  const StepTraffic t = traffic(1, 100, 16);
+  EXPECT_EQ(layer_bytes(m, 1, {}, t).expert_weights, 16 * 3 * (packed + scales));
+  format::ProgramStepEntry u;
+  u.kernel = "moe_up_w1_d3584_i3072_e896_k16_s0_act1_q41";
+  for (const char* w : {"w1", "w3"}) {
+    const std::string g = std::string("block_sparse_moe.experts.{e}.") + w;
+    u.args.push_back({w, "weight", g + ".weight_packed", 0, 0});
+    u.args.push_back({std::string(w) + "_scale", "weight", g + ".weight_scale", 0, 0});
+  }
+  const Bytes ub = kernel_bytes(m, 1, u, {}, t);
+  EXPECT_EQ(ub.expert_weights, 16 * 2 * (packed + scales));
+  EXPECT_EQ(ub.dense_weights, 0u);
+}
+
+// The latent MoE's program (MXFP4 experts; Kimi-Linear mixers, since K3's have no program yet) reads
+// every weight of its layer once: the router, the latent down / up projections and norm, the shared
+// expert, and per routed expert the packed codes and scales of w1, w3, w2.
+TEST(BenchBytes, LatentMoeKernelsOfAProgramCoverTheLayer) {
+  Json c = parse_json(*embedded_file("presets/kimi-k3-tiny.json"), "preset");
+  Json& tc = c["text_config"];
+  tc["linear_attn_config"].erase("use_full_rank_gate");
+  tc["linear_attn_config"].erase("gate_lower_bound");
+  tc["q_lora_rank"] = nullptr;
+  tc["mla_use_output_gate"] = false;
+  tc.erase("attn_res_block_size");
+  model::Model m = model::model_from_config(c, "config.json");
+  m.type = model::ModelType::kimi_linear;
+  const plan::Plan p = plan::make_plan(m, deploy_of({1, 8}), "deploy.json");
+  const std::vector<format::ProgramEntry> programs = programs_of(p);
+  int checked = 0;
+  for (int layer : {1, 3}) {
+    for (int64_t width : {1, 8}) {
+      const std::string cls = plan::to_string(p.ranks.front().layers[static_cast<size_t>(layer)].cls);
+      const format::ProgramEntry* prog = nullptr;
+      for (const format::ProgramEntry& pe : programs)
+        if (pe.cls == cls && pe.width == width) prog = &pe;
+      ASSERT_TRUE(prog && !prog->steps.empty()) << cls << " w" << width;
+      ++checked;
+      const StepTraffic t = traffic(width, 300, width * 4);
+      const Bytes lb = layer_bytes(m, layer, {}, t);
+      Bytes kb;
+      for (const format::ProgramStepEntry& s : prog->steps) kb += kernel_bytes(m, layer, s, {}, t);
+      uint64_t kv_b = 0;  // read twice by the MLA kernels
+      if (m.layers[static_cast<size_t>(layer)].mixer == model::Mixer::mla)
+        for (size_t i : m.layers[static_cast<size_t>(layer)].weights)
+          if (m.weights[i].key.starts_with("self_attn.kv_b_proj.")) kv_b += m.weights[i].bytes();
+      EXPECT_EQ(kb.dense_weights, lb.dense_weights + kv_b) << cls << " w" << width;
+      EXPECT_EQ(kb.expert_weights, lb.expert_weights) << cls << " w" << width;
+      EXPECT_EQ(lb.expert_weights, static_cast<uint64_t>(width) * 4 * expert_bytes(m, layer));
+    }
+  }
+  EXPECT_EQ(checked, 4);
+}
+
 }  // namespace
 }  // namespace dp::bench
