@@ -49,7 +49,7 @@ TEST(KernelName, EveryLetterIsExplainedInTheTemplatesReadme) {
   for (std::string line; std::getline(text, line);)
     if (line.rfind("| `", 0) == 0) rows.push_back(line);
   for (auto family : {ops::norm_ops, ops::gemm_ops, ops::kda_ops, ops::moe_ops, ops::mla_ops, ops::indexer_ops,
-                      ops::prefetch_ops})
+                      ops::prefetch_ops, ops::attnres_ops})
     for (const ops::OpSpec& op : family()) {
       const std::string quoted = std::string("`") + op.name + "`";
       auto row = std::find_if(rows.begin(), rows.end(), [&](const std::string& r) {
