@@ -34,6 +34,8 @@ const std::vector<ModelShape>& model_shapes() {
     k3.routed_scaling = 1.0;
     k3.situ = true;
     k3.mla_gate = true;
+    k3.attn_res_block = 2;  // layers 0, 2, 4 push: 3 blocks
+    k3.layers = 5;
     v.push_back(k3);
     // Kimi-Linear-48B-A3B (model-family.md 1), TP 1.
     ModelShape big;
@@ -118,7 +120,8 @@ std::vector<Case> all_cases() {
 
 std::vector<codegen::KernelInstance> CaseKernels::all() const {
   std::vector<codegen::KernelInstance> v{rmsnorm,  in_proj, kda,      o_proj,   router,   route,       moe_up,
-                                         moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine, mixed};
+                                         moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine, mixed,
+                                         attnres[0], attnres[1], attnres[2], attnres_k3};
   std::erase_if(v, [](const codegen::KernelInstance& k) { return k.op.empty(); });
   return v;
 }
@@ -186,6 +189,13 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
                     {"NS", m.splits},
                     {"OG", m.mla_gate ? 1 : 0}},
                    target};
+  if (m.attn_res_block > 0 && !c.fp8) {
+    for (int64_t s = 0; s < 3; ++s)
+      k.attnres[s] = {"attnres",
+                      {{"W", T}, {"H", H}, {"B", m.attn_res_block}, {"NB", m.attn_res_blocks()}, {"S", s}},
+                      target};
+    k.attnres_k3 = {"attnres", {{"W", T}, {"H", 7168}, {"B", 12}, {"NB", 8}, {"S", 0}}, target};
+  }
   if (c.fp8) {
     // Q8 (left out for bf16): 1 for an op whose weights are all e4m3; for gemm a bitmask over its weights.
     k.in_proj.params["Q8"] = 0b111;  // q, k, v; f_a, g_a (g), b stay bf16

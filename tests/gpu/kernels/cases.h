@@ -32,6 +32,9 @@ struct ModelShape {
   int64_t mla_heads = 0, lora = 512, rope = 64, nope = 128, v_dim = 128;
   bool mla_gate = false;
   int64_t block_size = 64, splits = 16, max_context = 0;
+  // K3 block attention residuals (0: plain residual): block size and decoder layers.
+  int64_t attn_res_block = 0, layers = 0;
+  int64_t attn_res_blocks() const { return attn_res_block ? (layers + attn_res_block - 1) / attn_res_block : 0; }
 
   int64_t proj_size() const { return heads * head_dim; }  // P
   int64_t proj_cols() const {                             // columns of the stacked KDA projections
@@ -88,6 +91,11 @@ struct CaseKernels {
   // FP8 cases only (op "" otherwise): gemm over e4m3, bf16 and e4m3 weights [P | 80 | 208, H] (Q8 5),
   // the per-weight choice away from the in_proj's leading bits, rows that end inside a block.
   codegen::KernelInstance mixed;
+  // K3 cases (attn_res_block > 0, not FP8; op "" otherwise): attnres at stage 0 (before the input norm,
+  // may push), 1 (before the post-attention norm) and 2 (the final norm), at the model's shape, and at
+  // Kimi-K3's own (H 7168, block 12, 8 blocks; stage 0) over the same rows.
+  codegen::KernelInstance attnres[3];
+  codegen::KernelInstance attnres_k3;
   std::vector<codegen::KernelInstance> all() const;  // the instances with an op
 };
 CaseKernels kernels_of(const Case& c, const std::string& target);
