@@ -999,7 +999,9 @@ TEST(Reference, K3LayersCarryTheBlocks) {
     } else {
       EXPECT_EQ(tr.at("residual").v, p.v);
     }
-    if (l == 0) EXPECT_EQ(ar.blocks[0].v, emb.v);
+    if (l == 0) {
+      EXPECT_EQ(ar.blocks[0].v, emb.v);
+    }
     EXPECT_GT(max_abs(o.hidden.v), 0.0);
     hidden = o.hidden;
     residual = o.residual;
