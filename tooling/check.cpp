@@ -92,9 +92,10 @@ namespace {
 constexpr double kNearTie = 1e-2;
 }  // namespace
 
-int64_t match_near_ties(const model::Model& m, const WeightSource& src, int layer, ref::Shard shard,
-                        const ref::LayerWeights& w, const ref::Trace& trace, const ref::Mat& gpu,
+int64_t match_near_ties(const model::Model& m, const WeightSource& src, int layer,
+                        std::span<const ref::LayerWeights* const> ranks, const ref::Trace& trace, const ref::Mat& gpu,
                         const std::vector<bool>& valid, const ref::Options& opt, ref::Mat& want) {
+  const ref::LayerWeights& w = *ranks[0];
   if (w.spec().ffn == model::Ffn::dense || !trace.t.count("router_logits")) return 0;
   const int64_t E = m.moe.num_experts, k = m.moe.top_k;
   if (k < 1 || k >= E) return 0;
@@ -130,15 +131,20 @@ int64_t match_near_ties(const model::Model& m, const WeightSource& src, int laye
       std::vector<double> nb = bias;
       nb[static_cast<size_t>(b)] += gap + 1e-9;
       nb[static_cast<size_t>(a)] -= 1e-9;
-      ref::LayerWeights alt(m, layer,
-                            [base = src.lookup(layer), nb, bias_key](const std::string& key) {
-                              return key == bias_key ? nb : base(key);
-                            },
-                            shard);
+      // Every rank's shard with the moved bias (it is replicated), for the FFN over all ranks.
+      std::vector<std::unique_ptr<ref::LayerWeights>> alt;
+      std::vector<const ref::LayerWeights*> alt_ranks;
+      for (const ref::LayerWeights* r : ranks) {
+        alt.push_back(std::make_unique<ref::LayerWeights>(
+            m, layer, [base = src.lookup(layer), nb, bias_key](const std::string& key) {
+              return key == bias_key ? nb : base(key);
+            },
+            r->shard()));
+        alt_ranks.push_back(alt.back().get());
+      }
       ref::Mat xr(1, x2.cols);
       std::copy(x2.row(t).begin(), x2.row(t).end(), xr.row(0).begin());
-      const ref::LayerWeights* ranks[1] = {&alt};
-      const ref::Mat y = ref::ffn(ranks, xr, opt);
+      const ref::Mat y = ref::ffn(alt_ranks, xr, opt);
       const double d = sqdist(t, y.row(0));
       if (d < best) {
         best = d;
@@ -177,10 +183,15 @@ void Harness::check_step(int index, const std::string& mode) {
 
   // What the comparisons read comes off the device first (one stream); then the layers are compared
   // in parallel, each with its own reference weights, caches and results.
+  struct PeerLayer {  // what rank p > 0 sent (send_check_data): its mirrors, caches and outputs
+    std::vector<std::vector<uint8_t>> before, now;
+    std::vector<uint8_t> hout, rout;
+  };
   struct LayerData {
     int32_t layer = 0;
     std::vector<uint8_t> hin, rin, hout, rout;
     std::vector<std::vector<uint8_t>> now;  // the caches as the GPU left them
+    std::vector<PeerLayer> peers;           // ranks 1 .. tp-1
     std::vector<RunCheck> checks;
     int64_t routed = -1;
   };
@@ -212,6 +223,30 @@ void Harness::check_step(int index, const std::string& mode) {
     for (const Cache& c : caches_[li].c) d.now.push_back(download(c.ptr, c.bytes()));
     data.push_back(std::move(d));
   }
+  // Tensor parallelism: the other ranks' caches (as the step read them and as it left them) and outputs.
+  for (int p = 1; p < tp_; ++p) {
+    const std::vector<uint8_t> blob = group_->receive(fmt::format("check.{}", index), p);
+    size_t at = 0;
+    auto take = [&](size_t n) {
+      if (at + n > blob.size())
+        fail(Errc::internal, "rank {}'s check data of step {}: {} bytes, more expected", p, index, blob.size());
+      std::vector<uint8_t> v(blob.begin() + static_cast<std::ptrdiff_t>(at), blob.begin() + static_cast<std::ptrdiff_t>(at + n));
+      at += n;
+      return v;
+    };
+    for (LayerData& d : data) {
+      PeerLayer pl;
+      for (const Cache& c : caches_[static_cast<size_t>(d.layer)].c) {
+        pl.before.push_back(take(c.bytes()));
+        pl.now.push_back(take(c.bytes()));
+      }
+      pl.hout = take(act_bytes_);
+      pl.rout = take(act_bytes_);
+      d.peers.push_back(std::move(pl));
+    }
+    if (at != blob.size())
+      fail(Errc::internal, "rank {}'s check data of step {}: {} bytes, {} expected", p, index, blob.size(), at);
+  }
   parallel_for(data.size(), check_threads, [&](size_t i) {
     LayerData& d = data[i];
     const int32_t l = d.layer;
@@ -238,23 +273,57 @@ void Harness::check_step(int index, const std::string& mode) {
       const ref::Mat hout = bf16_mat(d.hout, T, H);
       const ref::Mat rout = bf16_mat(d.rout, T, H);
 
-      if (!ref_weights_[li])
-        ref_weights_[li] = std::make_unique<ref::LayerWeights>(m, l, source_->lookup(l), ref::Shard{tp_, o_.rank});
-      LayerCaches& lc = caches_[li];
-      ref::LayerState state;
-      if (lc.kda) state.kda = kda_from_raw(m, ref::Shard{tp_, o_.rank}, lc, layouts_);
-      else state.mla = mla_from_raw(m, lc);
+      // Every rank's weights and caches: rank 0's own, the others' as they sent them (copies that
+      // take the same mirror updates below, so the checks read alike for every rank).
+      const size_t R = static_cast<size_t>(tp_);
+      std::vector<std::unique_ptr<ref::LayerWeights>>& rw = ref_weights_[li];
+      rw.resize(R);
+      std::vector<const ref::LayerWeights*> ranks;
+      for (size_t p = 0; p < R; ++p) {
+        if (!rw[p]) rw[p] = std::make_unique<ref::LayerWeights>(m, l, source_->lookup(l), ref::Shard{tp_, static_cast<int>(p)});
+        ranks.push_back(rw[p].get());
+      }
+      std::vector<LayerCaches> peer_caches(R - 1);
+      std::vector<LayerCaches*> lcs{&caches_[li]};
+      std::vector<std::vector<std::vector<uint8_t>>*> nows{&d.now};
+      for (size_t p = 1; p < R; ++p) {
+        LayerCaches& pc = peer_caches[p - 1];
+        pc.kda = caches_[li].kda;
+        for (size_t k = 0; k < caches_[li].c.size(); ++k) {
+          const Cache& c = caches_[li].c[k];
+          Cache x;
+          x.kind = c.kind;
+          x.desc = c.desc;
+          x.dtype = c.dtype;
+          x.elem = c.elem;
+          x.slot_bytes = c.slot_bytes;
+          x.count = c.count;
+          x.host = std::move(d.peers[p - 1].before[k]);
+          pc.c.push_back(std::move(x));
+        }
+        lcs.push_back(&pc);
+        nows.push_back(&d.peers[p - 1].now);
+      }
+      std::vector<ref::LayerState> states(R);
+      std::vector<ref::LayerState*> state_ptrs;
+      for (size_t p = 0; p < R; ++p) {
+        if (lcs[p]->kda) states[p].kda = kda_from_raw(m, ref::Shard{tp_, static_cast<int>(p)}, *lcs[p], layouts_);
+        else states[p].mla = mla_from_raw(m, *lcs[p]);
+        state_ptrs.push_back(&states[p]);
+      }
       ref::Trace trace;
       ref::AttnResState attn_res;
       if (B > 0) attn_res.blocks.assign(blocks.begin(), blocks.begin() + ref::attn_res_blocks(l, B));
-      ref::LayerOutput want = ref::decoder_layer(*ref_weights_[li], hin, l > 0 ? &rin : nullptr, sm, state, opt,
-                                                 &trace, B > 0 ? &attn_res : nullptr);
+      ref::AttnResState* ar = B > 0 ? &attn_res : nullptr;
+      ref::LayerOutput want =
+          R == 1 ? ref::decoder_layer(*ranks[0], hin, l > 0 ? &rin : nullptr, sm, states[0], opt, &trace, ar)
+                 : ref::decoder_layer_tp(ranks, hin, l > 0 ? &rin : nullptr, sm, state_ptrs, opt, &trace, ar);
       if (B > 0 && l % B == 0)  // the block this layer pushed: p, exactly
-        add(l, cls, "attn_res pushed block", ref::rel_error(blocks[static_cast<size_t>(l / B)], attn_res.blocks.back(), &valid),
-            1e-6);
-      const int64_t alternatives =
-          match_near_ties(m, *source_, l, ref::Shard{tp_, o_.rank}, *ref_weights_[li], trace, hout, valid, opt, want.hidden);
-      if (drop_reference_cache_) ref_weights_[li]->drop_cache();
+        add(l, cls, "attn_res pushed block",
+            ref::rel_error(blocks[static_cast<size_t>(l / B)], attn_res.blocks.back(), &valid), 1e-6);
+      const int64_t alternatives = match_near_ties(m, *source_, l, ranks, trace, hout, valid, opt, want.hidden);
+      if (drop_reference_cache_)
+        for (auto& w : rw) w->drop_cache();
       if (const auto it = trace.t.find("topk_ids"); it != trace.t.end()) {
         std::set<int64_t> experts;
         for (int64_t t = 0; t < it->second.rows; ++t)
@@ -267,10 +336,29 @@ void Harness::check_step(int index, const std::string& mode) {
                        : std::string("hidden"),
           ref::rel_error(hout, want.hidden, &valid), kBf16Limit);
       add(l, cls, "residual", ref::rel_error(rout, want.residual, &valid), kBf16Limit);
+      if (R > 1) {
+        // The all-reduce sums in rank order on every rank: every rank's output rows are rank 0's, bit for bit.
+        int64_t differ = 0;
+        for (const PeerLayer& pl : d.peers)
+          for (int64_t t = 0; t < T; ++t) {
+            if (!valid[static_cast<size_t>(t)]) continue;
+            const size_t off = static_cast<size_t>(t * H) * 2;
+            for (int64_t c = 0; c < H; ++c) {
+              differ += std::memcmp(pl.hout.data() + off + c * 2, d.hout.data() + off + c * 2, 2) != 0;
+              differ += std::memcmp(pl.rout.data() + off + c * 2, d.rout.data() + off + c * 2, 2) != 0;
+            }
+          }
+        add_count(l, cls, fmt::format("hidden/residual of ranks 1-{} equal rank 0's", R - 1), differ);
+      }
 
+    for (size_t p = 0; p < R; ++p) {
+      LayerCaches& lc = *lcs[p];
+      const std::vector<std::vector<uint8_t>>& now = *nows[p];
+      ref::LayerState& state = states[p];
+      const ref::Shard shard{tp_, static_cast<int>(p)};
+      const std::string of = R > 1 ? fmt::format(", rank {}", p) : "";
       // The caches as the GPU left them; the mirror becomes them, so the next step starts from the
       // GPU's state (the comparison of each step stands alone).
-      const std::vector<std::vector<uint8_t>>& now = d.now;
       if (lc.kda) {
         std::set<int64_t> touched;
         for (int r = 0; r < width_; ++r)
@@ -279,9 +367,9 @@ void Harness::check_step(int index, const std::string& mode) {
         int64_t changed = 0;
         for (size_t k = 0; k < lc.c.size(); ++k)
           changed += changed_outside(lc.c[k].host, now[k], lc.c[k].slot_bytes, lc.c[k].elem, touched);
-        const ref::KdaState before = kda_from_raw(m, ref::Shard{tp_, o_.rank}, lc, layouts_);
+        const ref::KdaState before = kda_from_raw(m, shard, lc, layouts_);
         for (size_t k = 0; k < lc.c.size(); ++k) lc.c[k].host = now[k];
-        const ref::KdaState got = kda_from_raw(m, ref::Shard{tp_, o_.rank}, lc, layouts_);
+        const ref::KdaState got = kda_from_raw(m, shard, lc, layouts_);
         std::vector<double> gs, ws, gc, wc;
         ref::KdaState& ref_state = state.kda;
         for (int64_t s : touched) {
@@ -324,9 +412,9 @@ void Harness::check_step(int index, const std::string& mode) {
           }
         }
         const double state_limit = std::max(kF32Limit, new2 > 0 ? std::ldexp(std::sqrt(upd2 / new2), -8) : 0.0);
-        add(l, cls, fmt::format("kda state ({} slots)", touched.size()), ref::rel_error(gs, ws), state_limit);
-        add(l, cls, "conv state q/k/v", ref::rel_error(gc, wc), kBf16Limit);
-        add_count(l, cls, "other slots unchanged", changed);
+        add(l, cls, fmt::format("kda state ({} slots{})", touched.size(), of), ref::rel_error(gs, ws), state_limit);
+        add(l, cls, "conv state q/k/v" + of, ref::rel_error(gc, wc), kBf16Limit);
+        add_count(l, cls, "other slots unchanged" + of, changed);
       } else {
         Cache& c = lc.c[0];
         const int64_t bs = c.desc.shape[1];
@@ -346,9 +434,10 @@ void Harness::check_step(int index, const std::string& mode) {
           w.insert(w.end(), state.mla.data.begin() + static_cast<std::ptrdiff_t>(off),
                    state.mla.data.begin() + static_cast<std::ptrdiff_t>(off + row_values));
         }
-        add(l, cls, fmt::format("latent rows ({} written)", written.size()), ref::rel_error(g, w), kBf16Limit);
-        add_count(l, cls, "other rows unchanged", changed);
+        add(l, cls, fmt::format("latent rows ({} written{})", written.size(), of), ref::rel_error(g, w), kBf16Limit);
+        add_count(l, cls, "other rows unchanged" + of, changed);
       }
+    }
   });
   for (LayerData& d : data) {
     res_.checks.insert(res_.checks.end(), d.checks.begin(), d.checks.end());

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <set>
+#include <span>
 #include <vector>
 
 #include "model/ir.h"
@@ -38,8 +39,9 @@ void zero_rows(ref::Mat& m, const std::vector<bool>& valid);
 
 // MoE routing near-ties (check.cpp says how): rows of `want` whose alternative routing is closer to
 // `gpu` take it; returns how many did.
-int64_t match_near_ties(const model::Model& m, const WeightSource& src, int layer, ref::Shard shard,
-                        const ref::LayerWeights& w, const ref::Trace& trace, const ref::Mat& gpu,
+// `ranks`: the layer's reference weights of every tensor-parallel rank, in rank order (one at TP 1).
+int64_t match_near_ties(const model::Model& m, const WeightSource& src, int layer,
+                        std::span<const ref::LayerWeights* const> ranks, const ref::Trace& trace, const ref::Mat& gpu,
                         const std::vector<bool>& valid, const ref::Options& opt, ref::Mat& want);
 
 }  // namespace dp::tools

@@ -68,10 +68,10 @@ void Harness::open_and_validate() {
     std::vector<int32_t> ranks(info.ranks, info.ranks + info.num_ranks);
     fail(Errc::usage, "--rank {}: not built into {} (ranks: {})", o_.rank, o_.bundle, fmt::join(ranks, ", "));
   }
-  if (tp_ > 1 && o_.check)
-    fail(Errc::usage, "--check: {} is built for tensor_parallel {}; its layer programs all-reduce with their peer "
-         "ranks, which one `run` process does not start, so their outputs cannot be checked on one rank (build a "
-         "tensor_parallel 1 bundle to check the kernels)", o_.bundle, tp_);
+  if (tp_ > 1 && (!group_ || group_->size() != tp_ || group_->rank() != o_.rank))
+    fail(Errc::usage, "{} is built for tensor_parallel {}: its layer programs all-reduce with their peer ranks, which "
+         "`run` starts (one process per rank) and this command does not (build a tensor_parallel 1 bundle for it)",
+         o_.bundle, tp_);
 
   const deploy::Deploy& d = deploy_;
   layouts_.kda_state = deploy::to_string(d.kda_state.layout);
@@ -342,10 +342,26 @@ const dp_step* Harness::plan(int32_t graph_mode) {
   dp_plan_result r;
   dp_plan_result_init(&r);
   rt(dp_plan(sh_.s, &d, &r), "dp_plan");
-  // The host all-gathers the reasons over its TP group; one rank here.
-  const int32_t verdict = dp_agree(&r.reason, 1, nullptr);
+  // The host all-gathers the reasons over its TP group (every rank plans the same steps in the same
+  // order) and runs the step specialised only when every rank can.
+  std::vector<int32_t> reasons{r.reason};
+  if (group_) {
+    const std::string name = fmt::format("plan.{}", plans_);
+    group_->publish(name, &r.reason, sizeof(r.reason));
+    const std::vector<std::vector<uint8_t>> all = group_->gather(name);
+    reasons.clear();
+    for (const std::vector<uint8_t>& b : all) {
+      int32_t v = DP_REASON_INVALID;
+      if (b.size() == 4) std::memcpy(&v, b.data(), 4);
+      reasons.push_back(v);
+    }
+  }
+  ++plans_;
+  int32_t refusing = -1;
+  const int32_t verdict = dp_agree(reasons.data(), static_cast<int32_t>(reasons.size()), &refusing);
   if (verdict != DP_REASON_NONE)
-    fail(Errc::internal, "the runtime refused the step at width {}: {}: {}", width_, dp_reason_name(verdict), r.message);
+    fail(Errc::internal, "the runtime refused the step at width {} (rank {}): {}: {}", width_, refusing,
+         dp_reason_name(verdict), refusing == o_.rank ? r.message : "see that rank's message");
   if (r.width != width_)
     fail(Errc::internal, "dp_plan chose width {} for {} requests, expected {}", r.width, width_, width_);
   return r.step;
@@ -519,11 +535,151 @@ std::vector<uint8_t> Harness::download(CUdeviceptr p, size_t bytes) {
   return v;
 }
 
+// Tensor parallelism: every rank allocates its exchange buffer (an allocation of its own, so that its
+// CUDA IPC handle maps exactly it), publishes the handle, opens the others' and gives the session every
+// rank's address; dp_session_set_peers zeroes this rank's buffer, and the barrier after it keeps every
+// rank from launching before all buffers are zeroed.
+void Harness::connect_peers() {
+  const Driver& d = *drv_;
+  if (!d.IpcGetMemHandle || !d.IpcOpenMemHandle)
+    fail(Errc::device, "tensor_parallel {}: the CUDA driver ({}) has no CUDA IPC entry points", tp_, d.library);
+  const uint64_t bytes = dp_session_exchange_bytes(sh_.s);
+  if (bytes == 0) fail(Errc::internal, "tensor_parallel {}: the session needs no exchange buffer", tp_);
+  exchange_ = mem_->alloc(bytes, "all-reduce exchange buffer");
+  cuda::CUipcMemHandle mine;
+  d.check(d.IpcGetMemHandle(&mine, exchange_), "cuIpcGetMemHandle", "the all-reduce exchange buffer");
+  group_->publish("ipc", &mine, sizeof(mine));
+  const std::vector<std::vector<uint8_t>> handles = group_->gather("ipc");
+  std::vector<uint64_t> peers(static_cast<size_t>(tp_));
+  for (int p = 0; p < tp_; ++p) {
+    if (p == o_.rank) {
+      peers[static_cast<size_t>(p)] = exchange_;
+      continue;
+    }
+    cuda::CUipcMemHandle h;
+    if (handles[static_cast<size_t>(p)].size() != sizeof(h))
+      fail(Errc::internal, "rank {}'s IPC handle: {} bytes", p, handles[static_cast<size_t>(p)].size());
+    std::memcpy(&h, handles[static_cast<size_t>(p)].data(), sizeof(h));
+    CUdeviceptr ptr = 0;
+    d.check(d.IpcOpenMemHandle(&ptr, h, cuda::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle",
+            fmt::format("rank {}'s exchange buffer", p));
+    opened_peers_.push_back(ptr);
+    peers[static_cast<size_t>(p)] = ptr;
+  }
+  const uint32_t timeout = o_.allreduce_timeout_us;
+  rt(dp_session_set_peers(sh_.s, peers.data(), tp_, timeout), "binding the ranks' exchange buffers");
+  group_->barrier("peers");
+  log(fmt::format("tensor parallel: rank {} of {}, exchange buffers of {} bound (wait bound {} ms)", o_.rank, tp_,
+                  human_bytes(bytes), timeout / 1000));
+}
+
+// Rank > 0 under --check: what rank 0 needs to check this rank's part of the step (check_step), per
+// layer run: every cache as the step read it (the mirror) and as the GPU left it, then the layer's
+// output rows. The mirror then becomes the GPU's caches, as rank 0's do.
+void Harness::send_check_data(int index) {
+  std::vector<uint8_t> blob;
+  auto put = [&](const std::vector<uint8_t>& v) { blob.insert(blob.end(), v.begin(), v.end()); };
+  for (int32_t l = 0; l < num_layers_; ++l) {
+    const size_t li = static_cast<size_t>(l);
+    if (!run_layer_[li]) continue;
+    for (Cache& c : caches_[li].c) {
+      std::vector<uint8_t> now = download(c.ptr, c.bytes());
+      put(c.host);
+      put(now);
+      c.host = std::move(now);
+    }
+    put(download(hidden_bufs_[li + 1], act_bytes_));
+    put(download(residual_bufs_[li + 1], act_bytes_));
+  }
+  group_->publish(fmt::format("check.{}", index), blob);
+}
+
+// The fault tests of tensor parallelism (--tp-fault skip:R:L or die:R:L): one eager step in which rank R
+// does not launch layer L (skip), or launches the layers before L and then its process exits (die). The
+// other ranks' all-reduce waits for R give up after the bound; every surviving rank must then finish the
+// step (no hang) and dp_after_step must report the gave-up wait (DP_ERR_ABORTED) on every one. Rank 0
+// gathers each survivor's report and wall time into the checks (kind "fault": value = the step's wall
+// milliseconds, limit = 3 bounds + 2 s). The session refuses further steps after such a report (the
+// runtime's contract: the engine restarts), so the run ends there.
+void Harness::run_fault_step() {
+  const std::string& f = o_.tp_fault;
+  const size_t c1 = f.find(':'), c2 = c1 == std::string::npos ? c1 : f.find(':', c1 + 1);
+  const std::string kind = f.substr(0, c1);
+  int fault_rank = -1, fault_layer = -1;
+  if (c2 != std::string::npos) {
+    fault_rank = std::atoi(f.substr(c1 + 1, c2 - c1 - 1).c_str());
+    fault_layer = std::atoi(f.substr(c2 + 1).c_str());
+  }
+  if ((kind != "skip" && kind != "die") || c2 == std::string::npos || fault_rank < 0 || fault_rank >= tp_ ||
+      fault_layer < 0 || fault_layer >= num_layers_ || (kind == "die" && fault_rank == 0) || tp_ < 2)
+    fail(Errc::usage, "--tp-fault {}: expected skip:RANK:LAYER or die:RANK:LAYER (die: rank >= 1, it must not be the "
+         "rank that reports) with a rank of tensor_parallel {} > 1 and a layer of {}", f, tp_, num_layers_);
+  Rng input_rng(o_.seed ^ 0x1A9E7ull);
+  upload_step_inputs(input_rng);
+  sync();
+  const dp_step* st = plan(DP_GRAPH_NONE);
+  group_->barrier("step.1");
+  std::vector<int> layers;
+  for (int32_t l = 0; l < num_layers_; ++l) {
+    if (!run_layer_[static_cast<size_t>(l)]) continue;
+    if (o_.rank == fault_rank && l == fault_layer) {
+      if (kind == "skip") continue;
+      enqueue_layers(st, layers, false);
+      log(fmt::format("fault test: exiting before layer {}", l));
+      std::fflush(stdout);
+      std::fflush(stderr);
+      ::_exit(0);  // dies mid-step: no teardown, the kernels already queued are ended with the process
+    }
+    layers.push_back(l);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  enqueue_layers(st, layers, true);
+  drv_->check(drv_->StreamSynchronize(stream_->s), "cuStreamSynchronize", "the fault step");
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::string report = "no report: dp_after_step returned success";
+  bool reported = false;
+  if (dp_status* s = dp_after_step(sh_.s)) {
+    reported = dp_status_code(s) == DP_ERR_ABORTED;
+    report = fmt::format("{} ({})", dp_status_message(s), dp_code_name(dp_status_code(s)));
+    dp_status_free(s);
+  }
+  log(fmt::format("fault test: step ended after {:.0f} ms: {}", ms, report));
+  res_.steps.push_back({1, "eager", ms});
+  res_.checked = true;
+  const std::string mine = fmt::format("{}\n{}\n{}", reported ? 1 : 0, ms, report);
+  if (o_.rank != 0) {
+    group_->publish("fault", mine.data(), mine.size());
+    return;
+  }
+  const double limit = 3.0 * o_.allreduce_timeout_us / 1000.0 + 2000.0;
+  for (int p = 0; p < tp_; ++p) {
+    if (kind == "die" && p == fault_rank) continue;
+    std::string r = mine;
+    if (p != 0) {
+      const std::vector<uint8_t> b = group_->receive("fault", p);
+      r.assign(b.begin(), b.end());
+    }
+    const size_t a = r.find('\n'), b = r.find('\n', a + 1);
+    RunCheck c;
+    c.step = 1;
+    c.mode = "eager";
+    c.layer = fault_layer;
+    c.cls = fmt::format("tp fault {} rank {}", kind, fault_rank);
+    c.quantity = fmt::format("rank {} reports: {}", p, b == std::string::npos ? r : r.substr(b + 1));
+    c.kind = "fault";
+    c.value = std::atof(r.substr(a + 1, b - a - 1).c_str());
+    c.limit = limit;
+    c.ok = r.starts_with("1") && c.value < limit;
+    res_.checks.push_back(c);
+  }
+}
+
 void Harness::open_bundle() { open_and_validate(); }
 
 void Harness::open_device_and_weights() {
   open_device();
   bind_weights();
+  if (tp_ > 1) connect_peers();
   log("kernels: loading every width's code objects");
   rt(dp_session_load_kernels(sh_.s), "loading kernels");
   if (o_.check) {
@@ -543,6 +699,10 @@ void Harness::run() {
          fmt::join(missing_, "\n  "));
   for (const std::string& s : missing_) log("skipped: " + s);
 
+  if (!o_.tp_fault.empty()) {
+    run_fault_step();
+    return;
+  }
   // With --graph, one eager warm-up step (as a host runs before capturing), then one capture, and every
   // further step replays it with fresh contents in the captured buffers.
   const int total = o_.steps + (o_.graph ? 1 : 0);
@@ -558,6 +718,7 @@ void Harness::run() {
     upload_step_inputs(input_rng);
     sync();
     const dp_step* st = replay ? nullptr : plan(DP_GRAPH_NONE);
+    if (group_) group_->barrier(fmt::format("step.{}", i));  // the ranks' all-reduces wait for each other
     drv_->check(drv_->EventRecord(start_->e, stream_->s), "cuEventRecord");
     if (replay) drv_->check(drv_->GraphLaunch(graph_->exec, stream_->s), "cuGraphLaunch");
     else enqueue_step(st);
@@ -570,7 +731,8 @@ void Harness::run() {
     log(fmt::format("step {}/{} ({}): {:.3f} ms", i, total, mode, ms));
     if (o_.check) {
       res_.checked = true;
-      check_step(i, mode);
+      if (group_ && group_->rank() != 0) send_check_data(i);
+      else check_step(i, mode);
     }
     meta_.advance(meta_rng_);
   }
@@ -585,8 +747,49 @@ RunResult run_bundle(const RunOptions& o) {
   if (o.device < 0) fail(Errc::usage, "--device {}: expected a device ordinal >= 0", o.device);
   RunResult res;
   res.bundle = o.bundle;
-  Harness h(o, res);
+  // A tensor_parallel > 1 bundle runs every rank, each a process of its own (forked here, before any
+  // driver call), all on --device.
+  int tp = 1;
+  {
+    dp_bundle* b = open_bundle(o.bundle);
+    dp_bundle_info info{};
+    info.size = sizeof(info);
+    dp_status* st = dp_bundle_get_info(b, &info);
+    tp = st ? 1 : info.tensor_parallel;
+    std::vector<int32_t> ranks(info.ranks, info.ranks + (st ? 0 : info.num_ranks));
+    dp_status_free(st);
+    dp_bundle_close(b);
+    if (tp > 1) {
+      if (o.rank != 0)
+        fail(Errc::usage, "--rank {}: {} is built for tensor_parallel {}, and run starts every rank (one process each; "
+             "rank 0's step times are reported)", o.rank, o.bundle, tp);
+      if (static_cast<int>(ranks.size()) != tp)
+        fail(Errc::usage, "{}: built for tensor_parallel {} but holds ranks {} only; run needs every rank", o.bundle, tp,
+             fmt::join(ranks, ", "));
+    }
+  }
+  if (tp == 1) {
+    Harness h(o, res);
+    h.run();
+    return res;
+  }
+  RankGroup group(tp, [&](int rank, RankGroup& g) {
+    RunOptions ro = o;
+    ro.rank = rank;
+    ro.log = [rank, log = o.log](const std::string& s) {
+      if (log) log(fmt::format("rank {}: {}", rank, s));
+    };
+    RunResult rr;
+    Harness h(ro, rr, &g);
+    h.run();
+  });
+  RunOptions r0 = o;
+  r0.log = [log = o.log](const std::string& s) {
+    if (log) log("rank 0: " + s);
+  };
+  Harness h(r0, res, &group);
   h.run();
+  group.join();
   return res;
 }
 

@@ -19,6 +19,7 @@
 #include "model/safetensors.h"
 #include "reference/layer.h"
 #include "tooling/device.h"
+#include "tooling/ranks.h"
 #include "tooling/run.h"
 #include "tooling/weights.h"
 #include "tooling/workload.h"
@@ -28,6 +29,11 @@ namespace dp::tools {
 class Harness {
  public:
   Harness(const RunOptions& o, RunResult& res) : o_(o), res_(res) {}
+  // A tensor_parallel > 1 bundle: `group` holds every rank's process (this one is rank group.rank(),
+  // which must be o.rank). Ranks exchange their all-reduce buffers when the device opens, start every
+  // step together, and with --check ranks > 0 send rank 0 what the step read and wrote: rank 0 compares
+  // every rank's caches and outputs with the reference over all ranks (decoder_layer_tp).
+  Harness(const RunOptions& o, RunResult& res, RankGroup* group) : o_(o), res_(res), group_(group) {}
 
   // `decodepack run`: every step RunOptions asks for (open, set_width(o.width), steps, checks).
   void run();
@@ -103,9 +109,14 @@ class Harness {
   void allocate_io();
   dp_layer_io layer_io(int layer) const;
   std::vector<uint8_t> download(CUdeviceptr p, size_t bytes);
+  void connect_peers();                 // tensor_parallel > 1: exchange buffers, dp_session_set_peers
+  void send_check_data(int index);      // ranks > 0 under --check: see check_step
+  void run_fault_step();                // --tp-fault
 
   const RunOptions& o_;
   RunResult& res_;
+  RankGroup* group_ = nullptr;
+  int plans_ = 0;  // dp_plan calls so far (names of the ranks' plan agreements)
 
   // Host side.
   format::Manifest manifest_;
@@ -125,7 +136,7 @@ class Harness {
   std::vector<std::string> missing_;  // layers without a program at this width, and why
   Meta meta_;
   Rng meta_rng_{0};
-  std::vector<std::unique_ptr<ref::LayerWeights>> ref_weights_;
+  std::vector<std::vector<std::unique_ptr<ref::LayerWeights>>> ref_weights_;  // [layer][rank]
   std::vector<double> norm_weight_;
   bool drop_reference_cache_ = false;
 
@@ -139,6 +150,8 @@ class Harness {
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<Event> start_, stop_;
   std::unique_ptr<Graph> graph_;
+  CUdeviceptr exchange_ = 0;               // this rank's all-reduce exchange buffer (its own allocation)
+  std::vector<CUdeviceptr> opened_peers_;  // the other ranks' buffers, opened through CUDA IPC
 
   std::vector<LayerCaches> caches_;
   std::vector<CUdeviceptr> hidden_bufs_, residual_bufs_;  // [L+1]; residual_bufs_[0] = 0 (layer 0 has none)

@@ -30,6 +30,13 @@
 // MoE rows whose k-th and (k+1)-th routing scores are nearly tied may be routed either way by the GPU's
 // activations (an ulp apart from the reference's): there the reference output of the alternative
 // routing is accepted too, and the table says how many rows took it.
+//
+// Tensor parallelism (a bundle built for tensor_parallel N > 1): every rank runs as its own process
+// (tooling/ranks.h; rank 0 is the caller) on --device, with its shard of every weight and its own caches;
+// the ranks bind each other's all-reduce exchange buffers (CUDA IPC), agree on each plan (dp_agree) and
+// start every step together. With --check, ranks > 0 send rank 0 their caches before and after the step
+// and their output rows; rank 0 checks the outputs against decoder_layer_tp over every rank's shard, that
+// every rank's outputs are rank 0's bit for bit, and every rank's caches as above.
 #pragma once
 
 #include <cstdint>
@@ -55,6 +62,8 @@ struct RunOptions {
   uint64_t seed = 0;
   int rank = 0;
   int device = 0;
+  uint32_t allreduce_timeout_us = 10'000'000;  // tensor_parallel > 1: the bound of every all-reduce wait
+  std::string tp_fault;  // "skip:R:L" / "die:R:L": the fault tests of tensor parallelism (Harness::run_fault_step)
   int64_t context = 100;      // cached tokens per request before the first step (requests get lengths in
                               // [context/2, context], all different where the range allows)
   std::function<void(const std::string&)> log;  // progress lines

@@ -16,6 +16,7 @@ std::string layer_name(int layer) { return layer < 0 ? std::string("final") : st
 
 std::string value_text(const RunCheck& c) {
   if (c.kind == "count") return fmt::format("{} changed", static_cast<int64_t>(c.value));
+  if (c.kind == "fault") return fmt::format("{:.0f} ms", c.value);
   if (!std::isfinite(c.value)) return "inf (NaN)";
   return fmt::format("{:.3e}", c.value);
 }
@@ -42,7 +43,10 @@ void print_text(const RunResult& r) {
       }
       std::printf("  %-6s %-12s %-26s %-14s %-8s %s\n", layer_name(c.layer).c_str(), c.cls.c_str(),
                   c.quantity.c_str(), value_text(c).c_str(),
-                  c.kind == "count" ? "0" : fmt::format("{:.0e}", c.limit).c_str(), c.ok ? "ok" : "FAIL");
+                  c.kind == "count"   ? "0"
+                  : c.kind == "fault" ? fmt::format("{:.0f} ms", c.limit).c_str()
+                                      : fmt::format("{:.0e}", c.limit).c_str(),
+                  c.ok ? "ok" : "FAIL");
     }
   }
   if (r.checked) {
@@ -132,8 +136,20 @@ void add_run(CLI::App& app, Action& action) {
   cmd->add_flag("--verify-weights", o->verify_weights,
                 "After binding, check every weight shard on the device against the bundle's fingerprints "
                 "(dp_session_verify_weights)");
-  cmd->add_option("--rank", o->rank, "Tensor-parallel rank whose weights and kernels to run (must be built); "
-                                     "--check needs a tensor_parallel 1 bundle")
+  cmd->add_option("--rank", o->rank, "Rank of a tensor_parallel 1 bundle to run (must be built). A bundle built for "
+                                     "tensor_parallel N runs all N ranks, each a process of its own on --device "
+                                     "(CUDA IPC between them); rank 0 reports its step times and, with --check, "
+                                     "compares every rank's caches and outputs with the reference over all ranks")
+      ->capture_default_str();
+  cmd->add_option("--tp-fault", o->tp_fault,
+                  "tensor_parallel > 1, a fault test: skip:R:L (rank R does not launch layer L) or die:R:L (rank R's "
+                  "process exits before launching layer L) in one eager step; passes when every other rank finishes "
+                  "the step within 3 wait bounds + 2 s and dp_after_step reports the gave-up wait on each");
+  auto tp_wait_ms = std::make_shared<uint32_t>(10000);
+  cmd->add_option("--tp-wait-ms", *tp_wait_ms,
+                  "tensor_parallel > 1: the bound of every all-reduce wait, after which a rank records the wait it "
+                  "gave up and the step fails on every rank (dp_after_step)")
+      ->check(CLI::Range(1u, 3600000u))
       ->capture_default_str();
   cmd->add_option("--device", o->device, "CUDA device ordinal")->capture_default_str();
   cmd->add_option("--context", o->context, "Cached tokens per request before the first step (each request gets a "
@@ -149,8 +165,9 @@ void add_run(CLI::App& app, Action& action) {
       "buffers, and --check computes each layer's reference from the very rows the GPU layer read.\n"
       "Exit codes: 0 ok, 1 internal error, 2 usage (e.g. a width the bundle lacks), 3 bad input (model/bundle\n"
       "mismatch, layers without programs), 4 I/O, 5 a check failed, 8 device (no driver or GPU, driver errors).");
-  cmd->callback([o, json, no_prefetch, no_pdl, &action] {
-    action = [o, json, no_prefetch, no_pdl] {
+  cmd->callback([o, json, no_prefetch, no_pdl, tp_wait_ms, &action] {
+    action = [o, json, no_prefetch, no_pdl, tp_wait_ms] {
+      o->allreduce_timeout_us = *tp_wait_ms * 1000;
       o->prefetch = !*no_prefetch;
       o->pdl = !*no_pdl;
       o->log = [](const std::string& s) { std::fprintf(stderr, "decodepack: run: %s\n", s.c_str()); };

@@ -84,6 +84,9 @@ CudaLoadError load_cuda_api(CudaApi& api) {
       {slot(a.MemHostAlloc), "cuMemHostAlloc"},
       {slot(a.MemFreeHost), "cuMemFreeHost"},
       {slot(a.MemHostGetDevicePointer), "cuMemHostGetDevicePointer_v2"},
+      {slot(a.IpcGetMemHandle), "cuIpcGetMemHandle", nullptr, false},
+      {slot(a.IpcOpenMemHandle), "cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle", false},
+      {slot(a.IpcCloseMemHandle), "cuIpcCloseMemHandle", nullptr, false},
   };
   for (const Symbol& s : symbols) {
     *s.slot = ::dlsym(h, s.name);

@@ -85,6 +85,7 @@ inline constexpr unsigned CU_EVENT_DISABLE_TIMING = 0x2;
 inline constexpr unsigned CU_EVENT_RECORD_EXTERNAL = 0x1;  // during capture: an event record node
 inline constexpr unsigned CU_MEMHOSTALLOC_PORTABLE = 0x01;
 inline constexpr unsigned CU_MEMHOSTALLOC_DEVICEMAP = 0x02;
+inline constexpr unsigned CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1;
 inline constexpr CUjit_option CU_JIT_ERROR_LOG_BUFFER = 5;
 inline constexpr CUjit_option CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES = 6;
 
@@ -125,6 +126,11 @@ struct CUlaunchConfig {
 static_assert(sizeof(CUlaunchAttributeValue) == 64);
 static_assert(sizeof(CUlaunchAttribute) == 72);
 static_assert(offsetof(CUlaunchConfig, hStream) == 32);
+
+// CUipcMemHandle: 64 opaque bytes, passed by value.
+struct CUipcMemHandle {
+  char reserved[64];
+};
 
 // Every entry point any part of the project calls. All are required except those marked optional
 // (nullptr when the driver predates them).
@@ -190,6 +196,10 @@ struct CudaApi {
   R (*MemHostAlloc)(void**, size_t, unsigned) = nullptr;
   R (*MemFreeHost)(void*) = nullptr;
   R (*MemHostGetDevicePointer)(CUdeviceptr*, void*, unsigned) = nullptr;
+  // Inter-process memory (tensor-parallel ranks as processes; optional)
+  R (*IpcGetMemHandle)(CUipcMemHandle*, CUdeviceptr) = nullptr;
+  R (*IpcOpenMemHandle)(CUdeviceptr*, CUipcMemHandle, unsigned) = nullptr;
+  R (*IpcCloseMemHandle)(CUdeviceptr) = nullptr;
 };
 
 // Why load_cuda_api() failed (kind none: it did not).

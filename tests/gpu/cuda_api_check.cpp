@@ -22,6 +22,8 @@ constexpr unsigned record_external = cu::CU_EVENT_RECORD_EXTERNAL;
 constexpr int jit_error_log = cu::CU_JIT_ERROR_LOG_BUFFER;
 constexpr int jit_error_log_size = cu::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES;
 constexpr size_t jit_option_size = sizeof(cu::CUjit_option);
+constexpr unsigned ipc_lazy_peer = cu::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS;
+constexpr size_t ipc_handle_size = sizeof(cu::CUipcMemHandle);
 constexpr int dev_attrs[] = {
     cu::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK, cu::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X,
     cu::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y, cu::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z,
@@ -80,6 +82,8 @@ static_assert(mine::func_attrs[0] == CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK);
 static_assert(mine::func_attrs[1] == CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES);
 static_assert(mine::func_attrs[2] == CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES);
 static_assert(mine::func_attrs[3] == CU_FUNC_ATTRIBUTE_NUM_REGS);
+static_assert(mine::ipc_lazy_peer == CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+static_assert(mine::ipc_handle_size == sizeof(CUipcMemHandle));
 static_assert(mine::config_size == sizeof(CUlaunchConfig));
 static_assert(mine::attr_size == sizeof(CUlaunchAttribute));
 static_assert(mine::value_size == sizeof(CUlaunchAttributeValue));
