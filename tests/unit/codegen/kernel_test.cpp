@@ -86,7 +86,7 @@ TEST(KernelName, IsUniqueOverAPlausiblePlan) {
 TEST(KernelInstanceCheck, RefusesWhatTheTemplatesCannotBuild) {
   using test::expect_error;
   expect_error([] { kernel_name({"softmax", {}, "sm_90a"}); }, Errc::input,
-               {"unknown op \"softmax\"", "allreduce, gemm, idx_pack, idx_quant, idx_rows, idx_score, idx_stage, idx_topk, kda_step, "
+               {"unknown op \"softmax\"", "allreduce, attnres, gemm, idx_pack, idx_quant, idx_rows, idx_score, idx_stage, idx_topk, kda_step, "
                 "mla_attn, mla_combine, mla_prep, mlp_up, moe_down, moe_route, moe_up, prefetch, rmsnorm"});
   expect_error([] { kernel_name({"rmsnorm", {{"W", 4}}, "sm_90a"}); }, Errc::input, {"missing parameter H"});
   expect_error([] { kernel_name(rmsnorm(0, 2304)); }, Errc::input, {"parameter W = 0 is out of range", "1..4096"});
