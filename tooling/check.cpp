@@ -195,6 +195,21 @@ void Harness::check_step(int index, const std::string& mode) {
     std::vector<RunCheck> checks;
     int64_t routed = -1;
   };
+  // K3: the step's attention-residual blocks as the GPU left them. Layers only append, so the blocks a
+  // layer found on entry are the first attn_res_blocks(l, B) of them (each comparison stands alone, on
+  // the GPU's state, like the caches'); block k, row t at t * stride + k * H.
+  const int64_t B = m.attn_res_block;
+  std::vector<ref::Mat> blocks;
+  if (B > 0) {
+    const std::vector<uint8_t> raw = download(attn_res_, static_cast<size_t>(T * attn_res_stride_) * 2);
+    for (int64_t k = 0; k < attn_res_blocks_; ++k) {
+      ref::Mat b(T, H);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t i = 0; i < H; ++i) b(t, i) = get_bf16(raw.data() + static_cast<size_t>(t * attn_res_stride_ + k * H + i) * 2);
+      zero_rows(b, valid);
+      blocks.push_back(std::move(b));
+    }
+  }
   std::vector<LayerData> data;
   for (int32_t l = 0; l < num_layers_; ++l) {
     if (!run_layer_[static_cast<size_t>(l)]) continue;
@@ -297,9 +312,15 @@ void Harness::check_step(int index, const std::string& mode) {
         state_ptrs.push_back(&states[p]);
       }
       ref::Trace trace;
+      ref::AttnResState attn_res;
+      if (B > 0) attn_res.blocks.assign(blocks.begin(), blocks.begin() + ref::attn_res_blocks(l, B));
+      ref::AttnResState* ar = B > 0 ? &attn_res : nullptr;
       ref::LayerOutput want =
-          R == 1 ? ref::decoder_layer(*ranks[0], hin, l > 0 ? &rin : nullptr, sm, states[0], opt, &trace)
-                 : ref::decoder_layer_tp(ranks, hin, l > 0 ? &rin : nullptr, sm, state_ptrs, opt, &trace);
+          R == 1 ? ref::decoder_layer(*ranks[0], hin, l > 0 ? &rin : nullptr, sm, states[0], opt, &trace, ar)
+                 : ref::decoder_layer_tp(ranks, hin, l > 0 ? &rin : nullptr, sm, state_ptrs, opt, &trace, ar);
+      if (B > 0 && l % B == 0)  // the block this layer pushed: p, exactly
+        add(l, cls, "attn_res pushed block",
+            ref::rel_error(blocks[static_cast<size_t>(l / B)], attn_res.blocks.back(), &valid), 1e-6);
       const int64_t alternatives = match_near_ties(m, *source_, l, ranks, trace, hout, valid, opt, want.hidden);
       if (drop_reference_cache_)
         for (auto& w : rw) w->drop_cache();
@@ -429,7 +450,18 @@ void Harness::check_step(int index, const std::string& mode) {
   zero_rows(h, valid);
   zero_rows(r, valid);
   if (norm_weight_.empty()) norm_weight_ = ref::model_tensor(m, source_->lookup(-1), "norm.weight").data;
-  const ref::AddNorm want = ref::fused_add_rms_norm(h, &r, norm_weight_, m.rms_norm_eps, opt.rounding);
+  ref::AddNorm want;
+  if (B > 0) {
+    // K3: the final mix of every stored block and p (output_attn_res), then the final norm.
+    if (out_res_norm_.empty()) {
+      out_res_norm_ = ref::model_tensor(m, source_->lookup(-1), "output_attn_res_norm.weight").data;
+      out_res_proj_ = ref::model_tensor(m, source_->lookup(-1), "output_attn_res_proj.weight").data;
+    }
+    want = ref::attn_res_add_norm(h, &r, blocks, false, out_res_norm_, out_res_proj_, norm_weight_, m.rms_norm_eps,
+                                  opt.rounding);
+  } else {
+    want = ref::fused_add_rms_norm(h, &r, norm_weight_, m.rms_norm_eps, opt.rounding);
+  }
   res_.checks.push_back(make_check(
       -1, "final_norm", "out", ref::rel_error(bf16_mat(download(final_out_, act_bytes_), T, H), want.x, &valid),
       kBf16Limit));

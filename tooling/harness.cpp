@@ -95,9 +95,6 @@ void Harness::open_and_validate() {
   if (m.num_layers != num_layers_ || m.hidden != hidden_)
     fail(Errc::input, "{}: {} layers of hidden size {}, the bundle has {} of {}", model_->source, m.num_layers, m.hidden,
          num_layers_, hidden_);
-  if (o_.check && m.attn_res_block > 0)
-    fail(Errc::usage, "--check: {} uses Kimi-K3 block attention residuals, which the CPU reference's layer skeleton "
-         "does not model yet", model_->source);
   source_.emplace(m, model_->ckpt ? &*model_->ckpt : nullptr, o_.seed);
   res_.weights = model_->ckpt ? "the checkpoint's" : fmt::format("random (the synth fill of seed {})", o_.seed);
 }
@@ -246,6 +243,20 @@ void Harness::bind_caches() {
       if (!o_.check) c.host = {};
       lc.c.push_back(std::move(c));
     }
+  }
+  attn_res_ = 0;
+  if (const int64_t B = model_->m.attn_res_block; B > 0) {
+    // One buffer for the model, rows for the largest width (the session refuses fewer).
+    const int64_t rows = static_cast<int64_t>(*std::max_element(widths_.begin(), widths_.end())) * q_;
+    dp_tensor t;
+    rt(dp_session_kv_layout(sh_.s, -1, DP_KV_ATTN_RES, rows, &t), "attention-residual buffer layout");
+    attn_res_blocks_ = t.shape[1];
+    attn_res_stride_ = t.strides[0];
+    const size_t bytes = static_cast<size_t>(rows * attn_res_stride_) * 2;
+    attn_res_ = width_mem_->alloc(bytes, "attention-residual blocks");
+    t.data = attn_res_;
+    rt(dp_session_bind_kv(sh_.s, -1, DP_KV_ATTN_RES, &t), "binding the attention-residual buffer");
+    total += bytes;
   }
   log(fmt::format("caches: {} for {} KDA slots and {} MLA blocks per layer", human_bytes(total), meta_.slots,
                   meta_.blocks));
@@ -445,6 +456,19 @@ void Harness::upload_step_inputs(Rng& rng) {
   }
   poison(final_out_, act_bytes_);
   poison(final_residual_, act_bytes_);
+  if (attn_res_) {
+    // The step's blocks: poisoned (a block read before this step wrote it shows as NaN), except those
+    // a layer the host runs itself would have pushed: random rows, like its hidden and residual.
+    const int64_t B = model_->m.attn_res_block, H = hidden_;
+    std::vector<uint8_t> v(static_cast<size_t>(res_.rows * attn_res_stride_) * 2, 0xFF);
+    for (int32_t l = 0; l < num_layers_; l += static_cast<int32_t>(B))
+      if (!run_layer_[static_cast<size_t>(l)])
+        for (int64_t t = 0; t < res_.rows; ++t)
+          for (int64_t i = 0; i < H; ++i)
+            put_bf16(v.data() + static_cast<size_t>(t * attn_res_stride_ + (l / B) * H + i) * 2, rng.nonzero(-1.0, 1.0));
+    upload(attn_res_, v.data(), v.size(), "attention-residual blocks");
+    sync();  // `v` is pageable and dies here
+  }
   upload(d_positions_, meta_.positions.data(), meta_.positions.size() * 8, "positions");
   upload(d_state_indices_, meta_.state_indices.data(), meta_.state_indices.size() * 4, "state indices");
   upload(d_block_table_, meta_.block_table.data(), meta_.block_table.size() * 4, "block table");

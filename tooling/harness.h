@@ -156,6 +156,11 @@ class Harness {
   std::vector<LayerCaches> caches_;
   std::vector<CUdeviceptr> hidden_bufs_, residual_bufs_;  // [L+1]; residual_bufs_[0] = 0 (layer 0 has none)
   CUdeviceptr final_out_ = 0, final_residual_ = 0;
+  // K3 block attention residuals: the bound attn_res buffer [rows of the largest width, blocks, H] bf16
+  // (0 when the model has none); rows attn_res_stride_ elements apart.
+  CUdeviceptr attn_res_ = 0;
+  int64_t attn_res_stride_ = 0, attn_res_blocks_ = 0;
+  std::vector<double> out_res_norm_, out_res_proj_;  // output_attn_res_norm / _proj (reference)
   CUdeviceptr d_positions_ = 0, d_state_indices_ = 0, d_block_table_ = 0, d_seq_lens_ = 0, d_slot_mapping_ = 0,
               d_num_accepted_ = 0;
   size_t act_bytes_ = 0;  // one [rows, H] bf16 buffer

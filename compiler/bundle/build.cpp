@@ -245,6 +245,7 @@ BuildResult build_bundle(const BuildOptions& o) {
             [](const format::KernelEntry& a, const format::KernelEntry& b) { return a.key < b.key; });
   std::sort(man.files.begin(), man.files.end(),
             [](const format::FileEntry& a, const format::FileEntry& b) { return a.path < b.path; });
+  man.format_version.minor = format::written_minor(man);  // again: the kernels can raise it (attnres, 1.7)
   try {
     format::validate(man, "manifest");
   } catch (const format::FormatError& e) {

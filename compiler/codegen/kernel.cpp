@@ -19,7 +19,7 @@ const std::vector<OpSpec>& op_table() {
   static const std::vector<OpSpec> table = [] {
     std::vector<OpSpec> all;
     for (auto family : {ops::gemm_ops, ops::kda_ops, ops::moe_ops, ops::mla_ops, ops::indexer_ops, ops::prefetch_ops,
-                        ops::norm_ops, ops::allreduce_ops})
+                        ops::norm_ops, ops::allreduce_ops, ops::attnres_ops})
       for (OpSpec& op : family()) all.push_back(std::move(op));
     return all;
   }();

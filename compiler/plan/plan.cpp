@@ -188,7 +188,16 @@ Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deplo
     };
     // The model's last norm is the fused residual add + RMSNorm over the step's rows. Listed first, so
     // that a layer program using the same rmsnorm shares its code object and the role stays final_norm.
-    for (int64_t w : d.widths) add({"rmsnorm", {{"W", w * q}, {"H", m.hidden}}, ""}, "final_norm", w);
+    // K3 (block attention residuals): the final mix of the stored blocks and the partial sum with
+    // output_attn_res_norm/proj, then the final norm, in one attnres launch (stage 2, layer = the
+    // number of layers; the runtime binds the step's attn_res buffer and the model-level weights).
+    for (int64_t w : d.widths) {
+      if (const int64_t B = m.attn_res_block; B > 0)
+        add({"attnres", {{"W", w * q}, {"H", m.hidden}, {"B", B}, {"NB", (m.num_layers + B - 1) / B}, {"S", 2}}, ""},
+            "final_norm", w);
+      else
+        add({"rmsnorm", {{"W", w * q}, {"H", m.hidden}}, ""}, "final_norm", w);
+    }
     // The LM head (format 1.5): fp32 logits of every row against the rank's vocabulary shard (split
     // along the vocabulary like vLLM's ParallelLMHead; the host all-gathers them), one GEMM per width.
     // The host keeps the weight and binds it with dp_session_bind_lm_head.

@@ -27,6 +27,7 @@ const char* to_string(From f) {
     case From::u32: return "u32";
     case From::null: return "null";
     case From::tp: return "tp";
+    case From::layer: return "layer";
   }
   return "?";
 }
@@ -114,6 +115,7 @@ class StepBuilder {
   StepBuilder& u32(const char* p, int64_t v) { return put(p, From::u32, "", 0, static_cast<double>(v)); }
   StepBuilder& null(const char* p) { return put(p, From::null, ""); }
   StepBuilder& tp(const char* p, const char* what) { return put(p, From::tp, what); }
+  StepBuilder& layer(const char* p) { return put(p, From::layer, ""); }
 
   // Orders the bindings by the kernel's signature and checks that they cover it exactly, with kinds
   // that fit and weights whose dtype is the parameter's; a mismatch is a bug in this file.
@@ -131,7 +133,8 @@ class StepBuilder {
       if (it == args_.end()) fail(Errc::internal, "layer program: {}: parameter {} is not bound", s.name, p.name);
       const ProgramArg& a = it->second;
       const bool is_u32 = a.from == From::expert_stride || a.from == From::kv_stride || a.from == From::u32 ||
-                          (a.from == From::io && a.name == "block_table_stride") || tp_is_u32(a);
+                          a.from == From::layer || (a.from == From::io && a.name == "block_table_stride") ||
+                          tp_is_u32(a);
       const codegen::KernelParam::Kind want = a.from == From::f32 ? codegen::KernelParam::Kind::f32
                                               : is_u32            ? codegen::KernelParam::Kind::u32
                                                                   : codegen::KernelParam::Kind::pointer;
@@ -196,14 +199,14 @@ class Builder {
       check_supported();
       const int64_t H = m_.hidden;
       x_ = ws_.take(t_ * H * 2);
-      push(StepBuilder("rmsnorm", {{"W", t_}, {"H", H}})
-               .io("hidden", "hidden").io("residual", "residual").weight("weight", "input_layernorm.weight")
+      push(add_norm(0, "input_layernorm.weight")
+               .io("hidden", "hidden").io("residual", "residual")
                .ws("out", x_).io("residual_out", "residual_out").f32("eps", m_.rms_norm_eps));
       a_ = ws_.take(t_ * H * 2);
       if (mixer() == Mixer::kda) kda(); else mla();
       x2_ = ws_.take(t_ * H * 2);
-      push(StepBuilder("rmsnorm", {{"W", t_}, {"H", H}})
-               .ws("hidden", a_).io("residual", "residual_out").weight("weight", "post_attention_layernorm.weight")
+      push(add_norm(1, "post_attention_layernorm.weight")
+               .ws("hidden", a_).io("residual", "residual_out")
                .ws("out", x2_).io("residual_out", "residual_out").f32("eps", m_.rms_norm_eps));
       if (ffn() == Ffn::dense)
         dense();
@@ -240,12 +243,8 @@ class Builder {
     if (m_.quant.method == model::QuantMethod::fp8_block &&
         (m_.quant.block.size() != 2 || m_.quant.block[0] != 128 || m_.quant.block[1] != 128))
       throw Unavailable{fmt::format("FP8 blocks of {}: the kernels read 128x128 blocks", model::describe(m_.quant))};
-    // Kimi-K3: the mixers (full-rank safe-gate KDA, q-LoRA MLA with the output gate) and the dense SiTU FFN
-    // have programs; the block attention residuals replace the residual stream the programs carry.
-    if (m_.attn_res_block > 0)
-      throw Unavailable{fmt::format("Kimi-K3 block attention residuals (attn_res_block_size {}) have no layer "
-                                    "program in this version: the programs carry vLLM's plain (hidden, residual) pair",
-                                    m_.attn_res_block)};
+    // Kimi-K3: the mixers (full-rank safe-gate KDA, q-LoRA MLA with the output gate), the dense SiTU FFN,
+    // the latent MoE and the block attention residuals (attnres, add_norm) have programs.
     // MXFP4 experts are read by the Q4 forms of moe_up / moe_down, which have no shared expert: the
     // latent MoE (latent_moe) and the plain MoE over MXFP4 experts (moe_mxfp4) run it apart.
     if (t_ > 32)
@@ -265,6 +264,30 @@ class Builder {
         throw Unavailable{"MLA with a sparse-attention indexer: the decode kernels attend densely, which differs from "
                           "top-k sparse attention once a context exceeds index_topk; no program until sparse MLA exists"};
     }
+  }
+
+  // The fused residual add + RMSNorm that opens each half of the layer (stage 0: input_layernorm, 1:
+  // post_attention_layernorm), with its norm weight bound; the caller binds hidden, residual, out,
+  // residual_out and eps. Plain residual: rmsnorm. K3 block attention residuals (attn_res_block B > 0):
+  // attnres, which mixes the stored blocks of the step's attn_res buffer with the partial sum p (the
+  // residual), with the half's *_res_norm / *_res_proj weights, pushes p as a new block when the
+  // layer's index is a multiple of B (stage 0 only; the index comes from the layer source, since one
+  // program serves every layer of its class) and norms the mix. The layer's output pair stays vLLM's:
+  // hidden = the FFN output, residual = p, which the next layer's attnres adds.
+  StepBuilder add_norm(int64_t stage, const char* norm) const {
+    const int64_t B = m_.attn_res_block;
+    if (B == 0) {
+      StepBuilder b("rmsnorm", {{"W", t_}, {"H", m_.hidden}});
+      b.weight("weight", norm);
+      return b;
+    }
+    const std::string res = stage == 0 ? "self_attention" : "mlp";
+    StepBuilder b("attnres", {{"W", t_}, {"H", m_.hidden}, {"B", B}, {"NB", (m_.num_layers + B - 1) / B},
+                              {"S", stage}});
+    b.kv("blocks", "attn_res").kv_stride("stride_blocks", "attn_res").layer("layer")
+        .weight("res_norm", res + "_res_norm.weight").weight("res_proj", res + "_res_proj.weight")
+        .weight("weight", norm);
+    return b;
   }
 
   void push(StepBuilder& b) { steps_.push_back(b.finish(lw_)); }

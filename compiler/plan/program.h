@@ -26,7 +26,8 @@ struct ProgramArg {
     weight,         // the layer's bound weight `name` (layer-relative key; expert groups: expert 0) + `offset` bytes
     expert_stride,  // u32: elements between consecutive experts of the bound group `name`
     workspace,      // the step workspace + `offset` bytes
-    kv,             // the layer's bound cache `name` ("kda_state", "conv_q", "conv_k", "conv_v", "mla_latent")
+    kv,             // the layer's bound cache `name` ("kda_state", "conv_q", "conv_k", "conv_v", "mla_latent"),
+                    // or the step's K3 attention-residual block buffer "attn_res" (format 1.7)
     kv_stride,      // u32: elements between consecutive slots / blocks of the bound cache `name`
     f32,            // the constant `value`
     u32,            // the constant `value`
@@ -34,6 +35,9 @@ struct ProgramArg {
     tp,             // tensor parallelism, bound by the runtime (format 1.6): pointers "peers" (the device
                     // table of every rank's exchange buffer) and "flag" (the session's error flag word);
                     // u32 "rank", "layer" (the launch's decoder layer), "timeout_us" (the wait bound)
+    layer,          // u32: the decoder layer the program runs as (format 1.7; `name` empty). A program serves
+                    // every layer of its class; ops whose work depends on the layer index (K3's attnres:
+                    // how many attention-residual blocks are stored, whether this layer pushes) read it.
   };
   std::string param;
   From from = From::null;

@@ -590,18 +590,18 @@ Mat ffn(std::span<const LayerWeights* const> ranks, const Mat& x, const Options&
 // ---- whole layers -------------------------------------------------------------------------------
 
 LayerOutput decoder_layer(const LayerWeights& w, const Mat& hidden, const Mat* residual, const StepMeta& meta,
-                          LayerState& state, const Options& opt, Trace* trace) {
+                          LayerState& state, const Options& opt, Trace* trace, AttnResState* attn_res) {
   if (w.shard().tp != 1)
     fail(Errc::input, "reference decoder_layer: weights are rank {} of tp {}; use decoder_layer_tp for TP > 1",
          w.shard().rank, w.shard().tp);
   const LayerWeights* ranks[1] = {&w};
   LayerState* states[1] = {&state};
-  return decoder_layer_tp(ranks, hidden, residual, meta, states, opt, trace);
+  return decoder_layer_tp(ranks, hidden, residual, meta, states, opt, trace, attn_res);
 }
 
 LayerOutput decoder_layer_tp(std::span<const LayerWeights* const> ranks, const Mat& hidden, const Mat* residual,
                              const StepMeta& meta, std::span<LayerState* const> states, const Options& opt,
-                             Trace* trace) {
+                             Trace* trace, AttnResState* attn_res) {
   if (ranks.empty() || ranks.size() != states.size())
     fail(Errc::input, "reference decoder_layer_tp: {} ranks of weights, {} states", ranks.size(), states.size());
   const LayerWeights& w0 = *ranks[0];
@@ -618,7 +618,21 @@ LayerOutput decoder_layer_tp(std::span<const LayerWeights* const> ranks, const M
   const Rounding& R = opt.rounding;
   check_rows(hidden, meta, m.hidden, "decoder layer");
 
-  AddNorm in = fused_add_rms_norm(hidden, residual, w0.get("input_layernorm.weight").data, m.rms_norm_eps, R);
+  const int64_t B = m.attn_res_block;
+  if ((B > 0) != (attn_res != nullptr))
+    fail(Errc::input, "reference decoder_layer: layer {}: {}", w0.layer(),
+         B > 0 ? "the model has block attention residuals (attn_res_block > 0): pass the step's AttnResState"
+               : "an AttnResState for a model without block attention residuals");
+  if (B > 0 && static_cast<int64_t>(attn_res->blocks.size()) != attn_res_blocks(w0.layer(), B))
+    fail(Errc::input, "reference decoder_layer: layer {} expects {} stored attention-residual blocks (block {}), the "
+         "state holds {}", w0.layer(), attn_res_blocks(w0.layer(), B), B, attn_res->blocks.size());
+  auto add_norm = [&](const Mat& h, const Mat* r, const char* res, const char* norm, bool push) {
+    const std::string rs = res;
+    if (B == 0) return fused_add_rms_norm(h, r, w0.get(norm).data, m.rms_norm_eps, R);
+    return attn_res_add_norm(h, r, attn_res->blocks, push, w0.get(rs + "_res_norm.weight").data,
+                             w0.get(rs + "_res_proj.weight").data, w0.get(norm).data, m.rms_norm_eps, R);
+  };
+  AddNorm in = add_norm(hidden, residual, "self_attention", "input_layernorm.weight", w0.spec().attn_res_push);
   std::vector<Mat> parts;
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (w0.spec().mixer == model::Mixer::kda)
@@ -627,8 +641,7 @@ LayerOutput decoder_layer_tp(std::span<const LayerWeights* const> ranks, const M
       parts.push_back(mla_mixer(*ranks[i], in.x, meta, states[i]->mla, opt, trace));
   }
   Mat mixer_out = all_reduce(parts, R);
-  AddNorm post =
-      fused_add_rms_norm(mixer_out, &in.residual, w0.get("post_attention_layernorm.weight").data, m.rms_norm_eps, R);
+  AddNorm post = add_norm(mixer_out, &in.residual, "mlp", "post_attention_layernorm.weight", false);
   LayerOutput out;
   out.hidden = ffn(ranks, post.x, opt, trace);
   out.residual = post.residual;
@@ -646,6 +659,19 @@ LayerOutput decoder_layer_tp(std::span<const LayerWeights* const> ranks, const M
 Mat final_norm(const Model& m, const Mat& hidden, const Mat& residual, std::span<const double> norm_weight,
                const Options& opt) {
   return fused_add_rms_norm(hidden, &residual, norm_weight, m.rms_norm_eps, opt.rounding).x;
+}
+
+Mat final_norm_attn_res(const Model& m, const Mat& hidden, const Mat& residual, const AttnResState& st,
+                        std::span<const double> res_norm, std::span<const double> res_proj,
+                        std::span<const double> norm_weight, const Options& opt) {
+  const int64_t B = m.attn_res_block;
+  if (B <= 0) fail(Errc::input, "reference final_norm_attn_res: the model has no block attention residuals");
+  if (static_cast<int64_t>(st.blocks.size()) != attn_res_blocks(m.num_layers, B))
+    fail(Errc::input, "reference final_norm_attn_res: {} layers with block {} store {} blocks, the state holds {}",
+         m.num_layers, B, attn_res_blocks(m.num_layers, B), st.blocks.size());
+  std::vector<Mat> blocks = st.blocks;
+  return attn_res_add_norm(hidden, &residual, blocks, false, res_norm, res_proj, norm_weight, m.rms_norm_eps,
+                           opt.rounding).x;
 }
 
 // ---- comparisons ----------------------------------------------------------------------------------

@@ -22,8 +22,20 @@
 // decoder_layer_tp() composition sums the partials of all ranks (the all-reduce, rounded as
 // Rounding::ffn_out) between the stages, so its result is the TP=1 result up to rounding.
 //
-// Not modelled: K3 block attention residuals in the layer skeleton (attn_res_mix in ops.h is the op),
-// decode context parallelism, fp8 KV caches, RoPE (Kimi MLA is NoPE).
+// K3 (attn_res_block B > 0, model-family.md 3d): block attention residuals replace the plain residual.
+// The pair keeps its meaning with `residual` = the partial sum p of the current block (without this
+// layer's FFN output, which the next layer adds, as the plain form defers its residual add), and the
+// step carries the stored blocks across its layers in an AttnResState (the device's attn_res buffer):
+//   p = hidden + residual (bf16);  h = Mix(blocks, p; self_attention_res) (bf16)
+//   if layer % B == 0: push p (the new block), p = 0            (layer 0 stores the embedding)
+//   x = RMSNorm_in(h);  a = Mixer(x)
+//   p = a + p (bf16);  h2 = Mix(blocks, p; mlp_res) (bf16);  x2 = RMSNorm_post(h2)
+//   hidden = FFN(x2);  residual = p
+// and the model closes with final_norm_attn_res: p = hidden + residual; h = Mix(blocks, p;
+// output_attn_res); RMSNorm_final(h). Mix: attn_res_add_norm in ops.h (w_eff = res_norm * res_proj,
+// logits (x . w_eff) * rsqrt(mean(x^2) + eps), softmax over the blocks and p, h = sum pi x).
+//
+// Not modelled: decode context parallelism, fp8 KV caches, RoPE (Kimi MLA is NoPE).
 #pragma once
 
 #include <cstdint>
@@ -121,6 +133,16 @@ struct LayerState {
   MlaCache mla;
 };
 
+// K3 block attention residuals: what one decode step carries from layer to layer (replicated on every
+// TP rank). Starts empty at layer 0; layer i expects attn_res_blocks(i, B) blocks on entry.
+struct AttnResState {
+  std::vector<Mat> blocks;  // the stored blocks, oldest first, each [W*q, H] (bf16 values)
+};
+
+// Blocks stored before `layer`'s first mix (and before the final mix when layer = num_layers): the
+// layers j < layer with j % block == 0. Layer `layer`'s second mix sees attn_res_blocks(layer + 1, block).
+constexpr int64_t attn_res_blocks(int64_t layer, int64_t block) { return (layer + block - 1) / block; }
+
 struct Options {
   Rounding rounding = Rounding::vllm();
   ConvSpecLayout conv_spec = ConvSpecLayout::per_slot;
@@ -176,19 +198,27 @@ struct LayerOutput {
   Mat residual;  // [W*q, H] the residual after the post-attention add
 };
 
-// One decoder layer at TP=1 (w.shard().tp must be 1).
+// One decoder layer at TP=1 (w.shard().tp must be 1). K3 (attn_res_block > 0) needs `attn_res`, the
+// step's block state (updated: the layer may push a block); other models take none.
 LayerOutput decoder_layer(const LayerWeights& w, const Mat& hidden, const Mat* residual, const StepMeta& meta,
-                          LayerState& state, const Options& opt = {}, Trace* trace = nullptr);
+                          LayerState& state, const Options& opt = {}, Trace* trace = nullptr,
+                          AttnResState* attn_res = nullptr);
 
 // One decoder layer over tp ranks: ranks[i] holds rank i's shard (Shard{tp, i}), states[i] its state.
 // Partial mixer and FFN outputs are summed across ranks (the all-reduce).
 LayerOutput decoder_layer_tp(std::span<const LayerWeights* const> ranks, const Mat& hidden, const Mat* residual,
                              const StepMeta& meta, std::span<LayerState* const> states, const Options& opt = {},
-                             Trace* trace = nullptr);
+                             Trace* trace = nullptr, AttnResState* attn_res = nullptr);
 
 // The model's final norm: RMSNorm(hidden + residual) * w (fused add + norm; the bf16 output).
 Mat final_norm(const model::Model& m, const Mat& hidden, const Mat& residual, std::span<const double> norm_weight,
                const Options& opt = {});
+
+// K3's close of the model: p = hidden + residual; h = Mix(blocks, p; output_attn_res_norm/proj); the
+// final norm of h (attn_res_add_norm without a push). `st` must hold attn_res_blocks(num_layers, B).
+Mat final_norm_attn_res(const model::Model& m, const Mat& hidden, const Mat& residual, const AttnResState& st,
+                        std::span<const double> res_norm, std::span<const double> res_proj,
+                        std::span<const double> norm_weight, const Options& opt = {});
 
 // Relative error ||a - b|| / ||b|| (Frobenius); NaN anywhere gives +inf. Rows with mask[t] == false are
 // skipped when a mask is given (padded requests' rows are don't-care for a kernel).

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <utility>
 
 #include "common/error.h"
 #include "reference/numeric.h"
@@ -14,6 +15,7 @@ Rounding Rounding::none() {
   r.residual = r.norm = r.linear = r.conv = r.kda_out = r.gated_norm = false;
   r.mla_q_absorbed = r.mla_attn_out = r.mla_v_up = r.mla_gate = false;
   r.act = r.moe_weighted = r.moe_sum = r.ffn_out = r.kda_state = r.cache = r.router_logits = false;
+  r.attn_res = false;
   return r;
 }
 
@@ -218,6 +220,45 @@ void attn_res_mix(std::span<const std::span<const double>> blocks, std::span<con
     const double pi = l[k] / z;
     for (size_t i = 0; i < H; ++i) out[i] += pi * x[i];
   }
+}
+
+AddNorm attn_res_add_norm(const Mat& hidden, const Mat* residual, std::vector<Mat>& blocks, bool push,
+                          std::span<const double> res_norm, std::span<const double> res_proj,
+                          std::span<const double> weight, double eps, const Rounding& rnd) {
+  const int64_t T = hidden.rows, H = hidden.cols;
+  if (res_norm.size() != static_cast<size_t>(H) || res_proj.size() != static_cast<size_t>(H) ||
+      weight.size() != static_cast<size_t>(H))
+    fail(Errc::input, "reference attn_res_add_norm: weights of {}, {} and {} elements for rows of {}", res_norm.size(),
+         res_proj.size(), weight.size(), H);
+  for (size_t k = 0; k < blocks.size(); ++k)
+    if (blocks[k].rows != T || blocks[k].cols != H)
+      fail(Errc::input, "reference attn_res_add_norm: block {} is [{}, {}], hidden_states [{}, {}]", k, blocks[k].rows,
+           blocks[k].cols, T, H);
+  // p: the fused add without a norm (fused_add_rms_norm's residual half).
+  Mat p = hidden;
+  if (residual) {
+    if (residual->rows != T || residual->cols != H)
+      fail(Errc::input, "reference: residual is [{}, {}], hidden_states [{}, {}]", residual->rows, residual->cols, T, H);
+    for (size_t i = 0; i < p.v.size(); ++i) p.v[i] += residual->v[i];
+    round_bf16_if(rnd.residual, p);
+  }
+  std::vector<double> w_eff(static_cast<size_t>(H));
+  for (int64_t i = 0; i < H; ++i) w_eff[i] = res_norm[i] * res_proj[i];
+  Mat h(T, H);
+  std::vector<std::span<const double>> rows(blocks.size());
+  for (int64_t t = 0; t < T; ++t) {
+    for (size_t k = 0; k < blocks.size(); ++k) rows[k] = std::as_const(blocks[k]).row(t);
+    attn_res_mix(rows, std::as_const(p).row(t), w_eff, eps, h.row(t));
+  }
+  round_bf16_if(rnd.attn_res, h);
+  AddNorm r = fused_add_rms_norm(h, nullptr, weight, eps, rnd);  // no residual: the norm of h alone
+  if (push) {
+    blocks.push_back(std::move(p));
+    r.residual = Mat(T, H);
+  } else {
+    r.residual = std::move(p);
+  }
+  return r;
 }
 
 }  // namespace dp::ref

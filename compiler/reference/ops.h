@@ -57,6 +57,8 @@ struct Rounding {
   bool ffn_out = true;         // bf16: FFN output (routed + shared), and every all-reduce result
   bool kda_state = true;       // fp32: KDA recurrent state as stored (after each token)
   bool cache = true;           // bf16: conv-state and MLA latent-cache entries as stored
+  bool attn_res = true;        // bf16: the K3 attention-residual mix h = sum pi_k b_k + pi_p p (the input of
+                               //   the RMSNorm that follows it; the blocks and p are residual-stream values)
   bool router_logits = false;  // bf16 router logits (vLLM computes them in fp32; off by default)
 
   static Rounding vllm() { return {}; }
@@ -129,5 +131,17 @@ Routing route(std::span<const double> logits, std::span<const double> correction
 // The mix is of the raw (un-normalised) vectors. With no blocks, h = p.
 void attn_res_mix(std::span<const std::span<const double>> blocks, std::span<const double> p,
                   std::span<const double> w_eff, double eps, std::span<double> out);
+
+// The attnres op (templates/attnres.h), the K3 form of the fused add + RMSNorm, on [T, H] rows:
+//   p = hidden + residual, rounded (residual) (no residual: p = hidden, layer 0's embedding);
+//   h = attn_res_mix(row t of every stored block, p, res_norm * res_proj, eps), rounded (attn_res);
+//   push: p is appended to `blocks` as the newest block and the partial sum restarts at 0: the
+//         returned residual is 0 (otherwise it is p);
+//   x = RMSNorm(h) * weight, rounded like fused_add_rms_norm (norm, norm_before_weight).
+// blocks: the stored blocks, oldest first, each [T, H] (bf16 values as stored). res_proj is the [1, H]
+// projection's data. eps serves both the mix's inv_rms and the norm (rms_norm_eps).
+AddNorm attn_res_add_norm(const Mat& hidden, const Mat* residual, std::vector<Mat>& blocks, bool push,
+                          std::span<const double> res_norm, std::span<const double> res_proj,
+                          std::span<const double> weight, double eps, const Rounding& rnd);
 
 }  // namespace dp::ref

@@ -31,7 +31,7 @@ bool is_hex64(const std::string& s) {
 const std::set<std::string> kIoFields = {"hidden",        "residual", "out",          "residual_out",
                                          "positions",     "state_indices", "block_table", "block_table_stride",
                                          "seq_lens",      "slot_mapping",  "num_accepted"};
-const std::set<std::string> kKvKinds = {"kda_state", "conv_q", "conv_k", "conv_v", "mla_latent"};
+const std::set<std::string> kKvKinds = {"kda_state", "conv_q", "conv_k", "conv_v", "mla_latent", "attn_res"};
 // Tensor-parallel sources (1.6) and their parameter kinds.
 const std::map<std::string, std::string> kTpSources = {
     {"peers", "pointer"}, {"flag", "pointer"}, {"rank", "u32"}, {"layer", "u32"}, {"timeout_us", "u32"}};
@@ -85,7 +85,10 @@ void validate_programs(const Manifest& m, const std::set<int64_t>& widths, Bad&&
             kind = arg.from == "weight" ? "pointer" : "u32";
           } else if (arg.from == "kv" || arg.from == "kv_stride") {
             if (!kKvKinds.count(arg.name)) bad(fmt::format("{}: cache kind \"{}\" is not one of kda_state, conv_q, "
-                                                           "conv_k, conv_v, mla_latent", at, arg.name));
+                                                           "conv_k, conv_v, mla_latent, attn_res", at, arg.name));
+            if (arg.name == "attn_res" && m.format_version.minor < 7)
+              bad(fmt::format("{}: cache kind attn_res in a format {}.{} bundle (since 1.7)", at,
+                              m.format_version.major, m.format_version.minor));
             kind = arg.from == "kv" ? "pointer" : "u32";
           } else if (arg.from == "workspace") {
             kind = "pointer";
@@ -106,12 +109,17 @@ void validate_programs(const Manifest& m, const std::set<int64_t>& widths, Bad&&
               bad(fmt::format("{}: tp source \"{}\" is not one of peers, flag, rank, layer, timeout_us", at, arg.name));
             else
               kind = it->second;
+          } else if (arg.from == "layer") {
+            kind = "u32";
+            if (m.format_version.minor < 7)
+              bad(fmt::format("{}: source layer in a format {}.{} bundle (since 1.7)", at, m.format_version.major,
+                              m.format_version.minor));
           } else if (arg.from == "null") {
             kind = "pointer";
             if (!kp.nullable) bad(fmt::format("{}: null for parameter {}, which is not nullable", at, kp.name));
           } else {
             bad(fmt::format("{}: from \"{}\", expected io, weight, expert_stride, workspace, kv, kv_stride, f32, u32, "
-                            "null or tp", at, arg.from));
+                            "null, tp or layer", at, arg.from));
           }
           if (!kind.empty() && kind != kp.kind)
             bad(fmt::format("{}: a {} source ({}) for parameter {} of kind {}", at, kind, arg.from, kp.name, kp.kind));
@@ -124,11 +132,16 @@ void validate_programs(const Manifest& m, const std::set<int64_t>& widths, Bad&&
 }  // namespace
 
 int written_minor(const Manifest& m) {
+  for (const KernelEntry& k : m.kernels)
+    if (k.op == "attnres") return 7;
+  bool tp = false;
   for (const ProgramEntry& p : m.programs)
     for (const ProgramStepEntry& st : p.steps)
-      for (const ProgramArgEntry& a : st.args)
-        if (a.from == "tp") return 6;
-  return kMinWrittenMinor;
+      for (const ProgramArgEntry& a : st.args) {
+        if (a.from == "layer" || ((a.from == "kv" || a.from == "kv_stride") && a.name == "attn_res")) return 7;
+        tp |= a.from == "tp";
+      }
+  return tp ? 6 : kMinWrittenMinor;
 }
 
 void check_version(const Version& v, const std::string& where) {

@@ -27,10 +27,12 @@ inline constexpr int kFormatMajor = 1;
 // 1.1 added `programs` and `indexer`, 1.2 indexer kernels, 1.3 kernels that take programmatic dependent
 // launch (NVIDIA sm_90+: every entry point waits for the previous kernel of the stream before it reads),
 // 1.4 the prefetch point attention_oproj, 1.5 kernels of role lm_head (manifests/bundle-format.md §2.6),
-// 1.6 the program source `tp` (tensor-parallel all-reduce steps). A writer records the lowest minor
-// whose features the bundle uses, never below 1.5 (kMinWrittenMinor): a bundle without `tp` sources
-// stays 1.5, byte for byte what 1.5 writers made.
-inline constexpr int kFormatMinor = 6;
+// 1.6 the program source `tp` (tensor-parallel all-reduce steps), 1.7 K3 block attention residuals
+// (the program source `layer`, the cache kind `attn_res`, attnres final-norm kernels). A writer records
+// the lowest minor whose features the bundle uses, never below 1.5 (kMinWrittenMinor): a bundle without
+// `tp` sources stays 1.5, byte for byte what 1.5 writers made, and one without K3 attention residuals
+// stays at most 1.6.
+inline constexpr int kFormatMinor = 7;
 inline constexpr int kMinWrittenMinor = 5;
 inline constexpr const char* kManifestFile = "manifest.json";
 
@@ -154,7 +156,8 @@ struct PrefetchEntry {
 // One kernel parameter of a program step and where its value comes from (bundle-format.md 2.5).
 struct ProgramArgEntry {
   std::string param;    // the kernel's parameter name
-  std::string from;     // io | weight | expert_stride | workspace | kv | kv_stride | f32 | u32 | null | tp (1.6)
+  std::string from;     // io | weight | expert_stride | workspace | kv | kv_stride | f32 | u32 | null | tp (1.6) |
+                        // layer (1.7)
   std::string name;     // io: dp_layer_io field; weight, expert_stride: layer-relative weight key; kv, kv_stride: cache kind
   uint64_t offset = 0;  // workspace, weight: bytes added to the address
   double value = 0;     // f32, u32: the constant
@@ -218,7 +221,9 @@ std::string canonical_bytes(const Manifest& m);
 // expert groups, kernel digests equal to their files[] entries. Throws FormatError(schema).
 void validate(const Manifest& m, const std::string& where);
 
-// The minor version a writer records for `m`: kMinWrittenMinor, or 6 when a program binds a `tp` source.
+// The minor version a writer records for `m`: 7 when it uses K3 block attention residuals (a program
+// source `layer`, a cache kind `attn_res` or an `attnres` kernel), else 6 when a program binds a `tp`
+// source, else kMinWrittenMinor.
 int written_minor(const Manifest& m);
 
 // Reader's version gate, callable on a bare {major, minor}.

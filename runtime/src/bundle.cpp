@@ -37,6 +37,9 @@ Status derive(dp_bundle& b) {
   d.conv_kernel = det.kda.conv_kernel;
   d.mla_kv_lora_rank = det.mla.kv_lora_rank;
   d.mla_rope_dim = det.mla.qk_rope_head_dim;
+  d.hidden = m.model.hidden_size;
+  d.attn_res_block = det.attn_res_block;
+  if (d.attn_res_block > 0) d.attn_res_blocks = (m.model.num_layers + d.attn_res_block - 1) / d.attn_res_block;
   if (m.indexer.heads > 0) {
     d.dcp_size = dep.dcp.size;
     d.dcp_interleave = dep.dcp.interleave;

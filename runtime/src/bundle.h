@@ -30,6 +30,8 @@ struct DeploySettings {
   // Model (from model.details)
   int64_t kda_heads = 0, kda_head_dim = 0, conv_kernel = 0;
   int64_t mla_kv_lora_rank = 0, mla_rope_dim = 0;
+  // K3 block attention residuals (attn_res_block 0: none): the attn_res buffer is [rows, blocks, hidden].
+  int64_t attn_res_block = 0, attn_res_blocks = 0, hidden = 0;
   // Sparse-attention indexer (read only when the manifest has one): deploy dcp and indexer limits.
   int64_t dcp_size = 1, dcp_interleave = 1;
   int64_t indexer_max_keys = 0, indexer_max_requests = 0;

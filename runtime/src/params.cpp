@@ -15,6 +15,9 @@ const Rule kFinalNorm[] = {
     {"hidden", "pointer", ParamSource::io_hidden},         {"residual", "pointer", ParamSource::io_residual},
     {"weight", "pointer", ParamSource::final_norm_weight}, {"out", "pointer", ParamSource::io_out},
     {"residual_out", "pointer", ParamSource::io_residual_out}, {"eps", "f32", ParamSource::eps},
+    {"blocks", "pointer", ParamSource::kv_attn_res},       {"stride_blocks", "u32", ParamSource::attn_res_stride},
+    {"layer", "u32", ParamSource::num_layers},             {"res_norm", "pointer", ParamSource::final_res_norm_weight},
+    {"res_proj", "pointer", ParamSource::final_res_proj_weight},
 };
 
 const Rule kLmHead[] = {
@@ -54,11 +57,12 @@ std::optional<ParamSource> program_source(const format::ProgramArgEntry& a) {
       {"num_accepted", ParamSource::io_num_accepted}};
   static const std::pair<const char*, ParamSource> kv[] = {
       {"kda_state", ParamSource::kv_kda_state}, {"conv_q", ParamSource::kv_conv_q}, {"conv_k", ParamSource::kv_conv_k},
-      {"conv_v", ParamSource::kv_conv_v},       {"mla_latent", ParamSource::kv_mla_latent}};
+      {"conv_v", ParamSource::kv_conv_v},       {"mla_latent", ParamSource::kv_mla_latent},
+      {"attn_res", ParamSource::kv_attn_res}};
   static const std::pair<const char*, ParamSource> kv_stride[] = {
       {"kda_state", ParamSource::kda_state_stride}, {"conv_q", ParamSource::conv_stride},
       {"conv_k", ParamSource::conv_stride},         {"conv_v", ParamSource::conv_stride},
-      {"mla_latent", ParamSource::mla_block_stride}};
+      {"mla_latent", ParamSource::mla_block_stride}, {"attn_res", ParamSource::attn_res_stride}};
   auto look = [&](const auto& table) -> std::optional<ParamSource> {
     for (const auto& [n, src] : table)
       if (a.name == n) return src;

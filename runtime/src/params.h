@@ -4,7 +4,9 @@
 //
 // Names per role:
 //   final_norm  hidden, residual, out, residual_out (the call's dp_final_norm_io), weight (the bound
-//               final-norm weight), eps (model.rms_norm_eps)
+//               final-norm weight), eps (model.rms_norm_eps); K3 attnres (1.7) also blocks and
+//               stride_blocks (the bound attn_res buffer), layer (the number of layers), res_norm and
+//               res_proj (the bound output_attn_res_norm / output_attn_res_proj weights)
 //   lm_head     x, out (the call's dp_lm_head_io hidden and logits), w0 (the weight bound with
 //               dp_session_bind_lm_head)
 //   prefetch    table, count (the resolved range table of the (point, layer, width))
@@ -25,6 +27,7 @@ enum class ParamSource {
   io_block_table_stride, io_seq_lens, io_slot_mapping, io_num_accepted,
   workspace, error_flag, eps, final_norm_weight, prefetch_table, prefetch_count, io_logits, lm_head_weight,
   kv_kda_state, kv_conv_q, kv_conv_k, kv_conv_v, kv_mla_latent, kda_state_stride, conv_stride, mla_block_stride,
+  kv_attn_res, attn_res_stride, num_layers, final_res_norm_weight, final_res_proj_weight,
 };
 
 // The source of parameter `name` of kind `kind` ("pointer" | "u32" | "f32") in a kernel of `role`;

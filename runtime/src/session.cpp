@@ -30,6 +30,7 @@ const char* kv_kind_name(int32_t kind) {
     case DP_KV_CONV_K: return "DP_KV_CONV_K";
     case DP_KV_CONV_V: return "DP_KV_CONV_V";
     case DP_KV_MLA_LATENT: return "DP_KV_MLA_LATENT";
+    case DP_KV_ATTN_RES: return "DP_KV_ATTN_RES";
     default: return "?";
   }
 }
@@ -458,13 +459,24 @@ Status dp_session::load_kernel(const format::KernelEntry& k, int32_t layer, Load
       case ParamSource::eps: put<float>(out->block.data(), p.offset, static_cast<float>(bundle->manifest().model.rms_norm_eps)); break;
       case ParamSource::workspace: put<uint64_t>(out->block.data(), p.offset, workspace); break;
       case ParamSource::error_flag: put<uint64_t>(out->block.data(), p.offset, flag_device); break;
-      case ParamSource::final_norm_weight: {
+      case ParamSource::num_layers:
+        put<uint32_t>(out->block.data(), p.offset, static_cast<uint32_t>(bundle->manifest().layers.size()));
+        break;
+      case ParamSource::final_norm_weight:
+      case ParamSource::final_res_norm_weight:
+      case ParamSource::final_res_proj_weight: {
+        // A model-level weight (layer -1) by its key: "<prefix>norm.weight", "<prefix>output_attn_res_*".
+        const std::string key = src == ParamSource::final_norm_weight       ? ".norm.weight"
+                                : src == ParamSource::final_res_norm_weight ? ".output_attn_res_norm.weight"
+                                                                            : ".output_attn_res_proj.weight";
         uint64_t addr = 0;
-        for (size_t i = 0; i < weights->weights.size(); ++i)
-          if (weights->weights[i].entry->layer < 0 && weights->weights[i].entry->experts == 0) addr = bindings[i].data[0];
+        for (size_t i = 0; i < weights->weights.size(); ++i) {
+          const format::WeightEntry& w = *weights->weights[i].entry;
+          if (w.layer < 0 && w.experts == 0 && ("." + w.name).ends_with(key)) addr = bindings[i].data[0];
+        }
         if (!addr)
-          return error(DP_ERR_FORMAT, "{}: {}: the rank lists no final-norm weight (a weight with layer -1) for parameter "
-                       "weight", bundle->reader.label(), what);
+          return error(DP_ERR_FORMAT, "{}: {}: the rank lists no model weight {} (a weight with layer -1) for parameter "
+                       "{}", bundle->reader.label(), what, key.substr(1), p.name);
         put<uint64_t>(out->block.data(), p.offset, addr);
         break;
       }
@@ -535,6 +547,8 @@ Status dp_session::load_program_step(const format::ProgramEntry& prog, size_t st
       put<uint32_t>(block, p.offset, static_cast<uint32_t>(arg.value));
     } else if (arg.from == "null") {
       put<uint64_t>(block, p.offset, 0);
+    } else if (arg.from == "layer") {
+      put<uint32_t>(block, p.offset, static_cast<uint32_t>(layer));
     } else if (arg.from == "tp") {
       // load_kernels made sure the peers are set before any program step is loaded.
       if (arg.name == "peers") put<uint64_t>(block, p.offset, peers_table);
@@ -706,10 +720,22 @@ Status dp_session::load_kernels() {
 Status dp_session::kv_layout(int32_t layer, int32_t kind, int64_t count, dp_tensor* out) const {
   const format::Manifest& m = bundle->manifest();
   const DeploySettings& d = bundle->deploy;
+  if (kind == DP_KV_ATTN_RES) {
+    if (layer != -1)
+      return error(DP_ERR_INVALID_ARGUMENT, "layer {} DP_KV_ATTN_RES: the attention-residual block buffer is the "
+                   "model's, shared by its layers: bind it with layer -1", layer);
+    if (d.attn_res_block == 0)
+      return error(DP_ERR_UNKNOWN_TENSOR, "DP_KV_ATTN_RES: the model has no block attention residuals "
+                   "(model.details.attn_res_block 0)");
+    if (count < 1) return error(DP_ERR_INVALID_ARGUMENT, "DP_KV_ATTN_RES: count {}, expected >= 1", count);
+    const std::vector<int64_t> shape = {count, d.attn_res_blocks, d.hidden};
+    dp_tensor_init(out, 0, DP_DTYPE_BF16, 3, shape.data());
+    return ok();
+  }
   if (layer < 0 || static_cast<size_t>(layer) >= m.layers.size())
     return error(DP_ERR_INVALID_ARGUMENT, "KV layer {}: expected 0..{}", layer, m.layers.size() - 1);
   if (kind < DP_KV_KDA_STATE || kind > DP_KV_MLA_LATENT)
-    return error(DP_ERR_INVALID_ARGUMENT, "layer {}: KV kind {} is not a dp_kv_kind (1..5)", layer, kind);
+    return error(DP_ERR_INVALID_ARGUMENT, "layer {}: KV kind {} is not a dp_kv_kind (1..6)", layer, kind);
   if (count < 1) return error(DP_ERR_INVALID_ARGUMENT, "layer {} {}: count {}, expected >= 1", layer, kv_kind_name(kind), count);
   const bool kda = m.layers[layer].mixer == "kda";
   if (kda != (kind != DP_KV_MLA_LATENT))
@@ -737,10 +763,18 @@ Status dp_session::bind_kv(int32_t layer, int32_t kind, const dp_tensor& t) {
   dp_tensor want;
   const int64_t count = t.ndim > 0 ? std::max<int64_t>(t.shape[0], 1) : 1;
   DP_RETURN_IF_ERROR(kv_layout(layer, kind, count, &want));
-  const std::string what = fmt::format("layer {} {}", layer, kv_kind_name(kind));
+  const bool attn = kind == DP_KV_ATTN_RES;
+  const std::string what = attn ? "DP_KV_ATTN_RES" : fmt::format("layer {} {}", layer, kv_kind_name(kind));
   DP_RETURN_IF_ERROR(check_tensor(what, t, static_cast<dp_dtype>(want.dtype),
                                   std::vector<int64_t>(want.shape, want.shape + want.ndim), true, DP_ERR_SHAPE));
-  KvBinding& b = kv[layer][kind];
+  if (attn) {
+    // A row per row of the step: the largest width's rows must fit, whatever the step.
+    const int64_t rows = static_cast<int64_t>(bundle->deploy.widths.back()) * bundle->deploy.q;
+    if (t.shape[0] < rows)
+      return error(DP_ERR_SHAPE, "{}: {} rows, expected >= {} (the largest width {} x q {}: one row of blocks per row "
+                   "of a step)", what, t.shape[0], rows, bundle->deploy.widths.back(), bundle->deploy.q);
+  }
+  KvBinding& b = attn ? attn_res : kv[layer][kind];
   if (b.bound && b.data != t.data)
     return error(DP_ERR_REBIND, "{}: bound at {:#x}, now {:#x}: call dp_session_release_kv first when the cache moved "
                  "(graphs captured with the old address would still use it)", what, b.data, t.data);
@@ -767,6 +801,7 @@ Status dp_session::bind_kv(int32_t layer, int32_t kind, const dp_tensor& t) {
 void dp_session::release_kv() {
   for (auto& layer : kv)
     for (KvBinding& b : layer) b = KvBinding{};
+  attn_res = KvBinding{};
 }
 
 // ---- Planning -----------------------------------------------------------------------------------------
@@ -810,6 +845,8 @@ Status dp_session::plan(const dp_step_desc& d, dp_plan_result* out) {
       bound = bound < 0 ? b.count : std::min(bound, b.count);
     }
   }
+  if (bundle->deploy.attn_res_block > 0 && !attn_res.bound && missing++ == 0)
+    in.kv_missing = "the attention-residual block buffer (DP_KV_ATTN_RES)";
   if (missing > 1) in.kv_missing += fmt::format(" and {} more", missing - 1);
 
   const PlanOutcome o = plan_step(in, d);
@@ -972,6 +1009,10 @@ Status dp_session::launch_final_norm(const dp_step* step, const dp_final_norm_io
   DP_RETURN_IF_ERROR(check_io_address(what, "out", io.out, false));
   DP_RETURN_IF_ERROR(check_io_address(what, "residual_out", io.residual_out, false));
   // Without a residual the sum is `hidden` alone: the kernel then writes hidden to residual_out.
+  for (const ParamSlot& s : k.call_slots)
+    if (s.source == ParamSource::kv_attn_res && !attn_res.bound)
+      return error(DP_ERR_STATE, "{}: dp_launch_final_norm: the final norm ({}) mixes the attention-residual blocks: "
+                   "bind DP_KV_ATTN_RES first", label(), k.entry->name);
   DeviceScope scope(device.get());
   DP_RETURN_IF_ERROR(scope.status());
   DP_RETURN_IF_ERROR(fire_prefetch(nullptr));
@@ -982,6 +1023,8 @@ Status dp_session::launch_final_norm(const dp_step* step, const dp_final_norm_io
       case ParamSource::io_residual: return io.residual;
       case ParamSource::io_out: return io.out;
       case ParamSource::io_residual_out: return io.residual_out;
+      case ParamSource::kv_attn_res: return attn_res.data;
+      case ParamSource::attn_res_stride: return static_cast<uint32_t>(attn_res.lead_stride);
       default: return 0;
     }
   });
@@ -1077,6 +1120,8 @@ Status dp_session::launch_layer(const dp_step* step, int32_t layer, const dp_lay
       case ParamSource::kda_state_stride: return static_cast<uint32_t>(kvl[DP_KV_KDA_STATE].lead_stride);
       case ParamSource::conv_stride: return static_cast<uint32_t>(kvl[DP_KV_CONV_Q].lead_stride);
       case ParamSource::mla_block_stride: return static_cast<uint32_t>(kvl[DP_KV_MLA_LATENT].lead_stride);
+      case ParamSource::kv_attn_res: return attn_res.data;
+      case ParamSource::attn_res_stride: return static_cast<uint32_t>(attn_res.lead_stride);
       default: return 0;
     }
   };

@@ -104,7 +104,8 @@ struct dp_session {
   std::vector<dp::rt::WeightBinding> bindings;  // parallel to weights->weights
   bool finalized = false;
   bool loaded = false;
-  std::vector<std::array<dp::rt::KvBinding, 6>> kv;  // per layer, indexed by dp_kv_kind
+  std::vector<std::array<dp::rt::KvBinding, 6>> kv;  // per layer, indexed by dp_kv_kind (1..5)
+  dp::rt::KvBinding attn_res;                         // DP_KV_ATTN_RES (layer -1): count = rows
   std::vector<std::unique_ptr<dp_step>> steps;        // one per width
 
   // Device resources (load_kernels).

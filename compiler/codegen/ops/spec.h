@@ -66,6 +66,7 @@ struct OpSpec {
 
 // The families, one per templates/ header.
 std::vector<OpSpec> norm_ops();      // rmsnorm
+std::vector<OpSpec> attnres_ops();   // attnres
 std::vector<OpSpec> gemm_ops();      // gemm
 std::vector<OpSpec> kda_ops();       // kda_step
 std::vector<OpSpec> moe_ops();       // moe_route, moe_up, moe_down, mlp_up

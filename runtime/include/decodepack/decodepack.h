@@ -130,7 +130,7 @@ extern "C" {
  * (manifests/bundle-format.md). A bundle outside that range is refused with DP_ERR_FORMAT_VERSION before
  * any other field is read, the message giving both versions and the supported range. */
 #define DP_BUNDLE_FORMAT_MAJOR 1
-#define DP_BUNDLE_FORMAT_MINOR 6
+#define DP_BUNDLE_FORMAT_MINOR 7
 
 /* The loaded library's version as MAJOR * 10000 + MINOR * 100 + PATCH. This signature never changes. */
 DP_API uint32_t dp_version(void);
@@ -454,6 +454,13 @@ DP_API dp_status* dp_session_load_kernels(dp_session* session);
  *                                 dtype conv_state.dtype (BF16 by default, or F32)
  *   DP_KV_MLA_LATENT  MLA layers  [B, block, L+R] in kv_cache.dtype (BF16, or F8_E4M3 for "fp8");
  *                                 each token's row is [latent L | rope key R]
+ *   DP_KV_ATTN_RES    Kimi-K3 block attention residuals (bundle format 1.7; layer -1: one buffer for
+ *                     the model)  [N, NB, H] BF16, N >= the largest width x q (a row per row of the
+ *                     step), NB = ceil(num_hidden_layers / attn_res_block_size), H = hidden size: the
+ *                     stored blocks of each row of the current step, written by the layers that push
+ *                     (layer 0 stores the embedding) and read by every later layer and the final norm.
+ *                     Nothing in it outlives a step; a host that runs some layers itself keeps its own
+ *                     block list in the same place (row t's block k at t*stride + k*H).
  *
  * Every dimension but the first must be dense (row-major); the first (slot/block) stride may be
  * larger, e.g. when a state shares each slot's page with another (vLLM's hybrid allocator), but must
@@ -463,7 +470,8 @@ typedef enum dp_kv_kind {
   DP_KV_CONV_Q = 2,
   DP_KV_CONV_K = 3,
   DP_KV_CONV_V = 4,
-  DP_KV_MLA_LATENT = 5
+  DP_KV_MLA_LATENT = 5,
+  DP_KV_ATTN_RES = 6
 } dp_kv_kind;
 
 /* Binds one cache tensor of one layer; shapes and strides are checked against the table above

@@ -30,9 +30,9 @@ import logging
 import math
 import time
 
-from . import (Bundle, DecodepackError, GRAPH_FULL, GRAPH_NONE, KV_CONV_K, KV_CONV_Q, KV_CONV_V, KV_KDA_STATE,
-               KV_MLA_LATENT, NULL_BLOCK_ID, PAD_SLOT_ID, PREFETCH_ATTENTION_MOE, PREFETCH_ATTENTION_OPROJ,
-               PREFETCH_NEXT_ATTENTION, PREFETCH_OPROJ_DOWN, REASON_NONE, Session, DTYPE_BF16, DTYPE_F32,
+from . import (Bundle, DecodepackError, GRAPH_FULL, GRAPH_NONE, KV_ATTN_RES, KV_CONV_K, KV_CONV_Q, KV_CONV_V,
+               KV_KDA_STATE, KV_MLA_LATENT, LAYER_MODEL, NULL_BLOCK_ID, PAD_SLOT_ID, PREFETCH_ATTENTION_MOE,
+               PREFETCH_ATTENTION_OPROJ, PREFETCH_NEXT_ATTENTION, PREFETCH_OPROJ_DOWN, REASON_NONE, Session, DTYPE_BF16, DTYPE_F32,
                DTYPE_F16)
 
 log = logging.getLogger("decodepack.host")
@@ -296,6 +296,11 @@ class KimiLinearHost:
                 t = torch.zeros(d["shape"], dtype=_torch_dtype(d["dtype"]), device=self.device)
                 self.session.bind_kv(l, k, t)
                 self.caches[(l, k)] = t
+        if getattr(self.cfg, "attn_res_block_size", 0):  # K3 block attention residuals: the model's one buffer
+            d = self.session.kv_layout(LAYER_MODEL, KV_ATTN_RES, self.widths[-1] * self.q)
+            t = torch.zeros(d["shape"], dtype=_torch_dtype(d["dtype"]), device=self.device)
+            self.session.bind_kv(LAYER_MODEL, KV_ATTN_RES, t)
+            self.caches[(LAYER_MODEL, KV_ATTN_RES)] = t
         mla = [l for l, kind in enumerate(self.kinds) if kind == "mla"]
         self.block_size = self.caches[(mla[0], KV_MLA_LATENT)].shape[1] if mla else \
             self.deploy["kv_cache"]["block_size"]

@@ -36,6 +36,8 @@ const std::vector<ModelShape>& model_shapes() {
     k3.mla_gate = true;
     k3.q_lora = 128;
     k3.latent = 128;  // its latent MoE (the mxfp4 cases)
+    k3.attn_res_block = 2;  // layers 0, 2, 4 push: 3 blocks
+    k3.layers = 5;
     v.push_back(k3);
     // Kimi-Linear-48B-A3B (model-family.md 1), TP 1.
     ModelShape big;
@@ -183,7 +185,8 @@ std::vector<Case> all_cases() {
 std::vector<codegen::KernelInstance> CaseKernels::all() const {
   std::vector<codegen::KernelInstance> v{rmsnorm,  in_proj, kda,      o_proj,   router,   route,       moe_up,
                                          moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine, mixed,
-                                         mla_in,   q_norm,  q_b,      lat_down, lat_norm, lat_up};
+                                         mla_in,   q_norm,  q_b,      lat_down, lat_norm, lat_up, attnres[0], attnres[1],
+                                         attnres[2], attnres_k3};
   std::erase_if(v, [](const codegen::KernelInstance& k) { return k.op.empty(); });
   return v;
 }
@@ -257,6 +260,13 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
     k.mla_in = gemm(H, {m.q_lora, m.lora + m.rope, m.mla_gate ? m.mla_heads * m.v_dim : 0}, false);
     k.q_norm = {"rmsnorm", {{"W", T}, {"H", m.q_lora}, {"S", row}}, target};
     k.q_b = gemm(m.q_lora, {m.mla_heads * (m.nope + m.rope)}, false);
+  }
+  if (m.attn_res_block > 0 && !c.fp8) {
+    for (int64_t s = 0; s < 3; ++s)
+      k.attnres[s] = {"attnres",
+                      {{"W", T}, {"H", H}, {"B", m.attn_res_block}, {"NB", m.attn_res_blocks()}, {"S", s}},
+                      target};
+    k.attnres_k3 = {"attnres", {{"W", T}, {"H", 7168}, {"B", 12}, {"NB", 8}, {"S", 0}}, target};
   }
   if (c.fp8) {
     // Q8 (left out for bf16): 1 for an op whose weights are all e4m3; for gemm a bitmask over its weights.

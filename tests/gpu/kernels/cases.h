@@ -39,6 +39,9 @@ struct ModelShape {
   // rmsnorm of the q_a columns in place in those rows (q_a_layernorm, S = the row width), gemm q_b_proj.
   int64_t q_lora = 0;
   int64_t block_size = 64, splits = 16, max_context = 0;
+  // K3 block attention residuals (0: plain residual): block size and decoder layers.
+  int64_t attn_res_block = 0, layers = 0;
+  int64_t attn_res_blocks() const { return attn_res_block ? (layers + attn_res_block - 1) / attn_res_block : 0; }
 
   int64_t proj_size() const { return heads * head_dim; }  // P
   int64_t proj_cols() const {                             // columns of the stacked KDA projections
@@ -110,6 +113,11 @@ struct CaseKernels {
   codegen::KernelInstance lat_down;     // gemm [D, H]: routed_expert_down_proj
   codegen::KernelInstance lat_norm;     // rmsnorm over D, no residual: routed_expert_norm
   codegen::KernelInstance lat_up;       // gemm [H, D] + addend (AD 1): routed_expert_up_proj + shared
+  // K3 cases (attn_res_block > 0, not FP8; op "" otherwise): attnres at stage 0 (before the input norm,
+  // may push), 1 (before the post-attention norm) and 2 (the final norm), at the model's shape, and at
+  // Kimi-K3's own (H 7168, block 12, 8 blocks; stage 0) over the same rows.
+  codegen::KernelInstance attnres[3];
+  codegen::KernelInstance attnres_k3;
   std::vector<codegen::KernelInstance> all() const;  // the instances with an op
 };
 CaseKernels kernels_of(const Case& c, const std::string& target);

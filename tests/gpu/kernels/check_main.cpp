@@ -499,6 +499,87 @@ void check_rmsnorm(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed)
   }
 }
 
+// attnres (K3 block attention residuals) at one stage over a buffer of `layers` / `block` layers, for
+// each layer value that makes a different block count or push, with and without a residual, against
+// ref::attn_res_add_norm: out and residual_out, the pushed block exactly, and every other element of
+// the buffer untouched (unused blocks and the padding between rows are poisoned).
+void check_attnres_instance(Ctx& ctx, const Case& c, const KernelInstance& k, int64_t layers, uint64_t seed) {
+  if (k.op.empty()) return;
+  const int64_t T = c.rows(), H = k.params.at("H"), B = k.params.at("B"), NB = k.params.at("NB");
+  const int64_t S = k.params.at("S");
+  const int64_t stride = NB * H + (c.layout == Layout::dense ? 0 : 24);  // padded rows: 48 spare bytes
+  std::vector<int64_t> layer_values;
+  if (S == 2) layer_values = {layers};
+  else
+    for (int64_t l : {int64_t{0}, int64_t{1}, B - 1, B, B + 1, 2 * B, (layers - 1) / B * B, layers - 2, layers - 1})
+      if (l >= 0 && l < layers && std::find(layer_values.begin(), layer_values.end(), l) == layer_values.end())
+        layer_values.push_back(l);
+  for (int64_t layer : layer_values) {
+    const int64_t n = S == 1 ? layer / B + 1 : (layer + B - 1) / B;
+    const bool push = S == 0 && layer % B == 0;
+    const bool with_residual = !(S == 0 && layer == 0);
+    Rng rng(seed + static_cast<uint64_t>(layer));
+    auto hidden = rand_bf16(T * H, rng, -2, 2), residual = rand_bf16(T * H, rng, -2, 2);
+    auto res_norm = rand_bf16(H, rng, 0.5, 1.5), res_proj = rand_bf16(H, rng, -0.1, 0.1);
+    auto weight = rand_bf16(H, rng, 0.5, 1.5);
+    std::vector<uint16_t> buf(static_cast<size_t>(T * stride), 0xFFFF);  // NaN: must stay untouched
+    std::vector<Mat> blocks;
+    for (int64_t b = 0; b < n; ++b) {
+      Mat mb(T, H);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t i = 0; i < H; ++i) {
+          const uint16_t v = to_bf16(rng.uniform(-3, 3));
+          buf[static_cast<size_t>(t * stride + b * H + i)] = v;
+          mb(t, i) = bf16_to_f32(v);
+        }
+      blocks.push_back(std::move(mb));
+    }
+    DevBuf dh = device_copy(hidden), dr = device_copy(residual), dn = device_copy(res_norm);
+    DevBuf dp = device_copy(res_proj), dw = device_copy(weight), dbuf = device_copy(buf);
+    DevBuf out(T * H * 2), rout(T * H * 2);
+    out.poison();
+    rout.poison();
+    ctx.kernels.launch(k, {{"hidden", dh},
+                           {"residual", with_residual ? dr.ptr : CUdeviceptr(0)},
+                           {"blocks", dbuf},
+                           {"stride_blocks", Arg(static_cast<uint32_t>(stride))},
+                           {"layer", Arg(static_cast<uint32_t>(layer))},
+                           {"res_norm", dn},
+                           {"res_proj", dp},
+                           {"weight", dw},
+                           {"out", out},
+                           {"residual_out", rout},
+                           {"eps", 1e-5f}});
+    Mat mh = to_mat(hidden, T, H), mr = to_mat(residual, T, H);
+    ref::AddNorm e = ref::attn_res_add_norm(mh, with_residual ? &mr : nullptr, blocks, push, to_double(res_norm),
+                                            to_double(res_proj), to_double(weight), 1e-5, ref::Rounding::vllm());
+    const std::string tag = fmt::format("attnres h{} s{} layer {}{}", H, S, layer, push ? " push" : "");
+    ctx.report.add(c.name(), tag + " out", rel(bf16_out(out), e.x.v), kBf16Tol);
+    ctx.report.add(c.name(), tag + " residual", rel(bf16_out(rout), e.residual.v), 1e-6);
+    // The buffer: block n of every row is p after a push; everything else as uploaded.
+    const std::vector<uint16_t> got = dbuf.download<uint16_t>();
+    int64_t changed = 0;
+    double pushed_err = 0;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < stride; ++j) {
+        const size_t at = static_cast<size_t>(t * stride + j);
+        if (push && j >= n * H && j < (n + 1) * H) {
+          pushed_err = std::max(pushed_err, std::fabs(bf16_to_f32(got[at]) - blocks[n](t, j - n * H)));
+          if (std::isnan(bf16_to_f32(got[at]))) pushed_err = std::numeric_limits<double>::infinity();
+        } else {
+          changed += got[at] != buf[at];
+        }
+      }
+    if (push) ctx.report.add(c.name(), tag + " pushed block", pushed_err, 1e-30);
+    ctx.report.zero(c.name(), tag + " other blocks untouched", changed);
+  }
+}
+
+void check_attnres(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
+  for (int s = 0; s < 3; ++s) check_attnres_instance(ctx, c, k.attnres[s], c.model->layers, seed + 100 * s);
+  check_attnres_instance(ctx, c, k.attnres_k3, 93, seed + 400);  // Kimi-K3: 93 layers, block 12
+}
+
 // A gemm launch over the given segments with random inputs, against linear() per segment.
 void check_gemm(Ctx& ctx, const Case& c, const KernelInstance& k, const std::string& tag, uint64_t seed) {
   const int64_t T = c.rows(), K = k.params.at("K");
@@ -1699,6 +1780,7 @@ int main(int argc, char** argv) {
       check_moe(c, cs, k, seed += 10);
       check_mlp(c, cs, k, seed += 10);
       check_mla(c, cs, k, seed += 10);
+      check_attnres(c, cs, k, seed += 10);
     }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("\n%zu checks, %d failed, %.1f s\n", report.results().size(), report.failures(), secs);

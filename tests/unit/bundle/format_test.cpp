@@ -87,26 +87,53 @@ TEST(BundleFormat, VersionGateAcceptsOwnMajorAndOlderMinors) {
 
 TEST(BundleFormat, VersionGateRefusesNewerMinorAndOtherMajors) {
   expect_format_error([] { format::check_version({1, 99}, "m.json"); }, FormatError::Kind::version,
-                      {"m.json", "version 1.99", "format 1.6", "supported: 1.0 to 1.6", "upgrade decodepack"});
+                      {"m.json", "version 1.99", "format 1.7", "supported: 1.0 to 1.7", "upgrade decodepack"});
   expect_format_error([] { format::check_version({2, 0}, "m.json"); }, FormatError::Kind::version,
-                      {"m.json", "version 2.0", "format 1.6", "supported: 1.0 to 1.6"});
+                      {"m.json", "version 2.0", "format 1.7", "supported: 1.0 to 1.7"});
   expect_format_error([] { format::check_version({0, 3}, "m.json"); }, FormatError::Kind::version,
-                      {"version 0.3", "supported: 1.0 to 1.6", "rebuild the bundle"});
+                      {"version 0.3", "supported: 1.0 to 1.7", "rebuild the bundle"});
 
   for (auto [major, minor] : {std::pair{1, 99}, std::pair{2, 0}}) {
     SCOPED_TRACE(major * 100 + minor);
     Json j = fixture_json();
     j["format_version"] = {{"major", major}, {"minor", minor}};
     expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::version,
-                        {fmt::format("version {}.{}", major, minor), "supported: 1.0 to 1.6"});
+                        {fmt::format("version {}.{}", major, minor), "supported: 1.0 to 1.7"});
   }
+}
+
+// Writers record the lowest minor a bundle needs: 1.5, 1.6 with a tp source, 1.7 with K3 attention
+// residuals (source layer, cache kind attn_res, an attnres kernel), so older bundles keep their bytes.
+TEST(BundleFormat, WritersRecordTheLowestMinorTheBundleNeeds) {
+  format::Manifest m;
+  EXPECT_EQ(format::written_minor(m), format::kMinWrittenMinor);
+  format::ProgramEntry p;
+  p.cls = "kda_moe";
+  p.width = 1;
+  format::ProgramStepEntry st;
+  st.kernel = "rmsnorm_w1_h256";
+  st.args.push_back({"hidden", "io", "hidden", 0, 0});
+  st.args.push_back({"blocks", "kv", "mla_latent", 0, 0});
+  p.steps.push_back(st);
+  m.programs.push_back(p);
+  EXPECT_EQ(format::written_minor(m), 5);
+  m.programs[0].steps[0].args.push_back({"rank", "tp", "rank", 0, 0});
+  EXPECT_EQ(format::written_minor(m), 6);
+  format::Manifest a = m, b = m, c = m;
+  a.programs[0].steps[0].args.push_back({"layer", "layer", "", 0, 0});
+  b.programs[0].steps[0].args[1].name = "attn_res";
+  format::KernelEntry k;
+  k.op = "attnres";
+  c.kernels.push_back(k);
+  for (const format::Manifest* x : {&a, &b, &c}) EXPECT_EQ(format::written_minor(*x), 7);
+  EXPECT_EQ(format::kFormatMinor, 7);
 }
 
 TEST(BundleFormat, VersionIsCheckedBeforeAnyOtherField) {
   // A 2.0 manifest may look like anything else; the reader must say "version", not "missing field".
   Json j = {{"format", "decodepack-bundle"}, {"format_version", {{"major", 2}, {"minor", 0}}}, {"v2", true}};
   expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::version,
-                      {"version 2.0", "supported: 1.0 to 1.6"});
+                      {"version 2.0", "supported: 1.0 to 1.7"});
   j["format"] = "something-else";
   expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::schema,
                       {"field format is \"something-else\", expected \"decodepack-bundle\""});
@@ -119,7 +146,7 @@ TEST(BundleFormat, BundleOpenRefusesANewerMinorAsInput) {
   j["format_version"]["minor"] = 99;
   std::ofstream(t / "b/manifest.json", std::ios::trunc) << j.dump() << "\n";
   test::expect_error([&] { Bundle::open(t / "b"); }, Errc::input,
-                     {"manifest.json", "version 1.99", "format 1.6", "supported: 1.0 to 1.6"});
+                     {"manifest.json", "version 1.99", "format 1.7", "supported: 1.0 to 1.7"});
 }
 
 // ---------------------------------------------------------------------------------------------------

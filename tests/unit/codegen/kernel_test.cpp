@@ -49,7 +49,7 @@ TEST(KernelName, EveryLetterIsExplainedInTheTemplatesReadme) {
   for (std::string line; std::getline(text, line);)
     if (line.rfind("| `", 0) == 0) rows.push_back(line);
   for (auto family : {ops::norm_ops, ops::gemm_ops, ops::kda_ops, ops::moe_ops, ops::mla_ops, ops::indexer_ops,
-                      ops::prefetch_ops})
+                      ops::prefetch_ops, ops::attnres_ops})
     for (const ops::OpSpec& op : family()) {
       const std::string quoted = std::string("`") + op.name + "`";
       auto row = std::find_if(rows.begin(), rows.end(), [&](const std::string& r) {
@@ -86,7 +86,7 @@ TEST(KernelName, IsUniqueOverAPlausiblePlan) {
 TEST(KernelInstanceCheck, RefusesWhatTheTemplatesCannotBuild) {
   using test::expect_error;
   expect_error([] { kernel_name({"softmax", {}, "sm_90a"}); }, Errc::input,
-               {"unknown op \"softmax\"", "allreduce, gemm, idx_pack, idx_quant, idx_rows, idx_score, idx_stage, idx_topk, kda_step, "
+               {"unknown op \"softmax\"", "allreduce, attnres, gemm, idx_pack, idx_quant, idx_rows, idx_score, idx_stage, idx_topk, kda_step, "
                 "mla_attn, mla_combine, mla_prep, mlp_up, moe_down, moe_route, moe_up, prefetch, rmsnorm"});
   expect_error([] { kernel_name({"rmsnorm", {{"W", 4}}, "sm_90a"}); }, Errc::input, {"missing parameter H"});
   expect_error([] { kernel_name(rmsnorm(0, 2304)); }, Errc::input, {"parameter W = 0 is out of range", "1..4096"});

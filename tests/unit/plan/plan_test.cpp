@@ -6,6 +6,8 @@
 #include <stdexcept>
 
 #include "codegen/kernel.h"
+#include "common/fs.h"
+#include "common/json.h"
 #include "deploy/deploy.h"
 #include "model/ir.h"
 #include "plan/plan.h"
@@ -365,6 +367,75 @@ TEST(Plan, DeployThatDoesNotFitTheModelIsRefused) {
   d["tensor_parallel"] = 4;
   test::expect_error([&] { make_plan(m, deploy_of(d), "deploy.json"); }, Errc::input,
                      {"deploy.json", "tensor_parallel 4", "2"});
+}
+
+// Block attention residuals in the layer skeleton, on the tiny Kimi-Linear shapes with
+// attn_res_block_size 2 (4 layers: layers 0 and 2 push, 2 blocks), so that the programs are built
+// whatever this version's K3 mixers do: attnres replaces both rmsnorms, bound to the step's attn_res
+// buffer, the layer source and the half's own *_res weights; only layer 0's program binds no residual
+// differently (it is the same program for every layer of the class). The final norm is attnres stage 2.
+TEST(Plan, AttentionResidualsOpenBothHalvesOfTheLayer) {
+  Json cfg = parse_json(read_text_file(test::data_dir().parent_path() / "manifests/presets/kimi-linear-tiny.json"),
+                        "kimi-linear-tiny.json");
+  cfg["attn_res_block_size"] = 2;
+  const model::Model m = model::model_from_config(cfg, "config.json");
+  ASSERT_EQ(m.attn_res_block, 2);
+  Json dj = base_deploy();
+  dj["max_num_seqs"] = 2;
+  Plan p = make_plan(m, deploy_of(dj), "deploy.json");
+  auto arg = [](const ProgramStep& s, const std::string& name) -> const ProgramArg& {
+    for (const ProgramArg& a : s.args)
+      if (a.param == name) return a;
+    throw std::runtime_error("no arg " + name);
+  };
+  ASSERT_FALSE(p.programs.empty());
+  for (const LayerProgram& pr : p.programs) {
+    SCOPED_TRACE(std::string(to_string(pr.cls)) + " w" + std::to_string(pr.width));
+    ASSERT_TRUE(pr.unavailable.empty()) << pr.unavailable;
+    std::vector<const ProgramStep*> mixes;
+    for (const ProgramStep& s : pr.steps) {
+      EXPECT_NE(s.kernel.op, "rmsnorm");
+      if (s.kernel.op == "attnres") mixes.push_back(&s);
+    }
+    ASSERT_EQ(mixes.size(), 2u);
+    EXPECT_EQ(mixes[0], &pr.steps.front());  // the layer opens with the first mix
+    const char* res[2] = {"self_attention", "mlp"};
+    const char* norm[2] = {"input_layernorm.weight", "post_attention_layernorm.weight"};
+    for (int s = 0; s < 2; ++s) {
+      const ProgramStep& st = *mixes[static_cast<size_t>(s)];
+      EXPECT_EQ(st.kernel.params.at("S"), s);
+      EXPECT_EQ(st.kernel.params.at("B"), 2);
+      EXPECT_EQ(st.kernel.params.at("NB"), 2);
+      EXPECT_EQ(st.kernel.params.at("W"), pr.width);
+      EXPECT_EQ(st.name, fmt::format("attnres_w{}_h256_b2_n2_s{}", pr.width, s));
+      EXPECT_EQ(arg(st, "blocks").from, ProgramArg::From::kv);
+      EXPECT_EQ(arg(st, "blocks").name, "attn_res");
+      EXPECT_EQ(arg(st, "stride_blocks").from, ProgramArg::From::kv_stride);
+      EXPECT_EQ(arg(st, "layer").from, ProgramArg::From::layer);
+      EXPECT_EQ(arg(st, "res_norm").name, std::string(res[s]) + "_res_norm.weight");
+      EXPECT_EQ(arg(st, "res_proj").name, std::string(res[s]) + "_res_proj.weight");
+      EXPECT_EQ(arg(st, "weight").name, norm[s]);
+      EXPECT_EQ(arg(st, "residual_out").name, "residual_out");  // p travels as the residual
+    }
+    EXPECT_EQ(arg(*mixes[0], "residual").name, "residual");
+    EXPECT_EQ(arg(*mixes[1], "residual").name, "residual_out");
+  }
+  int finals = 0;
+  for (const KernelInstance& k : p.kernels)
+    if (k.role == "final_norm") {
+      ++finals;
+      EXPECT_EQ(k.op, "attnres");
+      EXPECT_EQ(k.codegen.params.at("S"), 2);
+    }
+  EXPECT_EQ(finals, 4);  // widths 1, 2 x targets sm_90a, gfx942
+
+  // The same model without attention residuals keeps its rmsnorm programs, kernel for kernel.
+  Json plain = cfg;
+  plain.erase("attn_res_block_size");
+  Plan q = make_plan(model::model_from_config(plain, "config.json"), deploy_of(dj), "deploy.json");
+  Plan r = make_plan(model::load_model("kimi-linear-tiny"), deploy_of(dj), "deploy.json");
+  ASSERT_EQ(q.kernels.size(), r.kernels.size());
+  for (size_t i = 0; i < q.kernels.size(); ++i) EXPECT_EQ(q.kernels[i].name, r.kernels[i].name);
 }
 
 TEST(Plan, K3PlansWithoutWeights) {

@@ -83,6 +83,11 @@ Mat pick(const Mat& m, const std::vector<int64_t>& rows) {
   return o;
 }
 
+AttnResState pick_attn_res(const AttnResState& st, const std::vector<int64_t>& rows) {
+  AttnResState o;
+  for (const Mat& b : st.blocks) o.blocks.push_back(pick(b, rows));
+  return o;
+}
 double max_diff(std::span<const double> a, std::span<const double> b) {
   if (a.size() != b.size()) return INFINITY;
   double d = 0;
@@ -103,6 +108,19 @@ WeightLookup edit(WeightLookup base, std::map<std::string, std::function<void(st
     return v;
   };
 }
+
+// The block state a K3 layer expects on entry (attn_res_blocks(layer, B) random bf16 blocks of `rows`
+// rows); empty for models without block attention residuals (then pass ar_ptr() = nullptr).
+AttnResState rand_attn_res(const Model& m, int layer, int64_t rows, uint64_t seed) {
+  AttnResState st;
+  if (m.attn_res_block > 0)
+    for (int64_t k = 0; k < attn_res_blocks(layer, m.attn_res_block); ++k)
+      st.blocks.push_back(rand_mat(rows, m.hidden, seed + static_cast<uint64_t>(k)));
+  return st;
+}
+AttnResState* ar_ptr(const Model& m, AttnResState& st) { return m.attn_res_block > 0 ? &st : nullptr; }
+// Rows `rows` of every block.
+AttnResState pick_attn_res(const AttnResState& st, const std::vector<int64_t>& rows);
 
 Options none() {
   Options o;
@@ -471,7 +489,9 @@ void kda_spec_vs_sequential(const Model& m, int layer, ConvSpecLayout layout) {
   s_spec.kda = rand_kda(m, {}, 1 + W * q, window ? K - 2 + q : K - 1, 50);
   const KdaState initial = s_spec.kda;
   Mat hid = rand_mat(W * q, H, 60), res = rand_mat(W * q, H, 61);
-  LayerOutput o_spec = decoder_layer(w, hid, &res, spec, s_spec, opt);
+  const AttnResState ar = rand_attn_res(m, layer, W * q, 62);
+  AttnResState ar_spec = ar;
+  LayerOutput o_spec = decoder_layer(w, hid, &res, spec, s_spec, opt, nullptr, ar_ptr(m, ar_spec));
 
   // Sequential: one slot per request (slot 1 + r), initialised from what the spec step read.
   LayerState s_seq;
@@ -497,7 +517,11 @@ void kda_spec_vs_sequential(const Model& m, int layer, ConvSpecLayout layout) {
     std::vector<int64_t> rows;
     for (int64_t r = 0; r < W; ++r) rows.push_back(r * q + i);
     Mat ph = pick(hid, rows), pr = pick(res, rows);
-    LayerOutput o = decoder_layer(w, ph, &pr, one, s_seq, opt);
+    AttnResState ar_one = pick_attn_res(ar, rows);
+    LayerOutput o = decoder_layer(w, ph, &pr, one, s_seq, opt, nullptr, ar_ptr(m, ar_one));
+    EXPECT_EQ(ar_one.blocks.size(), ar_spec.blocks.size());
+    for (size_t k = 0; k < ar_one.blocks.size(); ++k)
+      EXPECT_EQ(max_diff(ar_one.blocks[k].v, pick(ar_spec.blocks[k], rows).v), 0.0) << "block " << k;
     EXPECT_GT(max_abs(o.hidden.v), 0.0);
     EXPECT_EQ(max_diff(o.hidden.v, pick(o_spec.hidden, rows).v), 0.0) << "token " << i;
     EXPECT_EQ(max_diff(o.residual.v, pick(o_spec.residual, rows).v), 0.0) << "token " << i;
@@ -570,12 +594,15 @@ void mla_spec_vs_sequential(const Model& m, int layer) {
   s_spec.mla = rand_mla(m, 1 + 3 * W, bs, 80);
   s_seq.mla = s_spec.mla;
   Mat hid = rand_mat(W * q, H, 81), res = rand_mat(W * q, H, 82);
-  LayerOutput o_spec = decoder_layer(w, hid, &res, spec, s_spec, {});
+  const AttnResState ar = rand_attn_res(m, layer, W * q, 83);
+  AttnResState ar_spec = ar;
+  LayerOutput o_spec = decoder_layer(w, hid, &res, spec, s_spec, {}, nullptr, ar_ptr(m, ar_spec));
   for (int64_t i = 0; i < q; ++i) {
     StepMeta one = StepMeta::simple(W, 1, {6 - q + 1 + i, 9 - q + 1 + i}, bs, 3);
     std::vector<int64_t> rows = {0 * q + i, 1 * q + i};
     Mat ph = pick(hid, rows), pr = pick(res, rows);
-    LayerOutput o = decoder_layer(w, ph, &pr, one, s_seq, {});
+    AttnResState ar_one = pick_attn_res(ar, rows);
+    LayerOutput o = decoder_layer(w, ph, &pr, one, s_seq, {}, nullptr, ar_ptr(m, ar_one));
     EXPECT_GT(max_abs(o.hidden.v), 0.0);
     EXPECT_EQ(max_diff(o.hidden.v, pick(o_spec.hidden, rows).v), 0.0) << "token " << i;
     EXPECT_EQ(max_diff(o.residual.v, pick(o_spec.residual, rows).v), 0.0) << "token " << i;
@@ -841,10 +868,11 @@ TEST(Reference, K3SpecVerifyAndTensorParallel) {
     s0.kda = slice_kda(m, sf.kda, 2, 0);
     s1.kda = slice_kda(m, sf.kda, 2, 1);
     Mat hid = rand_mat(2, m.hidden, 17), res = rand_mat(2, m.hidden, 18);
-    LayerOutput of = decoder_layer(f1, hid, &res, meta, sf, none());
+    AttnResState af = rand_attn_res(m, 2, 2, 20), at = af;
+    LayerOutput of = decoder_layer(f1, hid, &res, meta, sf, none(), nullptr, &af);
     const LayerWeights* ranks[2] = {&q0, &q1};
     LayerState* states[2] = {&s0, &s1};
-    LayerOutput ot = decoder_layer_tp(ranks, hid, &res, meta, states, none());
+    LayerOutput ot = decoder_layer_tp(ranks, hid, &res, meta, states, none(), nullptr, &at);
     EXPECT_LT(rel_error(ot.hidden, of.hidden), 1e-13);
     EXPECT_LT(rel_error(ot.residual, of.residual), 1e-13);
   }
@@ -856,10 +884,11 @@ TEST(Reference, K3SpecVerifyAndTensorParallel) {
   sf.mla = rand_mla(m, 5, 4, 13);
   s0.mla = s1.mla = sf.mla;
   Mat hid = rand_mat(2, m.hidden, 14), res = rand_mat(2, m.hidden, 15);
-  LayerOutput of = decoder_layer(full, hid, &res, mm, sf, none());
+  AttnResState af = rand_attn_res(m, layer, 2, 16), at = af;
+  LayerOutput of = decoder_layer(full, hid, &res, mm, sf, none(), nullptr, &af);
   const LayerWeights* ranks[2] = {&r0, &r1};
   LayerState* states[2] = {&s0, &s1};
-  LayerOutput ot = decoder_layer_tp(ranks, hid, &res, mm, states, none());
+  LayerOutput ot = decoder_layer_tp(ranks, hid, &res, mm, states, none(), nullptr, &at);
   EXPECT_LT(rel_error(ot.hidden, of.hidden), 1e-13);
   EXPECT_GT(max_abs(of.hidden.v), 0.0);
 }
@@ -890,6 +919,119 @@ TEST(Reference, AttnResMixClosedForms) {
   l_big /= std::sqrt(ss / 4);  // logit of big = -(logit of neg)
   const double pb = 1 / (1 + 2 * std::exp(-2 * l_big));
   for (int i = 0; i < 4; ++i) EXPECT_NEAR(out[i], pb * big[i] + (1 - pb) * neg[i], 1e-12);
+}
+
+TEST(Reference, AttnResAddNormClosedForms) {
+  // Rows of 4; res_norm * res_proj = 0 makes every logit 0: h is the plain mean of the blocks and p.
+  const std::vector<double> zero(4, 0.0), ones(4, 1.0), w = {1, 2, 0.5, -1};
+  Mat hid(2, 4), res(2, 4), b(2, 4);
+  hid.v = {1, 2, 3, 4, -1, 0, 1, 2};
+  res.v = {0.5, 0.5, 0.5, 0.5, 1, 1, 1, 1};
+  b.v = {4, 3, 2, 1, 2, 2, 2, 2};
+  std::vector<Mat> blocks = {b};
+  const Rounding exact = Rounding::none();
+  AddNorm r = attn_res_add_norm(hid, &res, blocks, false, zero, ones, w, 0.0, exact);
+  ASSERT_EQ(blocks.size(), 1u);                        // no push
+  EXPECT_EQ(r.residual.v, (std::vector<double>{1.5, 2.5, 3.5, 4.5, 0, 1, 2, 3}));  // p = hidden + residual
+  // Row 0: h = ((4,3,2,1) + (1.5,2.5,3.5,4.5)) / 2 = 2.75 each: RMSNorm(h) = 1, out = w.
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(r.x(0, i), w[i], 1e-15);
+  // Row 1: h = ((2,2,2,2) + (0,1,2,3)) / 2 = (1, 1.5, 2, 2.5); rms = sqrt(3.375).
+  const double h1[4] = {1, 1.5, 2, 2.5};
+  for (int i = 0; i < 4; ++i) EXPECT_NEAR(r.x(1, i), h1[i] / std::sqrt(3.375) * w[i], 1e-15);
+
+  // A push stores p as the newest block and restarts the partial sum; the mix still read the old blocks.
+  AddNorm q = attn_res_add_norm(hid, &res, blocks, true, zero, ones, w, 0.0, exact);
+  ASSERT_EQ(blocks.size(), 2u);
+  EXPECT_EQ(blocks[1].v, r.residual.v);
+  EXPECT_EQ(q.residual.v, std::vector<double>(8, 0.0));
+  EXPECT_EQ(q.x.v, r.x.v);
+
+  // No blocks (layer 0, no residual): h = p = the embedding; it becomes block 0.
+  std::vector<Mat> none_yet;
+  AddNorm e = attn_res_add_norm(hid, nullptr, none_yet, true, w, w, ones, 0.0, exact);
+  ASSERT_EQ(none_yet.size(), 1u);
+  EXPECT_EQ(none_yet[0].v, hid.v);
+  EXPECT_NEAR(e.x(0, 0), 1 / std::sqrt(7.5), 1e-15);  // RMSNorm of (1, 2, 3, 4)
+
+  // The logit uses w_eff = res_norm * res_proj: only the product matters.
+  std::vector<Mat> b1 = {b}, b2 = {b};
+  const std::vector<double> n1 = {1, 2, 3, 4}, p1 = {2, 1, 0.5, -1}, n2 = {2, 2, 1.5, -4}, p2 = {1, 1, 1, 1};
+  AddNorm x1 = attn_res_add_norm(hid, &res, b1, false, n1, p1, w, 1e-5, exact);
+  AddNorm x2 = attn_res_add_norm(hid, &res, b2, false, n2, p2, w, 1e-5, exact);
+  EXPECT_LT(max_diff(x1.x.v, x2.x.v), 1e-14);
+  EXPECT_GT(max_diff(x1.x.v, r.x.v), 1e-3);  // and it does matter
+
+  // Rounding: p and h are bf16 values, x as the fused add + norm rounds it.
+  AddNorm rb = attn_res_add_norm(hid, &res, blocks, false, n1, p1, w, 1e-5, Rounding::vllm());
+  for (double v : rb.x.v) EXPECT_EQ(v, round_bf16(v));
+}
+
+// A chain of K3 layers carries the block list as model-family.md 3d says: layer 0 stores the
+// embedding, layer i pushes when i % B == 0 (B = 2 in kimi-k3-tiny: layers 0, 2, 4), each push
+// stores the partial sum p of the previous block and restarts it, and the final norm mixes them.
+TEST(Reference, K3LayersCarryTheBlocks) {
+  const Model& m = k3tiny();
+  ASSERT_EQ(m.attn_res_block, 2);
+  const int64_t W = 2, H = m.hidden;
+  StepMeta meta = StepMeta::simple(W, 1, {3, 5}, 4, 2);
+  const Mat emb = rand_mat(W, H, 1);
+  AttnResState ar;
+  Mat hidden = emb, residual;
+  std::vector<Mat> p_before_push;  // p at each push (the block it stores)
+  for (int l = 0; l < m.num_layers; ++l) {
+    SCOPED_TRACE(l);
+    ASSERT_EQ(static_cast<int64_t>(ar.blocks.size()), attn_res_blocks(l, 2));
+    LayerWeights w = LayerWeights::from_synth(m, l, 30 + l);
+    LayerState st;
+    if (m.layers[l].mixer == model::Mixer::kda) st.kda = rand_kda(m, {}, 4, m.kda.conv_kernel - 1, 40 + l);
+    else st.mla = rand_mla(m, 6, 4, 40 + l);
+    // p entering the layer: hidden + residual (bf16); at a push it becomes the newest block.
+    Mat p = hidden;
+    if (l > 0)
+      for (size_t i = 0; i < p.v.size(); ++i) p.v[i] = round_bf16(p.v[i] + residual.v[i]);
+    Trace tr;
+    LayerOutput o = decoder_layer(w, hidden, l > 0 ? &residual : nullptr, meta, st, {}, &tr, &ar);
+    ASSERT_EQ(static_cast<int64_t>(ar.blocks.size()), attn_res_blocks(l + 1, 2));
+    if (l % 2 == 0) {
+      EXPECT_EQ(ar.blocks.back().v, p.v);                               // the pushed block is p
+      EXPECT_EQ(tr.at("residual").v, std::vector<double>(p.v.size()));  // and p restarts at 0
+      EXPECT_EQ(o.residual.v, tr.at("mixer_out").v);                    // p = 0 + a
+    } else {
+      EXPECT_EQ(tr.at("residual").v, p.v);
+    }
+    if (l == 0) {
+      EXPECT_EQ(ar.blocks[0].v, emb.v);
+    }
+    EXPECT_GT(max_abs(o.hidden.v), 0.0);
+    hidden = o.hidden;
+    residual = o.residual;
+  }
+  // Missing or miscounted state is an error that says so.
+  {
+    LayerWeights w = LayerWeights::from_synth(m, 1, 3);
+    LayerState st;
+    st.kda = rand_kda(m, {}, 4, m.kda.conv_kernel - 1, 4);
+    test::expect_error([&] { decoder_layer(w, emb, &emb, meta, st); }, Errc::input, {"AttnResState"});
+    AttnResState three = rand_attn_res(m, 5, W, 9);
+    test::expect_error([&] { decoder_layer(w, emb, &emb, meta, st, {}, nullptr, &three); }, Errc::input,
+                       {"layer 1 expects 1", "holds 3"});
+  }
+  // Final: the mix of the stored blocks and p with output_attn_res, then the final norm; with
+  // output_attn_res_proj = 0 the mix is the mean of the blocks and p.
+  const std::vector<double> zero(static_cast<size_t>(H), 0.0), ones(static_cast<size_t>(H), 1.0);
+  const Mat out = final_norm_attn_res(m, hidden, residual, ar, ones, zero, ones, none());
+  Mat mean(W, H);
+  for (int64_t i = 0; i < W * H; ++i) {
+    double s = hidden.v[i] + residual.v[i];
+    for (const Mat& b : ar.blocks) s += b.v[i];
+    mean.v[i] = s / static_cast<double>(ar.blocks.size() + 1);
+  }
+  const Mat want = final_norm(m, mean, Mat(W, H), ones, none());
+  EXPECT_LT(rel_error(out, want), 1e-14);
+  AttnResState short_state = ar;
+  short_state.blocks.pop_back();
+  test::expect_error([&] { final_norm_attn_res(m, hidden, residual, short_state, ones, zero, ones); }, Errc::input,
+                     {"store 3 blocks", "holds 2"});
 }
 
 // ---- rounding and errors --------------------------------------------------------------------------

@@ -365,6 +365,79 @@ TEST_F(BindingTest, KvGrowsInPlaceButDoesNotMove) {
   DP_EXPECT_OK(dp_session_bind_kv(s_, 3, DP_KV_MLA_LATENT, &t));
 }
 
+// ---- K3 block attention residuals (format 1.7) -----------------------------------------------------------
+
+// kimi-k3-tiny: 5 layers, attn_res_block_size 2 (layers 0, 2, 4 push: 3 blocks), hidden 256; widths 1-2.
+TEST_F(BindingTest, AttnResBufferIsTheModelsAndItsLayoutIsChecked) {
+  open(bundles().k3, 0);
+  dp_tensor t;
+  DP_EXPECT_OK(dp_session_kv_layout(s_, -1, DP_KV_ATTN_RES, 4, &t));
+  EXPECT_EQ(t.dtype, DP_DTYPE_BF16);
+  EXPECT_EQ(std::vector<int64_t>(t.shape, t.shape + t.ndim), (std::vector<int64_t>{4, 3, 256}));
+  EXPECT_EQ(t.strides[0], 3 * 256);
+  DP_EXPECT_STATUS(dp_session_kv_layout(s_, 0, DP_KV_ATTN_RES, 4, &t), DP_ERR_INVALID_ARGUMENT, "layer 0 DP_KV_ATTN_RES",
+                   "bind it with layer -1");
+  DP_EXPECT_STATUS(dp_session_kv_layout(s_, -1, DP_KV_ATTN_RES, 0, &t), DP_ERR_INVALID_ARGUMENT, "count 0");
+  DP_EXPECT_STATUS(dp_session_kv_layout(s_, -1, DP_KV_KDA_STATE, 4, &t), DP_ERR_INVALID_ARGUMENT, "KV layer -1");
+
+  DP_EXPECT_OK(dp_session_kv_layout(s_, -1, DP_KV_ATTN_RES, 2, &t));
+  t.data = kAddr;
+  dp_tensor x = t;
+  x.shape[0] = 1;  // one row: the largest width (2) x q (1) does not fit
+  DP_EXPECT_STATUS(dp_session_bind_kv(s_, -1, DP_KV_ATTN_RES, &x), DP_ERR_SHAPE, "DP_KV_ATTN_RES: 1 rows, expected >= 2",
+                   "largest width 2 x q 1");
+  x = t;
+  x.shape[1] = 2;  // fewer blocks than the model stores
+  DP_EXPECT_STATUS(dp_session_bind_kv(s_, -1, DP_KV_ATTN_RES, &x), DP_ERR_SHAPE, "shape [2, 2, 256]",
+                   "expected [N, 3, 256]");
+  x = t;
+  x.dtype = DP_DTYPE_F32;
+  DP_EXPECT_STATUS(dp_session_bind_kv(s_, -1, DP_KV_ATTN_RES, &x), DP_ERR_DTYPE, "dtype F32, expected BF16");
+  x = t;
+  x.strides[0] = 3 * 256 + 4;  // 8 bytes past a 16-byte multiple
+  DP_EXPECT_STATUS(dp_session_bind_kv(s_, -1, DP_KV_ATTN_RES, &x), DP_ERR_ALIGNMENT, "first-dimension stride 772");
+  x = t;
+  x.strides[1] = 512;  // blocks not dense
+  DP_EXPECT_STATUS(dp_session_bind_kv(s_, -1, DP_KV_ATTN_RES, &x), DP_ERR_LAYOUT, "strides");
+  x = t;
+  x.strides[0] = 3 * 256 + 8;  // padded rows: accepted
+  DP_EXPECT_OK(dp_session_bind_kv(s_, -1, DP_KV_ATTN_RES, &x));
+  x.data = kAddr + 0x1000;
+  DP_EXPECT_STATUS(dp_session_bind_kv(s_, -1, DP_KV_ATTN_RES, &x), DP_ERR_REBIND, "DP_KV_ATTN_RES: bound at");
+  DP_EXPECT_OK(dp_session_release_kv(s_));
+  DP_EXPECT_OK(dp_session_bind_kv(s_, -1, DP_KV_ATTN_RES, &x));
+
+  // A model without attention residuals has no such buffer.
+  open(bundles().tiny, 0);
+  DP_EXPECT_STATUS(dp_session_kv_layout(s_, -1, DP_KV_ATTN_RES, 4, &t), DP_ERR_UNKNOWN_TENSOR,
+                   "no block attention residuals");
+}
+
+TEST_F(BindingTest, StepsWaitForTheAttnResBuffer) {
+  open(bundles().k3, 0);
+  ASSERT_TRUE(bind_all_weights(b_, s_, 0).ok());
+  DP_EXPECT_OK(dp_session_finalize_weights(s_));
+  const Outcome k = bind_all_kv(b_, s_, 8, 8);
+  ASSERT_TRUE(k.ok()) << k.message;
+  std::vector<int32_t> q = {1, 1};
+  dp_step_desc d;
+  dp_step_desc_init(&d);
+  d.num_requests = 2;
+  d.query_lens = q.data();
+  dp_plan_result r;
+  dp_plan_result_init(&r);
+  DP_EXPECT_OK(dp_plan(s_, &d, &r));
+  EXPECT_EQ(r.reason, DP_REASON_NO_KV);
+  EXPECT_NE(std::string(r.message).find("DP_KV_ATTN_RES"), std::string::npos) << r.message;
+  dp_tensor t;
+  DP_EXPECT_OK(dp_session_kv_layout(s_, -1, DP_KV_ATTN_RES, 2, &t));
+  t.data = kAddr;
+  DP_EXPECT_OK(dp_session_bind_kv(s_, -1, DP_KV_ATTN_RES, &t));
+  DP_EXPECT_OK(dp_plan(s_, &d, &r));
+  EXPECT_EQ(r.reason, DP_REASON_NONE) << r.message;
+  EXPECT_EQ(r.width, 2);
+}
+
 // ---- Tensor-parallel exchange buffers -------------------------------------------------------------------
 
 TEST_F(BindingTest, TensorParallelOneHasNoExchangeBuffers) {

@@ -287,7 +287,7 @@ TEST(IndexerStructs, InitFunctionsSetSizeAndDefaults) {
 TEST_F(IndexerTest, BundleInfoReportsTheIndexerAndItsWorkspace) {
   const dp_bundle_info w1 = info(open(ix().w1));
   EXPECT_EQ(w1.format_major, 1);
-  EXPECT_EQ(w1.format_minor, 5);  // the current format (indexer kernels since 1.2)
+  EXPECT_EQ(w1.format_minor, 7);  // K3: its final norm is an attnres kernel (1.7); indexer kernels since 1.2
   EXPECT_STREQ(w1.model_type, "kimi_k3");
   EXPECT_EQ(w1.indexer_heads, 8);
   EXPECT_EQ(w1.indexer_top_k, 2048);

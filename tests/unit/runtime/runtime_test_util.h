@@ -75,6 +75,7 @@ struct Bundles {
   fs::path tp2;      // .dpk: sm_90a, TP 2 (ranks 0 and 1), widths 1-4
   fs::path multi;    // .dpk: sm_80, sm_90, sm_90a, width 1
   fs::path fp8;      // .dpk: synth --quantize fp8 of kimi-linear-tiny, sm_90a, widths 1-2, with fingerprints
+  fs::path k3;       // .dpk: kimi-k3-tiny without weights, sm_90a, widths 1-2 (format 1.7: attention residuals)
   std::string error; // non-empty when building failed (the CLI's output)
 };
 
@@ -91,8 +92,9 @@ inline Bundles ensure_bundles() {
   b.tp2 = b.dir / "tp2.dpk";
   b.multi = b.dir / "multi.dpk";
   b.fp8 = b.dir / "fp8.dpk";
+  b.k3 = b.dir / "k3.dpk";
   if (prebuilt && *prebuilt) {
-    for (const fs::path& p : {b.tiny, b.tiny_dir, b.spec, b.tp2, b.multi})
+    for (const fs::path& p : {b.tiny, b.tiny_dir, b.spec, b.tp2, b.multi, b.k3})
       if (!fs::exists(p)) b.error = "DECODEPACK_TEST_WORK=" + b.dir.string() + " lacks " + p.filename().string();
     return b;
   }
@@ -103,7 +105,7 @@ inline Bundles ensure_bundles() {
   struct stat st {};
   ::stat(DP_CLI_PATH, &st);
   const std::string stamp = std::string(DP_CLI_PATH) + " " + std::to_string(st.st_size) + " " +
-                            std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + " v4\n";
+                            std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + " v5\n";
   const fs::path stamp_file = b.dir / "stamp";
   if (!fs::exists(stamp_file) || read_text(stamp_file) != stamp) {
     fs::remove(stamp_file);
@@ -131,6 +133,8 @@ inline Bundles ensure_bundles() {
         {"synth", "--preset", "kimi-linear-tiny", "--quantize", "fp8", "--seed", "0", "-o", (b.dir / "model-fp8").string()},
         {"build", "--model", (b.dir / "model-fp8").string(), "-o", b.fp8.string(), "--cache-dir", cache.string(), "-j",
          "2", "--deploy", deploy("fp8.json", R"({"targets": ["sm_90a"], "widths": [1, 2]})")},
+        {"build", "--model", "kimi-k3-tiny", "--no-weights", "-o", b.k3.string(), "--cache-dir", cache.string(), "-j",
+         "2", "--deploy", deploy("k3.json", R"({"targets": ["sm_90a"], "widths": [1, 2]})")},
     };
     for (auto& args : steps) {
       // A killed earlier run may have left an output behind; the CLI replaces files but wants a
