@@ -237,34 +237,30 @@ TEST(K3Programs, TinyK3MixersBuildAtTp1And2) {
   }
 }
 
-// What remains of K3 says why: the block attention residuals hold back every class; without them, the
-// latent MoE classes (MXFP4 experts) are held back and the dense classes are built.
-TEST(K3Programs, PartsWithoutAProgramSayWhy) {
+// Every K3 layer class has a program at TP 8, with the block attention residuals (the real preset) and
+// without them.
+TEST(K3Programs, EveryClassHasAProgramWithAndWithoutAttentionResiduals) {
   {
     const model::Model m = model::load_model("kimi-k3");
     const Plan p = plan_of(m, 8, 0);
     ASSERT_FALSE(p.programs.empty());
     for (const LayerProgram& pr : p.programs) {
-      EXPECT_TRUE(pr.steps.empty());
-      EXPECT_NE(pr.unavailable.find("block attention residuals (attn_res_block_size 12)"), std::string::npos)
-          << pr.unavailable;
+      EXPECT_EQ(pr.unavailable, "") << to_string(pr.cls) << " w" << pr.width;
+      ASSERT_FALSE(pr.steps.empty());
+      EXPECT_EQ(pr.steps.front().kernel.op, "attnres");  // the residual mix opens the layer
     }
   }
   Json c = parse_json(*embedded_file("presets/kimi-k3.json"), "preset");
   c["text_config"]["attn_res_block_size"] = 0;
   const model::Model m = model::model_from_config(c, "config.json");
   const Plan p = plan_of(m, 8, 0);
-  std::set<std::string> built, held;
+  std::set<std::string> built;
   for (const LayerProgram& pr : p.programs) {
-    if (pr.unavailable.empty()) {
-      built.insert(to_string(pr.cls));
-    } else {
-      held.insert(to_string(pr.cls));
-      EXPECT_NE(pr.unavailable.find("latent MoE"), std::string::npos) << pr.unavailable;
-    }
+    EXPECT_EQ(pr.unavailable, "") << to_string(pr.cls) << " w" << pr.width;
+    EXPECT_EQ(pr.steps.front().kernel.op, "rmsnorm");
+    built.insert(to_string(pr.cls));
   }
-  EXPECT_EQ(built, (std::set<std::string>{"kda_dense"}));
-  EXPECT_EQ(held, (std::set<std::string>{"kda_lmoe", "mla_lmoe"}));
+  EXPECT_EQ(built, (std::set<std::string>{"kda_dense", "kda_lmoe", "mla_lmoe"}));
 }
 
 }  // namespace

@@ -145,11 +145,12 @@ TEST(LatentMoePrograms, WithoutNormOrSharedExpert) {
   EXPECT_EQ(arg(*f.back(), "out").name, "out");
 }
 
-TEST(LatentMoePrograms, KimiK3StaysWithoutProgramAndPlansEveryClass) {
-  // The real preset: the K3 mixers have no program yet, with that reason (not the latent MoE's).
+TEST(LatentMoePrograms, KimiK3AndTheLatentVariantPlanEveryClass) {
+  // The real preset: its latent MoE class has a program (K3 mixers, attention residuals and all).
   const model::Model k3 = model::load_model("kimi-k3-tiny");
   const LayerProgram p = layer_program(k3, deploy_of(1), LayerClass::kda_latent_moe, 1);
-  EXPECT_NE(p.unavailable.find("Kimi-K3 layers"), std::string::npos) << p.unavailable;
+  EXPECT_EQ(p.unavailable, "");
+  EXPECT_FALSE(p.steps.empty());
   // The Kimi-Linear-mixer variant plans every class at every width, each on both targets.
   const Plan plan = make_plan(latent_model(), deploy_of(1), "deploy.json");
   ASSERT_FALSE(plan.programs.empty());

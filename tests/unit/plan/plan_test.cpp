@@ -448,12 +448,9 @@ TEST(Plan, K3PlansWithoutWeights) {
   bool attention_moe = false;
   for (const PrefetchTable& t : p.ranks[0].prefetch) attention_moe |= t.point == "attention_moe";
   EXPECT_TRUE(attention_moe);
-  // The K3 block attention residuals hold back every class (k3_program_test.cpp has the rest): only the
-  // final norm, the LM head and the prefetch kernel are built.
+  // Every K3 class has a program (k3_program_test.cpp has the rest), without weights.
   ASSERT_FALSE(p.programs.empty());
-  for (const LayerProgram& pr : p.programs) EXPECT_NE(pr.unavailable.find("Kimi-K3"), std::string::npos) << pr.unavailable;
-  for (const KernelInstance& k : p.kernels)
-    EXPECT_TRUE(k.role == "final_norm" || k.role == "lm_head" || k.role == "prefetch") << k.name;
+  for (const LayerProgram& pr : p.programs) EXPECT_EQ(pr.unavailable, "") << to_string(pr.cls) << " w" << pr.width;
 }
 
 // The LM head (format 1.5): one fp32-output GEMM per (target, width) over the rank's vocabulary shard,
@@ -564,12 +561,22 @@ TEST(Plan, IndexerKernelsArePlannedPerTargetForAModelWithAnIndexer) {
     names.insert(codegen::kernel_name(k));
   }
   EXPECT_EQ(names, want);
-  // Nothing else changes: the same model without its indexer plans the same kernels minus these.
+  // The indexer adds exactly these 12 (6 per target); every other kernel is also planned for the same
+  // model without its indexer (which plans more: its MLA layers, dense without an indexer, have programs).
   model::Model plain = m;
   plain.indexer = {};
   Plan q = make_plan(plain, deploy_of(base_deploy()), "deploy.json");
-  EXPECT_EQ(q.kernels.size() + 12, p.kernels.size());
-  for (const KernelInstance& k : q.kernels) EXPECT_NE(k.role, "indexer") << k.name;
+  std::set<std::string> plain_names;
+  for (const KernelInstance& k : q.kernels) {
+    EXPECT_NE(k.role, "indexer") << k.name;
+    plain_names.insert(k.name + "." + k.target);
+  }
+  size_t indexer = 0;
+  for (const KernelInstance& k : p.kernels) {
+    if (k.role == "indexer") ++indexer;
+    else EXPECT_TRUE(plain_names.count(k.name + "." + k.target)) << k.name;
+  }
+  EXPECT_EQ(indexer, 12u);
 }
 
 TEST(Plan, NoIndexerKernelsWithoutAnIndexer) {
