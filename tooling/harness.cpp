@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <limits>
 #include <memory>
 #include <optional>
+#include <ranges>
 #include <set>
 #include <span>
 #include <thread>
@@ -676,10 +678,42 @@ void Harness::run_fault_step() {
 
 void Harness::open_bundle() { open_and_validate(); }
 
+// An NCCL width (format 1.8): rank 0 makes the unique id, every rank receives it through the rendezvous
+// and creates its communicator; ncclCommInitRank returns once all ranks have called it. The library is
+// --nccl, else $DECODEPACK_NCCL (as indexer-run), else the runtime's default (libnccl.so.2).
+void Harness::connect_nccl() {
+  const char* env = std::getenv("DECODEPACK_NCCL");
+  const std::string lib = !o_.nccl.empty() ? o_.nccl : env && *env ? env : "";
+  const char* library = lib.empty() ? nullptr : lib.c_str();
+  std::vector<uint8_t> id(128);
+  if (o_.rank == 0) {
+    rt(dp_nccl_get_unique_id(library, id.data()), "making the NCCL unique id");
+    group_->publish("nccl_id", id);
+  } else {
+    id = group_->receive("nccl_id", 0);
+    if (id.size() != 128) fail(Errc::internal, "rank 0's NCCL unique id: {} bytes, expected 128", id.size());
+  }
+  rt(dp_session_init_nccl(sh_.s, id.data(), library),
+     fmt::format("creating the NCCL communicator (rank {} of {} on device {})", o_.rank, tp_, o_.device));
+  log(fmt::format("tensor parallel: rank {} of {}, NCCL communicator on device {} (width {} all-reduces with NCCL)",
+                  o_.rank, tp_, o_.device, o_.width));
+}
+
 void Harness::open_device_and_weights() {
   open_device();
   bind_weights();
-  if (tp_ > 1) connect_peers();
+  if (tp_ > 1) {
+    if (dp_session_exchange_bytes(sh_.s)) connect_peers();
+    std::vector<int32_t> nccl(64);
+    nccl.resize(static_cast<size_t>(std::max(0, dp_session_nccl_widths(sh_.s, nccl.data(), 64))));
+    if (std::find(nccl.begin(), nccl.end(), o_.width) != nccl.end()) {
+      if (!o_.tp_fault.empty())
+        fail(Errc::usage, "--tp-fault at width {}: the bundle all-reduces with NCCL there, whose collectives have no "
+             "bounded wait to give up; the fault tests are the in-kernel path's (run a width built with \"allreduce\": "
+             "\"in_kernel\")", o_.width);
+      connect_nccl();
+    }
+  }
   log("kernels: loading every width's code objects");
   rt(dp_session_load_kernels(sh_.s), "loading kernels");
   if (o_.check) {
@@ -738,6 +772,30 @@ void Harness::run() {
   }
 }
 
+namespace {
+
+// Whether `bundle`'s programs at `width` all-reduce with NCCL: a host-only session (no driver needed)
+// answers, before any rank starts.
+bool nccl_at_width(const std::string& bundle, int tp, int width) {
+  dp_bundle* b = open_bundle(bundle);
+  dp_session_options so;
+  dp_session_options_init(&so);
+  so.device = DP_DEVICE_NONE;
+  so.rank = 0;
+  so.tensor_parallel = tp;
+  dp_session* s = nullptr;
+  dp_status* st = dp_session_create(b, &so, &s);
+  std::vector<int32_t> w(64);
+  if (!st) w.resize(static_cast<size_t>(std::max(0, dp_session_nccl_widths(s, w.data(), 64))));
+  else w.clear();
+  dp_status_free(st);
+  if (s) dp_session_destroy(s);
+  dp_bundle_close(b);
+  return std::find(w.begin(), w.end(), width) != w.end();
+}
+
+}  // namespace
+
 RunResult run_bundle(const RunOptions& o) {
   if (o.width < 1) fail(Errc::usage, "--width {}: expected a batch width >= 1", o.width);
   if (o.steps < 1) fail(Errc::usage, "--steps {}: expected >= 1", o.steps);
@@ -768,14 +826,35 @@ RunResult run_bundle(const RunOptions& o) {
              fmt::join(ranks, ", "));
     }
   }
+  // Each rank's device: --devices, or every rank on --device (CUDA IPC works within one device). A
+  // width that all-reduces with NCCL needs a GPU per rank.
+  if (!o.devices.empty() && static_cast<int>(o.devices.size()) != tp)
+    fail(Errc::usage, "--devices {}: {} devices for tensor_parallel {}, expected one per rank", fmt::join(o.devices, ","),
+         o.devices.size(), tp);
+  for (int dev : o.devices)
+    if (dev < 0) fail(Errc::usage, "--devices {}: device {}, expected ordinals >= 0", fmt::join(o.devices, ","), dev);
+  auto device_of = [&](int rank) { return o.devices.empty() ? o.device : o.devices[static_cast<size_t>(rank)]; };
+  if (tp > 1 && nccl_at_width(o.bundle, tp, o.width)) {
+    std::set<int> distinct;
+    for (int r = 0; r < tp; ++r) distinct.insert(device_of(r));
+    if (static_cast<int>(distinct.size()) != tp)
+      fail(Errc::usage, "{}: width {} all-reduces with NCCL (the deploy's \"allreduce\"), and NCCL refuses two ranks "
+           "on one GPU: give each of the {} ranks its own device with --devices (e.g. --devices {}), or rebuild with "
+           "\"allreduce\": \"in_kernel\" to run every rank on one GPU{}", o.bundle, o.width, tp,
+           fmt::join(std::views::iota(0, tp), ","),
+           o.devices.empty() ? fmt::format(" (now every rank is on --device {})", o.device) : "");
+  }
   if (tp == 1) {
-    Harness h(o, res);
+    RunOptions r1 = o;
+    r1.device = device_of(0);
+    Harness h(r1, res);
     h.run();
     return res;
   }
   RankGroup group(tp, [&](int rank, RankGroup& g) {
     RunOptions ro = o;
     ro.rank = rank;
+    ro.device = device_of(rank);
     ro.log = [rank, log = o.log](const std::string& s) {
       if (log) log(fmt::format("rank {}: {}", rank, s));
     };
@@ -784,6 +863,7 @@ RunResult run_bundle(const RunOptions& o) {
     h.run();
   });
   RunOptions r0 = o;
+  r0.device = device_of(0);
   r0.log = [log = o.log](const std::string& s) {
     if (log) log("rank 0: " + s);
   };

@@ -110,6 +110,7 @@ class Harness {
   dp_layer_io layer_io(int layer) const;
   std::vector<uint8_t> download(CUdeviceptr p, size_t bytes);
   void connect_peers();                 // tensor_parallel > 1: exchange buffers, dp_session_set_peers
+  void connect_nccl();                  // an NCCL width: the unique id through the group, dp_session_init_nccl
   void send_check_data(int index);      // ranks > 0 under --check: see check_step
   void run_fault_step();                // --tp-fault
 

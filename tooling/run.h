@@ -34,7 +34,9 @@
 // Tensor parallelism (a bundle built for tensor_parallel N > 1): every rank runs as its own process
 // (tooling/ranks.h; rank 0 is the caller) on --device, with its shard of every weight and its own caches;
 // the ranks bind each other's all-reduce exchange buffers (CUDA IPC), agree on each plan (dp_agree) and
-// start every step together. With --check, ranks > 0 send rank 0 their caches before and after the step
+// start every step together. At a width the bundle all-reduces with NCCL (deploy "allreduce", format
+// 1.8) rank 0 makes an NCCL unique id, the ranks exchange it through the rendezvous and each session
+// creates its communicator (dp_session_init_nccl); NCCL needs one GPU per rank (--devices). With --check, ranks > 0 send rank 0 their caches before and after the step
 // and their output rows; rank 0 checks the outputs against decoder_layer_tp over every rank's shard, that
 // every rank's outputs are rank 0's bit for bit, and every rank's caches as above.
 #pragma once
@@ -62,6 +64,10 @@ struct RunOptions {
   uint64_t seed = 0;
   int rank = 0;
   int device = 0;
+  // tensor_parallel > 1: rank r's CUDA device is devices[r] (one per rank; empty: every rank on `device`).
+  // A width whose programs all-reduce with NCCL needs a device per rank: NCCL refuses two ranks on one GPU.
+  std::vector<int> devices;
+  std::string nccl;  // the NCCL library for such widths ("": $DECODEPACK_NCCL, else the runtime's default)
   uint32_t allreduce_timeout_us = 10'000'000;  // tensor_parallel > 1: the bound of every all-reduce wait
   std::string tp_fault;  // "skip:R:L" / "die:R:L": the fault tests of tensor parallelism (Harness::run_fault_step)
   int64_t context = 100;      // cached tokens per request before the first step (requests get lengths in

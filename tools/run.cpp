@@ -137,7 +137,7 @@ void add_run(CLI::App& app, Action& action) {
                 "After binding, check every weight shard on the device against the bundle's fingerprints "
                 "(dp_session_verify_weights)");
   cmd->add_option("--rank", o->rank, "Rank of a tensor_parallel 1 bundle to run (must be built). A bundle built for "
-                                     "tensor_parallel N runs all N ranks, each a process of its own on --device "
+                                     "tensor_parallel N runs all N ranks, each a process of its own on --device or --devices "
                                      "(CUDA IPC between them); rank 0 reports its step times and, with --check, "
                                      "compares every rank's caches and outputs with the reference over all ranks")
       ->capture_default_str();
@@ -151,7 +151,16 @@ void add_run(CLI::App& app, Action& action) {
                   "gave up and the step fails on every rank (dp_after_step)")
       ->check(CLI::Range(1u, 3600000u))
       ->capture_default_str();
-  cmd->add_option("--device", o->device, "CUDA device ordinal")->capture_default_str();
+  auto* device = cmd->add_option("--device", o->device, "CUDA device ordinal (of every rank without --devices)")
+                     ->capture_default_str();
+  cmd->add_option("--devices", o->devices,
+                  "tensor_parallel N: the CUDA device of each rank, N ordinals (default: every rank on --device). A "
+                  "width the bundle all-reduces with NCCL (deploy \"allreduce\") needs one GPU per rank: NCCL refuses "
+                  "two ranks on one GPU")
+      ->delimiter(',')
+      ->excludes(device);
+  cmd->add_option("--nccl", o->nccl, "NCCL library for widths that all-reduce with NCCL (default: $DECODEPACK_NCCL, "
+                                     "else $DECODEPACK_NCCL_LIBRARY or libnccl.so.2)");
   cmd->add_option("--context", o->context, "Cached tokens per request before the first step (each request gets a "
                                            "different length in [context/2, context])")
       ->capture_default_str();

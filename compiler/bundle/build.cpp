@@ -168,7 +168,9 @@ BuildResult build_bundle(const BuildOptions& o) {
     not_built += !lp.unavailable.empty();
     for (const plan::ProgramStep& s : lp.steps) {
       format::ProgramStepEntry se;
-      se.kernel = s.name;
+      if (s.collective.empty()) se.kernel = s.name;
+      se.collective = s.collective;
+      se.elements = s.elements;
       for (const plan::ProgramArg& a : s.args) se.args.push_back({a.param, plan::to_string(a.from), a.name, a.offset, a.value});
       pe.steps.push_back(std::move(se));
     }

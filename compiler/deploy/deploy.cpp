@@ -49,7 +49,7 @@ struct Section {
 const std::vector<Section>& sections() {
   static const std::vector<Section> s = {
       {"", {"targets", "tensor_parallel", "ranks", "max_num_seqs", "widths", "num_speculative_tokens",
-            "kv_cache", "kda_state", "conv_state", "dcp", "prefetch", "indexer"}},
+            "kv_cache", "kda_state", "conv_state", "dcp", "prefetch", "indexer", "allreduce"}},
       {"kv_cache", {"dtype", "block_size"}},
       {"kda_state", {"dtype", "layout"}},
       {"conv_state", {"dtype", "layout"}},
@@ -327,6 +327,43 @@ std::optional<int64_t> width_key(const std::string& k) {
   return x;
 }
 
+// `allreduce`: the all-reduce path of tensor parallelism, "in_kernel" or "nccl" for every width, or an
+// object mapping widths to one of them (widths left out take the default). The default is in_kernel at
+// every width: it is the only path measured so far (one H200, ranks as processes; bench/NOTES.md), and
+// choosing NCCL by width from multi-GPU measurement is the next step. At tensor_parallel 1 no step
+// all-reduces, so nothing is recorded. Returns the NCCL widths, sorted.
+std::vector<int64_t> read_allreduce(const Obj& top, const Deploy& d) {
+  if (!top.has("allreduce")) return {};
+  const Json& v = top.at("allreduce");
+  const std::string where = top.where();
+  auto path = [&](const Json& s, const std::string& name) {
+    if (s.is_string())
+      for (const auto& e : format::kAllreducePaths)
+        if (e.name == s.get<std::string>()) return e.value;
+    fail(Errc::input, "{}: {} is {}, expected \"in_kernel\" or \"nccl\"{}", where, name,
+         s.is_string() ? fmt::format("\"{}\"", excerpt(s.get<std::string>())) : json_excerpt(s),
+         name == "allreduce" ? " (for every width), or an object mapping widths to one of them" : "");
+  };
+  std::vector<int64_t> nccl;
+  if (v.is_object()) {
+    if (v.empty()) fail(Errc::input, "{}: allreduce is an empty object, expected widths mapped to \"in_kernel\" or \"nccl\"", where);
+    for (auto it = v.begin(); it != v.end(); ++it) {
+      const std::string name = "allreduce." + excerpt(it.key());
+      std::optional<int64_t> w = width_key(it.key());
+      if (!w)
+        fail(Errc::input, "{}: allreduce key \"{}\" is not a width (valid: {})", where, excerpt(it.key()), compact(d.widths));
+      if (!std::binary_search(d.widths.begin(), d.widths.end(), *w))
+        fail(Errc::input, "{}: {} names width {}, which is not built (valid: {})", where, name, *w, compact(d.widths));
+      if (path(it.value(), name) == format::Allreduce::nccl) nccl.push_back(*w);
+    }
+    std::sort(nccl.begin(), nccl.end());
+  } else if (path(v, "allreduce") == format::Allreduce::nccl) {
+    nccl = d.widths;
+  }
+  if (d.tensor_parallel == 1) return {};
+  return nccl;
+}
+
 // ---- Model checks ------------------------------------------------------------------------------------
 
 bool uses(const model::Model& m, model::Mixer mixer, bool fallback) {
@@ -528,6 +565,7 @@ Deploy parse_deploy(const Json& j, const std::string& where) {
              local * d.dcp.size, kMaxIndexerLimit);  // local < 2^48 and size <= 8: no overflow
     }
   }
+  d.allreduce_nccl = read_allreduce(top, d);
   return d;
 }
 

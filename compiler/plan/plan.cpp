@@ -205,7 +205,8 @@ Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deplo
       if (lm_head_kernel_gap(m, d, w).empty())
         add(lm_head_kernel(m, d, w), "lm_head", w);
     for (const LayerProgram& p : plan.programs)
-      for (const ProgramStep& s : p.steps) add(s.kernel, "layer", p.width);
+      for (const ProgramStep& s : p.steps)
+        if (s.collective.empty()) add(s.kernel, "layer", p.width);  // collectives compile nothing
     add({"prefetch", {{"B", 32}}, ""}, "prefetch", 0);
     // The sparse-attention indexer's prefill ops (templates/indexer.h), width-independent.
     if (indexer_kernels_supported(m))

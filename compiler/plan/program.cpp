@@ -167,6 +167,22 @@ class StepBuilder {
     return s;
   }
 
+  // The NCCL form of an allreduce step (format 1.8): ncclAllReduce of the kernel's [W, H] bf16 `partial`
+  // into `out`, between kernels; the tp bindings (exchange buffers, wait bound) have no use there.
+  ProgramStep nccl_allreduce() const {
+    if (kernel_.op != "allreduce") fail(Errc::internal, "layer program: nccl_allreduce from a {} step", kernel_.op);
+    ProgramStep s;
+    s.collective = "nccl_allreduce";
+    s.name = s.collective;
+    s.kernel = {s.collective, {}, ""};
+    s.elements = static_cast<uint64_t>(kernel_.params.at("W") * kernel_.params.at("H"));
+    ProgramArg send = args_.at("partial"), recv = args_.at("out");
+    send.param = "send";
+    recv.param = "recv";
+    s.args = {send, recv};
+    return s;
+  }
+
  private:
   StepBuilder& put(const char* p, From f, std::string name, uint64_t offset = 0, double value = 0) {
     args_[p] = ProgramArg{p, f, std::move(name), offset, value};
@@ -643,7 +659,7 @@ class Builder {
       StepBuilder b("allreduce", {{"W", t_}, {"H", D + (shared ? H : 0)}, {"R", d_.tensor_parallel}});
       b.ws("partial", sums).ws("out", sums).tp("peers", "peers").tp("flag", "flag").tp("rank", "rank")
           .tp("layer", "layer").u32("op", 1).tp("timeout_us", "timeout_us");
-      push(b);
+      push_allreduce(b);
     }
     uint64_t normed = sums;
     if (e.latent_norm) {
@@ -680,6 +696,13 @@ class Builder {
     partial_ = sharded() ? ws_.take(t_ * m_.hidden * 2) : kNoScratch;
     return partial_;
   }
+  // The all-reduce path of this width (the deploy's `allreduce`): the in-kernel allreduce step, or the
+  // same sum as an NCCL collective step between kernels.
+  void push_allreduce(StepBuilder& b) {
+    if (d_.allreduce(w_) == format::Allreduce::nccl) steps_.push_back(b.nccl_allreduce());
+    else push(b);
+  }
+  void push_allreduce(StepBuilder&& b) { push_allreduce(b); }
   StepBuilder allreduce(int64_t op) const {
     StepBuilder b("allreduce", {{"W", t_}, {"H", m_.hidden}, {"R", d_.tensor_parallel}});
     b.ws("partial", partial_).tp("peers", "peers").tp("flag", "flag").tp("rank", "rank").tp("layer", "layer")
@@ -687,10 +710,10 @@ class Builder {
     return b;
   }
   void reduce_into_ws(uint64_t dst, int64_t op) {
-    if (sharded()) push(allreduce(op).ws("out", dst));
+    if (sharded()) push_allreduce(allreduce(op).ws("out", dst));
   }
   void reduce_into_out() {
-    if (sharded()) push(allreduce(1).io("out", "out"));
+    if (sharded()) push_allreduce(allreduce(1).io("out", "out"));
   }
 
   const Model& m_;

@@ -47,10 +47,15 @@ struct ProgramArg {
 };
 const char* to_string(ProgramArg::From f);
 
+// A kernel launch, or a collective between kernels (format 1.8): `collective` "nccl_allreduce" sums
+// `elements` bf16 values over the ranks with ncclAllReduce, from `args` "send" into "recv"; its `kernel`
+// holds only the op name (nothing is compiled) and `name` is the collective's.
 struct ProgramStep {
   codegen::KernelInstance kernel;  // target left empty
-  std::string name;                // codegen::kernel_name(kernel)
+  std::string name;                // codegen::kernel_name(kernel), or the collective
   std::vector<ProgramArg> args;    // one per kernel parameter, in signature order
+  std::string collective;          // "" for a kernel launch
+  uint64_t elements = 0;           // collective steps: bf16 values summed
 };
 
 struct LayerProgram {
@@ -66,7 +71,8 @@ struct LayerProgram {
 // cannot run (K3 parts, fp8 caches, other state layouts, too many rows) gets a program with no steps
 // and the reason. At tensor_parallel > 1 the shapes are one rank's shard (equal on every rank) and the
 // o-projection and the FFN's down projection write partial sums that an `allreduce` step sums over the
-// ranks before the next residual add (templates/allreduce.h).
+// ranks before the next residual add (templates/allreduce.h), or, at the widths the deploy's
+// `allreduce` gives to NCCL, an `nccl_allreduce` collective step over the same buffers.
 LayerProgram layer_program(const model::Model& m, const deploy::Deploy& d, LayerClass cls, int64_t width);
 
 }  // namespace dp::plan

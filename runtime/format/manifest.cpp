@@ -36,6 +36,39 @@ const std::set<std::string> kKvKinds = {"kda_state", "conv_q", "conv_k", "conv_v
 const std::map<std::string, std::string> kTpSources = {
     {"peers", "pointer"}, {"flag", "pointer"}, {"rank", "u32"}, {"layer", "u32"}, {"timeout_us", "u32"}};
 
+// A collective step (1.8): "nccl_allreduce" at a width the deploy lists under allreduce.nccl, `send` a
+// workspace range and `recv` one or the dp_layer_io field "out", each `elements` bf16 values.
+template <typename Bad>
+void validate_collective(const Manifest& m, const ProgramEntry& p, const ProgramStepEntry& st, const std::string& at,
+                         bool nccl_width, const std::map<int64_t, uint64_t>& ws, Bad&& bad) {
+  if (m.format_version.minor < 8)
+    bad(fmt::format("{}: collective \"{}\" in a format {}.{} bundle (since 1.8)", at, st.collective,
+                    m.format_version.major, m.format_version.minor));
+  if (st.collective != "nccl_allreduce")
+    bad(fmt::format("{}: collective \"{}\", expected nccl_allreduce", at, st.collective));
+  if (!st.kernel.empty()) bad(fmt::format("{}: a collective step names kernel {}, expected none", at, st.kernel));
+  if (!nccl_width)
+    bad(fmt::format("{}: an NCCL all-reduce at width {}, which deploy.allreduce.nccl does not list", at, p.width));
+  if (st.elements == 0 || st.elements > kMaxDeviceBytes / 2)
+    bad(fmt::format("{}: elements {}, expected 1..{}", at, st.elements, kMaxDeviceBytes / 2));
+  const auto w = ws.find(p.width);
+  const uint64_t ws_bytes = w == ws.end() ? 0 : w->second;
+  if (st.args.size() != 2 || st.args[0].param != "send" || st.args[1].param != "recv") {
+    bad(fmt::format("{}: {} args, expected two: send, recv", at, st.args.size()));
+    return;
+  }
+  for (const ProgramArgEntry& arg : st.args) {
+    if (arg.from == "workspace") {
+      if (arg.offset % 16 || arg.offset > ws_bytes || st.elements * 2 > ws_bytes - arg.offset)
+        bad(fmt::format("{}: {} at workspace offset {} ({} bytes) does not fit the width's {} workspace bytes at a "
+                        "16-byte multiple", at, arg.param, arg.offset, st.elements * 2, ws_bytes));
+    } else if (!(arg.param == "recv" && arg.from == "io" && arg.name == "out")) {
+      bad(fmt::format("{}: {} from {} \"{}\", expected workspace{}", at, arg.param, arg.from, arg.name,
+                      arg.param == "recv" ? " or io \"out\"" : ""));
+    }
+  }
+}
+
 // The cross-field rules of `programs` (bundle-format.md 2.5): every step names a kernel present for
 // every target, binds each of its parameters once, in order, from a source of the parameter's kind.
 template <typename Bad>
@@ -50,6 +83,11 @@ void validate_programs(const Manifest& m, const std::set<int64_t>& widths, Bad&&
   for (const KernelEntry& k : m.kernels) by_key[k.key] = &k;
   std::map<int64_t, uint64_t> ws;
   for (const WorkspaceEntry& w : m.workspace) ws[w.width] = w.bytes;
+  std::set<int64_t> nccl_widths;  // deploy.allreduce.nccl (1.8); the deploy reader checks its shape
+  if (m.deploy.contains("allreduce") && m.deploy["allreduce"].is_object() && m.deploy["allreduce"].contains("nccl") &&
+      m.deploy["allreduce"]["nccl"].is_array())
+    for (const Json& w : m.deploy["allreduce"]["nccl"])
+      if (w.is_number_integer()) nccl_widths.insert(w.get<int64_t>());
   for (size_t i = 0; i < m.programs.size(); ++i) {
     const ProgramEntry& p = m.programs[i];
     const std::string who = fmt::format("programs[{}] ({} width {})", i, p.cls, p.width);
@@ -60,8 +98,18 @@ void validate_programs(const Manifest& m, const std::set<int64_t>& widths, Bad&&
     if (p.steps.empty() == p.reason.empty())
       bad(fmt::format("{}: {} steps and reason \"{}\": a program has steps or a reason, not both", who, p.steps.size(),
                       p.reason));
+    const bool nccl_width = nccl_widths.count(p.width) != 0;
     for (size_t s = 0; s < p.steps.size(); ++s) {
       const ProgramStepEntry& st = p.steps[s];
+      if (!st.collective.empty()) {
+        validate_collective(m, p, st, fmt::format("{} step {}", who, s), nccl_width, ws, bad);
+        continue;
+      }
+      if (nccl_width)
+        for (const ProgramArgEntry& arg : st.args)
+          if (arg.from == "tp")
+            bad(fmt::format("{} step {} ({}): binds tp source \"{}\", but width {} all-reduces with NCCL "
+                            "(deploy.allreduce.nccl)", who, s, st.kernel, arg.name, p.width));
       for (const std::string& t : targets) {
         auto it = by_key.find(st.kernel + "." + t);
         if (it == by_key.end()) {
@@ -132,6 +180,9 @@ void validate_programs(const Manifest& m, const std::set<int64_t>& widths, Bad&&
 }  // namespace
 
 int written_minor(const Manifest& m) {
+  for (const ProgramEntry& p : m.programs)
+    for (const ProgramStepEntry& st : p.steps)
+      if (!st.collective.empty()) return 8;
   for (const KernelEntry& k : m.kernels)
     if (k.op == "attnres") return 7;
   bool tp = false;
@@ -246,9 +297,15 @@ Manifest from_json(const Json& j, const std::string& where) {
       pe.reason = p.str("reason");
       for (size_t s = 0; s < p.array("steps").size(); ++s) {
         Obj so = p.at("steps", s);
-        so.only({"kernel", "args"});
+        so.only({"kernel", "args", "collective", "elements"});
         ProgramStepEntry st;
-        st.kernel = so.str("kernel");
+        if (so.has("collective")) {  // since 1.8: no kernel
+          st.collective = so.str("collective");
+          st.elements = so.num<uint64_t>("elements", 1, kMaxDeviceBytes);
+          if (so.has("kernel")) st.kernel = so.str("kernel");
+        } else {
+          st.kernel = so.str("kernel");
+        }
         for (size_t a = 0; a < so.array("args").size(); ++a) {
           Obj ao = so.at("args", a);
           ao.only({"param", "from", "name", "offset", "value"});
@@ -354,7 +411,10 @@ Json to_json(const Manifest& m) {
         Json args = Json::array();
         for (const ProgramArgEntry& a : s.args)
           args.push_back({{"param", a.param}, {"from", a.from}, {"name", a.name}, {"offset", a.offset}, {"value", a.value}});
-        steps.push_back({{"kernel", s.kernel}, {"args", std::move(args)}});
+        if (s.collective.empty())
+          steps.push_back({{"kernel", s.kernel}, {"args", std::move(args)}});
+        else
+          steps.push_back({{"collective", s.collective}, {"elements", s.elements}, {"args", std::move(args)}});
       }
       j["programs"].push_back({{"class", p.cls}, {"width", p.width}, {"steps", std::move(steps)}, {"reason", p.reason}});
     }

@@ -28,11 +28,12 @@ inline constexpr int kFormatMajor = 1;
 // launch (NVIDIA sm_90+: every entry point waits for the previous kernel of the stream before it reads),
 // 1.4 the prefetch point attention_oproj, 1.5 kernels of role lm_head (manifests/bundle-format.md §2.6),
 // 1.6 the program source `tp` (tensor-parallel all-reduce steps), 1.7 K3 block attention residuals
-// (the program source `layer`, the cache kind `attn_res`, attnres final-norm kernels). A writer records
-// the lowest minor whose features the bundle uses, never below 1.5 (kMinWrittenMinor): a bundle without
-// `tp` sources stays 1.5, byte for byte what 1.5 writers made, and one without K3 attention residuals
-// stays at most 1.6.
-inline constexpr int kFormatMinor = 7;
+// (the program source `layer`, the cache kind `attn_res`, attnres final-norm kernels), 1.8 collective
+// program steps (`nccl_allreduce`: the NCCL all-reduce path, with the deploy's `allreduce`). A writer
+// records the lowest minor whose features the bundle uses, never below 1.5 (kMinWrittenMinor): a bundle
+// without `tp` sources stays 1.5, byte for byte what 1.5 writers made, one without K3 attention residuals
+// stays at most 1.6, and one without NCCL widths at most 1.7.
+inline constexpr int kFormatMinor = 8;
 inline constexpr int kMinWrittenMinor = 5;
 inline constexpr const char* kManifestFile = "manifest.json";
 
@@ -163,9 +164,15 @@ struct ProgramArgEntry {
   double value = 0;     // f32, u32: the constant
 };
 
+// A step is a kernel launch, or (since 1.8) a collective the runtime calls between kernels: then
+// `kernel` is empty, `collective` is "nccl_allreduce" (ncclAllReduce, bf16, sum, on the session's
+// communicator and the launch's stream) and `args` bind its two buffers, "send" and "recv", of `elements`
+// bf16 values each.
 struct ProgramStepEntry {
   std::string kernel;   // kernel name (target-independent): kernels[] holds "<kernel>.<target>" for every target
   std::vector<ProgramArgEntry> args;  // one per kernel parameter, in parameter order
+  std::string collective;  // "" for a kernel step
+  uint64_t elements = 0;   // collective steps: bf16 values summed
 };
 
 // A layer program: what runs every layer of class `cls` at `width` requests. `steps` is empty when
@@ -221,9 +228,9 @@ std::string canonical_bytes(const Manifest& m);
 // expert groups, kernel digests equal to their files[] entries. Throws FormatError(schema).
 void validate(const Manifest& m, const std::string& where);
 
-// The minor version a writer records for `m`: 7 when it uses K3 block attention residuals (a program
-// source `layer`, a cache kind `attn_res` or an `attnres` kernel), else 6 when a program binds a `tp`
-// source, else kMinWrittenMinor.
+// The minor version a writer records for `m`: 8 when a program has a collective step, else 7 when it
+// uses K3 block attention residuals (a program source `layer`, a cache kind `attn_res` or an `attnres`
+// kernel), else 6 when a program binds a `tp` source, else kMinWrittenMinor.
 int written_minor(const Manifest& m);
 
 // Reader's version gate, callable on a bare {major, minor}.

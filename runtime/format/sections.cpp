@@ -67,6 +67,11 @@ const char* to_string(KdaStateDtype d) { return enum_name(kKdaStateDtypes, d); }
 const char* to_string(KdaStateLayout l) { return enum_name(kKdaStateLayouts, l); }
 const char* to_string(ConvStateDtype d) { return enum_name(kConvStateDtypes, d); }
 const char* to_string(ConvStateLayout l) { return enum_name(kConvStateLayouts, l); }
+const char* to_string(Allreduce a) { return enum_name(kAllreducePaths, a); }
+
+Allreduce Deploy::allreduce(int64_t width) const {
+  return std::binary_search(allreduce_nccl.begin(), allreduce_nccl.end(), width) ? Allreduce::nccl : Allreduce::in_kernel;
+}
 
 bool Deploy::prefetch_point(std::string_view name) const {
   return prefetch.enabled && std::find(prefetch.points.begin(), prefetch.points.end(), name) != prefetch.points.end();
@@ -82,7 +87,7 @@ Json to_json(const Deploy& d) {
   Json caps = Json::object();
   for (const auto& [w, c] : d.prefetch.width_cap_bytes) caps[std::to_string(w)] = c;
   // nlohmann::json keeps object keys sorted, so dump() of this is already in canonical key order.
-  return Json{
+  Json j{
       {"targets", d.targets},
       {"tensor_parallel", d.tensor_parallel},
       {"ranks", d.ranks},
@@ -101,12 +106,15 @@ Json to_json(const Deploy& d) {
       {"indexer",
        {{"max_keys_per_chunk", d.indexer.max_keys_per_chunk}, {"max_requests", d.indexer.max_requests}}},
   };
+  // Only when some width uses NCCL (format 1.8): every other deploy keeps its canonical bytes.
+  if (!d.allreduce_nccl.empty()) j["allreduce"] = {{"nccl", d.allreduce_nccl}};
+  return j;
 }
 
 Deploy deploy_from_json(const Json& j, const std::string& where) {
   Obj top(j, where, "deploy");
   top.only({"targets", "tensor_parallel", "ranks", "widths", "num_speculative_tokens", "kv_cache", "kda_state",
-            "conv_state", "dcp", "prefetch", "indexer"});
+            "conv_state", "dcp", "prefetch", "indexer", "allreduce"});
   Deploy d;
 
   d.targets = top.strs("targets");
@@ -202,6 +210,18 @@ Deploy deploy_from_json(const Json& j, const std::string& where) {
     o.only({"max_keys_per_chunk", "max_requests"});
     d.indexer.max_keys_per_chunk = o.num<int64_t>("max_keys_per_chunk", 1, kMaxIndexerKeys);
     d.indexer.max_requests = o.num<int64_t>("max_requests", 1, kMaxIndexerLimit);
+  }
+  if (top.has("allreduce")) {  // since 1.8, only when some width all-reduces with NCCL
+    Obj o = top.obj("allreduce");
+    o.only({"nccl"});
+    d.allreduce_nccl = int_set(o, "nccl", 1, kMaxWidth);
+    if (d.tensor_parallel == 1)
+      schema_error(where, "field deploy.allreduce.nccl is set at tensor_parallel 1, expected it absent (no step "
+                          "all-reduces)");
+    for (int64_t w : d.allreduce_nccl)
+      if (!std::binary_search(d.widths.begin(), d.widths.end(), w))
+        schema_error(where, fmt::format("field deploy.allreduce.nccl names width {}, expected one of the widths [{}]", w,
+                                        fmt::join(d.widths, ", ")));
   }
   return d;
 }

@@ -119,6 +119,14 @@ struct Indexer {
   bool operator==(const Indexer&) const = default;
 };
 
+// Which all-reduce path a width's layer programs take at tensor_parallel > 1 (the deploy's
+// `allreduce`): the in-kernel one-shot all-reduce over IPC-mapped exchange buffers (templates/allreduce.h),
+// or ncclAllReduce between kernels on the session's communicator (format 1.8).
+enum class Allreduce { in_kernel, nccl };
+inline constexpr std::array kAllreducePaths = {Spelling<Allreduce>{Allreduce::in_kernel, "in_kernel"},
+                                               Spelling<Allreduce>{Allreduce::nccl, "nccl"}};
+const char* to_string(Allreduce a);
+
 // What a bundle is built for: the manifest's `deploy`.
 struct Deploy {
   std::vector<std::string> targets;  // sorted, unique, each in kGpuTargets
@@ -132,6 +140,10 @@ struct Deploy {
   Dcp dcp;
   Prefetch prefetch;
   Indexer indexer;
+  // Widths whose programs all-reduce with NCCL (sorted, unique, among `widths`); every other width uses
+  // the in-kernel path. Empty at tensor_parallel 1 and by default. The canonical JSON records it
+  // (`"allreduce": {"nccl": [...]}`) only when non-empty, so bundles that do not use NCCL keep their bytes.
+  std::vector<int64_t> allreduce_nccl;
 
   // Query rows per request in a decode or spec-verify step (vLLM uniform_decode_query_len).
   int64_t q() const { return 1 + num_speculative_tokens; }
@@ -140,6 +152,8 @@ struct Deploy {
   int64_t prefetch_cap(int64_t width) const;
   // Whether the plan makes tables for prefetch point `name` (enabled and listed in prefetch.points).
   bool prefetch_point(std::string_view name) const;
+  // The all-reduce path of `width`'s programs.
+  Allreduce allreduce(int64_t width) const;
 
   bool operator==(const Deploy&) const = default;
 };

@@ -9,6 +9,7 @@
 #include "src/bundle.h"
 #include "src/device.h"
 #include "src/indexer.h"
+#include "src/nccl.h"
 #include "src/session.h"
 #include "src/status.h"
 #include "src/validity.h"
@@ -122,7 +123,7 @@ const char* dp_code_name(int32_t code) {
       "DP_ERR_TARGET", "DP_ERR_DRIVER_VERSION", "DP_ERR_DEVICE_LIMITS", "DP_ERR_RANK", "DP_ERR_CONFIG",
       "DP_ERR_UNKNOWN_TENSOR", "DP_ERR_MISSING_TENSOR", "DP_ERR_DTYPE", "DP_ERR_SHAPE", "DP_ERR_LAYOUT",
       "DP_ERR_ALIGNMENT", "DP_ERR_REBIND", "DP_ERR_STATE", "DP_ERR_NO_KERNEL", "DP_ERR_ABORTED",
-      "DP_ERR_NOT_SUPPORTED", "DP_ERR_INTERNAL", "DP_ERR_COMMUNICATOR",
+      "DP_ERR_NOT_SUPPORTED", "DP_ERR_INTERNAL", "DP_ERR_COMMUNICATOR", "DP_ERR_NCCL_UNAVAILABLE",
   };
   if (code < 0 || code >= static_cast<int32_t>(sizeof(names) / sizeof(names[0]))) return "DP_ERR_?";
   return names[code];
@@ -132,6 +133,7 @@ const char* dp_reason_name(int32_t reason) {
   static const char* const names[] = {
       "DP_REASON_NONE", "DP_REASON_NO_KV", "DP_REASON_PP_STAGE_INPUT", "DP_REASON_PIECEWISE",
       "DP_REASON_TOO_MANY_REQUESTS", "DP_REASON_NOT_UNIFORM", "DP_REASON_BAD_METADATA", "DP_REASON_INVALID",
+      "DP_REASON_NO_COMMUNICATOR",
   };
   if (reason < 0 || reason >= static_cast<int32_t>(sizeof(names) / sizeof(names[0]))) return "DP_REASON_?";
   return names[reason];
@@ -482,7 +484,7 @@ int32_t dp_agree(const int32_t* reasons, int32_t n, int32_t* refusing_rank) {
   if (refusing_rank) *refusing_rank = -1;
   if (!reasons || n <= 0) return DP_REASON_INVALID;
   for (int32_t r = 0; r < n; ++r) {
-    if (reasons[r] < DP_REASON_NONE || reasons[r] > DP_REASON_INVALID) {
+    if (reasons[r] < DP_REASON_NONE || reasons[r] > DP_REASON_NO_COMMUNICATOR) {
       if (refusing_rank) *refusing_rank = r;
       return DP_REASON_INVALID;
     }
@@ -503,6 +505,41 @@ uint64_t dp_session_exchange_bytes(const dp_session* s) { return s ? s->exchange
 dp_status* dp_session_set_peers(dp_session* s, const uint64_t* exchange, int32_t num_ranks, uint32_t timeout_us) {
   return guarded(__func__, [&](const char* fn) -> Status {
     return s ? s->set_peers(exchange, num_ranks, timeout_us) : null_arg(fn, "session");
+  });
+}
+
+int32_t dp_session_nccl_widths(const dp_session* s, int32_t* widths, int32_t capacity) {
+  if (!s) return 0;
+  const std::vector<int32_t> w = s->nccl_widths();
+  for (int32_t i = 0; widths && i < capacity && i < static_cast<int32_t>(w.size()); ++i) widths[i] = w[static_cast<size_t>(i)];
+  return static_cast<int32_t>(w.size());
+}
+
+dp_status* dp_nccl_get_unique_id(const char* library, uint8_t unique_id[128]) {
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!unique_id) return null_arg(fn, "unique_id");
+    auto api = dp::rt::nccl_api(dp::rt::nccl_library_name(library));
+    if (!api.ok()) return api.status();
+    dp::rt::NcclUniqueId id{};
+    DP_RETURN_IF_ERROR(dp::rt::nccl_check(**api, (*api)->GetUniqueId(&id), "ncclGetUniqueId"));
+    std::memcpy(unique_id, id.internal, sizeof id.internal);
+    return ok();
+  });
+}
+
+dp_status* dp_session_init_nccl(dp_session* s, const uint8_t unique_id[128], const char* library) {
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
+    if (!unique_id) return null_arg(fn, "unique_id");
+    return s->set_nccl(unique_id, nullptr, library);
+  });
+}
+
+dp_status* dp_session_set_nccl_comm(dp_session* s, void* comm, const char* library) {
+  return guarded(__func__, [&](const char* fn) -> Status {
+    if (!s) return null_arg(fn, "session");
+    if (!comm) return null_arg(fn, "comm");
+    return s->set_nccl(nullptr, comm, library);
   });
 }
 

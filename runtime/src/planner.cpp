@@ -71,6 +71,10 @@ PlanOutcome plan_step(const PlanInputs& in, const dp_step_desc& d) {
     }
   }
   const auto it = std::lower_bound(widths.begin(), widths.end(), d.num_requests);
+  if (in.nccl_widths && !in.communicator && std::binary_search(in.nccl_widths->begin(), in.nccl_widths->end(), *it))
+    return refuse(DP_REASON_NO_COMMUNICATOR,
+                  fmt::format("width {} all-reduces with NCCL (deploy allreduce) and the session has no communicator "
+                              "yet (dp_session_init_nccl)", *it));
   return {DP_REASON_NONE, *it, {}};
 }
 

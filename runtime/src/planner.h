@@ -17,6 +17,8 @@ struct PlanInputs {
   std::string kv_missing;      // "" when every cache is bound; else which one is not (for the message)
   int64_t slots = -1;          // KDA state slots bound (smallest over layers); -1: no KDA layers
   int64_t blocks = -1;         // MLA cache blocks bound (smallest over layers); -1: no MLA layers
+  const std::vector<int32_t>* nccl_widths = nullptr;  // widths whose programs call NCCL (format 1.8); null: none
+  bool communicator = false;   // the session has its NCCL communicator
 };
 
 struct PlanOutcome {

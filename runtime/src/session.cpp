@@ -144,6 +144,8 @@ Result<dp_session*> dp_session::create(dp_bundle* b, const dp_session_options& o
         step->why_not[l.index] = "the build made no program: " + prog->reason;
       else
         step->layer_program[l.index] = 1, step->program[l.index] = prog;
+      if (prog)
+        for (const format::ProgramStepEntry& st : prog->steps) step->nccl |= !st.collective.empty();
     }
     s->steps.push_back(std::move(step));
   }
@@ -175,6 +177,9 @@ dp_session::~dp_session() {
       for (uint64_t t : capped_tables) device->free(t);
       if (workspace) device->free(workspace);
       if (peers_table) device->free(peers_table);
+      // A communicator the session created; its pending work on the session's streams is the host's
+      // to have finished, as for every buffer here.
+      if (nccl_comm && nccl_owned) nccl->CommDestroy(nccl_comm);
       if (flag_host && flag_host != &host_flag_storage) device->free_mapped(flag_host);
     }
   }
@@ -505,6 +510,7 @@ size_t dp_session::layer_weight(int32_t layer, const std::string& key) const {
 Status dp_session::load_program_step(const format::ProgramEntry& prog, size_t step_index, int32_t layer,
                                      LoadedKernel* out) {
   const format::ProgramStepEntry& st = prog.steps[step_index];
+  if (!st.collective.empty()) return load_collective_step(prog, step_index, layer, out);
   const std::string key = st.kernel + "." + target;
   const format::KernelEntry* k = nullptr;
   for (const format::KernelEntry& e : bundle->manifest().kernels)
@@ -567,11 +573,28 @@ Status dp_session::load_program_step(const format::ProgramEntry& prog, size_t st
   return ok();
 }
 
+// A collective step (format 1.8, nccl_allreduce): its buffers resolved now, the workspace's at load and
+// the dp_layer_io out at each launch (recv 0). The manifest's validation checked the step's shape.
+Status dp_session::load_collective_step(const format::ProgramEntry& prog, size_t step_index, int32_t layer,
+                                        LoadedKernel* out) {
+  const format::ProgramStepEntry& st = prog.steps[step_index];
+  const std::string what = fmt::format("{}: layer {} ({} program, width {}) step {}", bundle->reader.label(), layer,
+                                       prog.cls, prog.width, step_index);
+  if (st.collective != "nccl_allreduce" || st.args.size() != 2)
+    return error(DP_ERR_NOT_SUPPORTED, "{}: collective \"{}\" with {} args is not one libdecodepack {} knows (it runs "
+                 "nccl_allreduce: send, recv)", what, st.collective, st.args.size(), dp_version_string());
+  out->collective = &st;
+  out->elements = st.elements;
+  out->send = workspace + st.args[0].offset;
+  out->recv = st.args[1].from == "workspace" ? workspace + st.args[1].offset : 0;
+  return ok();
+}
+
 namespace {
 
 std::vector<std::string> ops_of(const std::vector<LoadedKernel>& program) {
   std::vector<std::string> ops;
-  for (const LoadedKernel& k : program) ops.push_back(k.entry->op);
+  for (const LoadedKernel& k : program) ops.push_back(k.collective ? k.collective->collective : k.entry->op);
   return ops;
 }
 
@@ -849,6 +872,9 @@ Status dp_session::plan(const dp_step_desc& d, dp_plan_result* out) {
     in.kv_missing = "the attention-residual block buffer (DP_KV_ATTN_RES)";
   if (missing > 1) in.kv_missing += fmt::format(" and {} more", missing - 1);
 
+  const std::vector<int32_t> nccl = nccl_widths();
+  in.nccl_widths = &nccl;
+  in.communicator = nccl_comm != nullptr;
   const PlanOutcome o = plan_step(in, d);
   dp_plan_result r;
   dp_plan_result_init(&r);
@@ -874,6 +900,48 @@ Status dp_session::after_step() {
   aborted = true;
   return error(DP_ERR_ABORTED, "{}: {}: every rank reports this; the session can run no more steps (tear it down and "
                "restart the engine)", label(), describe_error_flag(v));
+}
+
+std::vector<int32_t> dp_session::nccl_widths() const {
+  std::vector<int32_t> w;
+  for (const auto& s : steps)
+    if (s->nccl) w.push_back(s->width);
+  return w;
+}
+
+Status dp_session::set_nccl(const uint8_t* id, void* comm, const char* library) {
+  const char* fn = comm ? "dp_session_set_nccl_comm" : "dp_session_init_nccl";
+  const int64_t tp = bundle->deploy.tensor_parallel;
+  if (nccl_widths().empty())
+    return error(DP_ERR_INVALID_ARGUMENT, "{}: {}: the bundle's programs do not all-reduce with NCCL at any width "
+                 "(tensor_parallel {}; deploy \"allreduce\" gives no width to nccl): there is no communicator to set",
+                 label(), fn, tp);
+  if (nccl_comm)
+    return error(DP_ERR_REBIND, "{}: {}: the session already has an NCCL communicator (one per session)", label(), fn);
+  if (!device)
+    return error(DP_ERR_NO_DEVICE, "{}: {} needs a device; this session is host-only", label(), fn);
+  auto api = nccl_api(nccl_library_name(library));
+  if (!api.ok()) return api.status();
+  if (comm) {
+    nccl = *api;
+    nccl_comm = static_cast<NcclComm>(comm);
+    nccl_owned = false;
+    return ok();
+  }
+  NcclUniqueId uid;
+  std::memcpy(uid.internal, id, sizeof uid.internal);
+  DeviceScope scope(device.get());  // NCCL takes the device whose context is current
+  DP_RETURN_IF_ERROR(scope.status());
+  NcclComm c = nullptr;
+  DP_RETURN_IF_ERROR(nccl_check(**api, (*api)->CommInitRank(&c, static_cast<int>(tp), uid, options.rank),
+                                "ncclCommInitRank",
+                                fmt::format("{}: rank {} of {} on device {} (NCCL {}; NCCL refuses two ranks on one "
+                                            "GPU)", label(), options.rank, tp, ordinal,
+                                            nccl_version_text((*api)->version))));
+  nccl = *api;
+  nccl_comm = c;
+  nccl_owned = true;
+  return ok();
 }
 
 uint64_t dp_session::exchange_bytes() const {
@@ -1126,12 +1194,29 @@ Status dp_session::launch_layer(const dp_step* step, int32_t layer, const dp_lay
     }
   };
   const std::vector<LoadedKernel>& program = layer_programs[step->index][layer];
+  // Before anything is enqueued: a layer whose program calls NCCL needs the communicator (dp_plan
+  // refuses such steps too, DP_REASON_NO_COMMUNICATOR, but a host may launch without planning).
+  if (step->nccl && !nccl_comm)
+    return error(DP_ERR_STATE, "{}: layer {} ({} program, width {}) all-reduces with NCCL (deploy allreduce) and the "
+                 "session has no communicator: call dp_session_init_nccl (or dp_session_set_nccl_comm) first", label(),
+                 layer, m.layers[layer].cls, step->width);
   // Forks of other layers start now; this layer's start after the kernel they overlap.
   DP_RETURN_IF_ERROR(fire_prefetch([&](const ArmedPrefetch& a) { return a.layer != layer || a.after < 0; }));
   for (size_t i = 0; i < program.size(); ++i) {
-    if (observer) observer(observer_user, layer, static_cast<int32_t>(i), program[i].entry->name.c_str(), 0, stream);
-    Status st = launch_packed(*device, program[i], stream, programmatic, value_of);
-    if (observer) observer(observer_user, layer, static_cast<int32_t>(i), program[i].entry->name.c_str(), 1, stream);
+    const LoadedKernel& k = program[i];
+    if (observer) observer(observer_user, layer, static_cast<int32_t>(i), k.name().c_str(), 0, stream);
+    Status st;
+    if (k.collective) {
+      // Between the layer's kernels, on the same stream: NCCL's kernel waits for the partial before it
+      // reads it, and the next kernel (programmatic launch or not) starts after the sum is complete.
+      const uint64_t recv = k.recv ? k.recv : io.out;
+      st = nccl_check(*nccl, nccl->AllReduce(reinterpret_cast<const void*>(k.send), reinterpret_cast<void*>(recv),
+                                             k.elements, kNcclBfloat16, kNcclSum, nccl_comm, stream),
+                      "ncclAllReduce", fmt::format("{}: layer {} step {} ({} bf16)", label(), layer, i, k.elements));
+    } else {
+      st = launch_packed(*device, k, stream, programmatic, value_of);
+    }
+    if (observer) observer(observer_user, layer, static_cast<int32_t>(i), k.name().c_str(), 1, stream);
     DP_RETURN_IF_ERROR(std::move(st));
     if (!armed.empty())
       DP_RETURN_IF_ERROR(fire_prefetch([&](const ArmedPrefetch& a) { return a.after <= static_cast<int32_t>(i); }));

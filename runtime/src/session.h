@@ -17,6 +17,7 @@
 #include "decodepack/decodepack.h"
 #include "src/bundle.h"
 #include "src/device.h"
+#include "src/nccl.h"
 #include "src/params.h"
 #include "src/status.h"
 
@@ -47,12 +48,17 @@ struct ParamSlot {
 // DP_ERR_INVALID_ARGUMENT / DP_ERR_ALIGNMENT naming `what` and `field`.
 Status check_io_address(const char* what, const char* field, uint64_t v, bool nullable);
 
-// A loaded kernel and its parameter block with every value fixed at load already filled in.
+// A loaded kernel and its parameter block with every value fixed at load already filled in; or a
+// program's collective step (format 1.8: `collective` set, no entry or function): ncclAllReduce of
+// `elements` bf16 from `send` into `recv` (0: the launch's dp_layer_io out).
 struct LoadedKernel {
   const format::KernelEntry* entry = nullptr;
   void* function = nullptr;
   std::vector<ParamSlot> call_slots;   // filled per launch (io fields)
   std::vector<uint8_t> block;          // param_bytes, fixed values pre-packed
+  const format::ProgramStepEntry* collective = nullptr;
+  uint64_t elements = 0, send = 0, recv = 0;
+  const std::string& name() const { return collective ? collective->collective : entry->name; }
 };
 
 struct PrefetchTable {
@@ -89,6 +95,7 @@ struct dp_step {
   std::vector<const dp::format::ProgramEntry*> program;  // per layer: that program, or null
   std::vector<std::string> why_not;     // per layer without one: why (for dp_launch_layer's message)
   bool lm_head = false;                 // the bundle has the LM head at this width on the session's target
+  bool nccl = false;                    // some program at this width all-reduces with NCCL (format 1.8)
 };
 
 struct dp_session {
@@ -135,6 +142,11 @@ struct dp_session {
   std::vector<uint64_t> peers;
   uint64_t peers_table = 0;
   uint32_t timeout_us = 0;
+  // NCCL (format 1.8): the library's table and the session's communicator, created by
+  // dp_session_init_nccl (owned: destroyed with the session) or the host's (dp_session_set_nccl_comm).
+  const dp::rt::NcclApi* nccl = nullptr;
+  dp::rt::NcclComm nccl_comm = nullptr;
+  bool nccl_owned = false;
   bool programmatic = false;  // launch layer and final-norm kernels with programmatic dependent launch
   dp_launch_observer_fn observer = nullptr;  // dp_session_set_launch_observer (profilers only)
   void* observer_user = nullptr;
@@ -152,8 +164,12 @@ struct dp_session {
   dp::rt::Status plan(const dp_step_desc& d, dp_plan_result* out);
   dp::rt::Status after_step();
   dp::rt::Status set_peers(const uint64_t* exchange, int32_t num_ranks, uint32_t timeout_us);
-  // Bytes of one rank's exchange buffer (0 when no program all-reduces).
+  // Bytes of one rank's exchange buffer (0 when no program all-reduces in-kernel).
   uint64_t exchange_bytes() const;
+  // The widths whose programs all-reduce with NCCL, sorted.
+  std::vector<int32_t> nccl_widths() const;
+  // dp_session_init_nccl (comm null: create one from `id`) and dp_session_set_nccl_comm (the host's comm).
+  dp::rt::Status set_nccl(const uint8_t* id, void* comm, const char* library);
 
   dp::rt::Status launch_layer(const dp_step* step, int32_t layer, const dp_layer_io& io, dp_stream stream);
   dp::rt::Status launch_final_norm(const dp_step* step, const dp_final_norm_io& io, dp_stream stream);
@@ -185,6 +201,8 @@ struct dp_session {
                              bool role_params = true);
   dp::rt::Status load_program_step(const dp::format::ProgramEntry& prog, size_t step_index, int32_t layer,
                                    dp::rt::LoadedKernel* out);
+  dp::rt::Status load_collective_step(const dp::format::ProgramEntry& prog, size_t step_index, int32_t layer,
+                                      dp::rt::LoadedKernel* out);
   size_t layer_weight(int32_t layer, const std::string& key) const;
   dp::rt::Status build_prefetch_tables();
   // Launches the armed forks that `fire` selects (all of them when it is null), in fork order.

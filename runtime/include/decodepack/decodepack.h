@@ -19,7 +19,10 @@
  *      dp_session_bind_expert_weights  (expert groups: one call for all experts of a tensor)
  *      dp_session_finalize_weights   every weight bound? (missing ones are named)
  *      dp_session_verify_weights     optional: the bound bytes against the bundle's fingerprints
- *      dp_session_set_peers          tensor_parallel > 1 (format 1.6): every rank's exchange buffer
+ *      dp_session_set_peers          tensor_parallel > 1 (format 1.6): every rank's exchange buffer, when
+ *                                    some width all-reduces in-kernel (dp_session_exchange_bytes > 0)
+ *      dp_session_init_nccl          tensor_parallel > 1 (format 1.8): the NCCL communicator, when some
+ *                                    width all-reduces with NCCL (dp_session_nccl_widths > 0)
  *   4. dp_session_load_kernels       every width's code objects, prefetch tables, workspace; call it
  *                                    BEFORE the host profiles memory or captures graphs
  *   5. dp_session_bind_kv            KDA recurrent + conv states and MLA latent caches, per layer;
@@ -130,7 +133,7 @@ extern "C" {
  * (manifests/bundle-format.md). A bundle outside that range is refused with DP_ERR_FORMAT_VERSION before
  * any other field is read, the message giving both versions and the supported range. */
 #define DP_BUNDLE_FORMAT_MAJOR 1
-#define DP_BUNDLE_FORMAT_MINOR 7
+#define DP_BUNDLE_FORMAT_MINOR 8
 
 /* The loaded library's version as MAJOR * 10000 + MINOR * 100 + PATCH. This signature never changes. */
 DP_API uint32_t dp_version(void);
@@ -170,7 +173,10 @@ typedef enum dp_code {
   DP_ERR_ABORTED = 24,           /* a rank gave up an in-kernel wait; the session can run no more steps */
   DP_ERR_NOT_SUPPORTED = 25,     /* a feature this build of the library does not implement */
   DP_ERR_INTERNAL = 26,          /* a bug in libdecodepack: please report the message */
-  DP_ERR_COMMUNICATOR = 27       /* the host's communicator callback (all-gather) reported a failure */
+  DP_ERR_COMMUNICATOR = 27,      /* the host's communicator callback (all-gather) or an NCCL call reported a
+                                    failure (the message names the call and NCCL's text) */
+  DP_ERR_NCCL_UNAVAILABLE = 28   /* libnccl.so.2 cannot be opened, lacks an entry point, or is older than
+                                    2.10 (the message names the library and the version) */
 } dp_code;
 
 /* An error: NULL means success. Owned by the caller of the function that returned it. */
@@ -506,7 +512,9 @@ typedef enum dp_reason {
                                       have exactly q rows (prefill, chunked prefill, mixed) or none */
   DP_REASON_BAD_METADATA = 6,      /* a state index, accepted count or block id outside the bound
                                       caches: served by nobody safely, a host bug */
-  DP_REASON_INVALID = 7            /* dp_agree got no reasons, or a value that is not a dp_reason */
+  DP_REASON_INVALID = 7,           /* dp_agree got no reasons, or a value that is not a dp_reason */
+  DP_REASON_NO_COMMUNICATOR = 8    /* the width's layer programs all-reduce with NCCL (format 1.8) and the
+                                      session has no communicator yet (dp_session_init_nccl) */
 } dp_reason;
 
 /* vLLM's padding sentinels: block 0 is the null block, so a request whose state index is
@@ -638,6 +646,43 @@ DP_API uint64_t dp_session_exchange_bytes(const dp_session* session);
  * addresses and check them. */
 DP_API dp_status* dp_session_set_peers(dp_session* session, const uint64_t* exchange, int32_t num_ranks,
                                        uint32_t timeout_us);
+
+/* ---- NCCL all-reduce (bundle format 1.8) --------------------------------------------------------- *
+ *
+ * The deploy's "allreduce" may give some widths (or all) to NCCL instead of the in-kernel all-reduce:
+ * those widths' layer programs hold nccl_allreduce steps, which the launch runs as ncclAllReduce (bf16,
+ * sum) of the rank's partial rows on the launch's stream, between the layer's kernels; ncclAllReduce is
+ * capturable, so a step still captures into one CUDA graph. The communicator is the session's:
+ *   1. rank 0 calls dp_nccl_get_unique_id and broadcasts the 128 bytes over the host's group (the
+ *      Python binding: torch.distributed.broadcast of a uint8 tensor);
+ *   2. every rank calls dp_session_init_nccl with them (a collective: it returns once all
+ *      tensor_parallel ranks have called it); the session creates its communicator (rank = the
+ *      session's rank, ranks = tensor_parallel) on the session's device and destroys it with the session.
+ *   Or a host that already holds a communicator of the same library, ranks and order hands it over with
+ *   dp_session_set_nccl_comm (the host keeps it, and destroys it after the session).
+ * NCCL refuses two ranks on one GPU: each rank needs its own device. libnccl.so.2 (or `library`, or
+ * $DECODEPACK_NCCL_LIBRARY) is opened with dlopen on first use; DP_ERR_NCCL_UNAVAILABLE names it when it
+ * is missing, lacks an entry point or is older than 2.10. Until the session has a communicator, steps at
+ * NCCL widths plan DP_REASON_NO_COMMUNICATOR and dp_launch_layer of their programs fails (DP_ERR_STATE).
+ * An NCCL-only bundle needs no exchange buffers (dp_session_exchange_bytes is 0, no dp_session_set_peers). */
+
+/* How many of the bundle's widths all-reduce with NCCL (0: none; then no NCCL call is ever made). When
+ * `widths` is not NULL, the first min(count, capacity) of them are stored there, sorted. */
+DP_API int32_t dp_session_nccl_widths(const dp_session* session, int32_t* widths, int32_t capacity);
+
+/* Rank 0's part of step 1: a new ncclUniqueId's 128 bytes (ncclGetUniqueId). `library`: NULL or "" for
+ * $DECODEPACK_NCCL_LIBRARY or libnccl.so.2. Errors: DP_ERR_NCCL_UNAVAILABLE, DP_ERR_COMMUNICATOR. */
+DP_API dp_status* dp_nccl_get_unique_id(const char* library, uint8_t unique_id[128]);
+
+/* Creates the session's communicator (ncclCommInitRank on the session's device). Once per session, before
+ * or after dp_session_load_kernels. Errors: DP_ERR_INVALID_ARGUMENT (the bundle has no NCCL width, or
+ * unique_id NULL), DP_ERR_REBIND (it already has a communicator), DP_ERR_NO_DEVICE (host-only session),
+ * DP_ERR_NCCL_UNAVAILABLE, DP_ERR_COMMUNICATOR (NCCL's error, e.g. another rank on the same GPU). */
+DP_API dp_status* dp_session_init_nccl(dp_session* session, const uint8_t unique_id[128], const char* library);
+
+/* Uses the host's communicator `comm` (an ncclComm_t of `library`, the same library the host's NCCL calls
+ * go to: load the host's first). The host keeps ownership. Same errors as dp_session_init_nccl. */
+DP_API dp_status* dp_session_set_nccl_comm(dp_session* session, void* comm, const char* library);
 
 /* ---- Launch --------------------------------------------------------------------------------------- *
  *

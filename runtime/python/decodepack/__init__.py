@@ -48,13 +48,14 @@ CODES = [
     "DP_ERR_TARGET", "DP_ERR_DRIVER_VERSION", "DP_ERR_DEVICE_LIMITS", "DP_ERR_RANK", "DP_ERR_CONFIG",
     "DP_ERR_UNKNOWN_TENSOR", "DP_ERR_MISSING_TENSOR", "DP_ERR_DTYPE", "DP_ERR_SHAPE", "DP_ERR_LAYOUT",
     "DP_ERR_ALIGNMENT", "DP_ERR_REBIND", "DP_ERR_STATE", "DP_ERR_NO_KERNEL", "DP_ERR_ABORTED",
-    "DP_ERR_NOT_SUPPORTED", "DP_ERR_INTERNAL", "DP_ERR_COMMUNICATOR",
+    "DP_ERR_NOT_SUPPORTED", "DP_ERR_INTERNAL", "DP_ERR_COMMUNICATOR", "DP_ERR_NCCL_UNAVAILABLE",
 ]
 for _i, _n in enumerate(CODES):
     globals()[_n[3:]] = _i  # ERR_SHAPE = 18, ...
 
 REASON_NONE, REASON_NO_KV, REASON_PP_STAGE_INPUT, REASON_PIECEWISE = 0, 1, 2, 3
 REASON_TOO_MANY_REQUESTS, REASON_NOT_UNIFORM, REASON_BAD_METADATA, REASON_INVALID = 4, 5, 6, 7
+REASON_NO_COMMUNICATOR = 8
 
 DTYPE_BF16, DTYPE_F16, DTYPE_F32, DTYPE_F64, DTYPE_U8, DTYPE_I8, DTYPE_I16 = 1, 2, 3, 4, 5, 6, 7
 DTYPE_I32, DTYPE_I64, DTYPE_F8_E4M3, DTYPE_F8_E5M2, DTYPE_F8_E8M0, DTYPE_BOOL = 8, 9, 10, 11, 12, 13
@@ -239,6 +240,10 @@ def _declare(lib):
         "dp_session_raise_error_flag": (S, [_p, _u32]),
         "dp_session_exchange_bytes": (_u64, [_p]),
         "dp_session_set_peers": (S, [_p, ctypes.POINTER(_u64), _i32, _u32]),
+        "dp_session_nccl_widths": (_i32, [_p, ctypes.POINTER(_i32), _i32]),
+        "dp_nccl_get_unique_id": (S, [_cstr, ctypes.POINTER(ctypes.c_uint8)]),
+        "dp_session_init_nccl": (S, [_p, ctypes.POINTER(ctypes.c_uint8), _cstr]),
+        "dp_session_set_nccl_comm": (S, [_p, _p, _cstr]),
         "dp_layer_io_init": (None, [ctypes.POINTER(_LayerIo)]),
         "dp_launch_layer": (S, [_p, _p, _i32, ctypes.POINTER(_LayerIo), _p]),
         "dp_final_norm_io_init": (None, [ctypes.POINTER(_FinalNormIo)]),
@@ -630,6 +635,37 @@ def agree(reasons, group=None):
     return verdict, who.value
 
 
+def _enc(text):
+    return text.encode() if text else None
+
+
+def nccl_unique_id(library=None):
+    """A new NCCL unique id (128 bytes; ncclGetUniqueId through the runtime's NCCL): rank 0 makes it and
+    broadcasts it to the other ranks, who pass it to Session.init_nccl. `library`: None for
+    $DECODEPACK_NCCL_LIBRARY or libnccl.so.2."""
+    buf = (ctypes.c_uint8 * 128)()
+    _check(_lib().dp_nccl_get_unique_id(_enc(library), buf))
+    return bytes(buf)
+
+
+def broadcast_nccl_unique_id(group=None, library=None, device=None):
+    """The unique id, the same on every rank of the torch.distributed `group` (None: the default group):
+    the group's first rank makes it (nccl_unique_id) and broadcasts its 128 bytes as a uint8 tensor, as
+    vLLM's PyNcclCommunicator does. `device`: where the tensor travels (None: the CPU, for gloo groups;
+    pass the rank's torch.device for an NCCL group). Every rank of the group must call it."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as e:
+        raise ImportError("decodepack: broadcast_nccl_unique_id needs torch.distributed (%s)" % e) from e
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    t = torch.zeros(128, dtype=torch.uint8, device=device or "cpu")
+    if dist.get_rank() == src:
+        t.copy_(torch.frombuffer(bytearray(nccl_unique_id(library)), dtype=torch.uint8))
+    dist.broadcast(t, src=src, group=group)
+    return bytes(t.cpu().tolist())
+
+
 class Session(_Handle):
     """One (device, rank) session. device=None makes a host-only session (binds, checks, plans)."""
     _free = "dp_session_destroy"
@@ -755,6 +791,29 @@ class Session(_Handle):
         addrs = [t if isinstance(t, int) else t.data_ptr() for t in exchange]
         arr = (_u64 * max(1, len(addrs)))(*addrs)
         _check(_lib().dp_session_set_peers(self._h, arr, len(addrs), timeout_us))
+
+    # NCCL all-reduce (bundle format 1.8)
+    def nccl_widths(self):
+        """The widths whose programs all-reduce with NCCL (sorted; [] when none)."""
+        n = _lib().dp_session_nccl_widths(self._h, None, 0)
+        arr = (_i32 * max(1, n))()
+        _lib().dp_session_nccl_widths(self._h, arr, n)
+        return list(arr)[:n]
+
+    def init_nccl(self, unique_id=None, group=None, library=None, device=None):
+        """Creates the session's NCCL communicator (a collective: every rank calls it). `unique_id`: the
+        128 bytes rank 0 made (nccl_unique_id); or None with `group`, a torch.distributed group over the TP
+        ranks, to make and broadcast it here (broadcast_nccl_unique_id). NCCL needs one GPU per rank."""
+        if unique_id is None:
+            unique_id = broadcast_nccl_unique_id(group, library, device)
+        if len(unique_id) != 128:
+            raise ValueError("decodepack: an NCCL unique id is 128 bytes, got %d" % len(unique_id))
+        buf = (ctypes.c_uint8 * 128)(*bytes(unique_id))
+        _check(_lib().dp_session_init_nccl(self._h, buf, _enc(library)))
+
+    def set_nccl_comm(self, comm, library=None):
+        """Uses the host's ncclComm_t (an int address) of `library`; the host keeps and destroys it."""
+        _check(_lib().dp_session_set_nccl_comm(self._h, ctypes.c_void_p(comm), _enc(library)))
 
     def error_flag(self):
         """(device address of the flag word, its value)."""
