@@ -63,6 +63,8 @@ std::string text(const bundle::Bundle& b) {
   line(fmt::format("deploy    targets {}; tensor_parallel {}; ranks {}; widths {}; q {}; kv {} block {}",
                    Json(d.targets).dump(), d.tensor_parallel, Json(d.ranks).dump(), Json(d.widths).dump(), d.q(),
                    deploy::to_string(d.kv_cache.dtype), d.kv_cache.block_size));
+  if (!d.allreduce_nccl.empty())  // format 1.8; in-kernel everywhere else (the default, not printed)
+    line(fmt::format("          all-reduce by NCCL at widths {}, in-kernel at the others", Json(d.allreduce_nccl).dump()));
   line("");
   // Entries: what a host binds (an expert group is one); tensors: what the decode kernels read.
   line(fmt::format("{:<6} {:>8} {:>8} {:>12}  {}", "rank", "entries", "tensors", "bytes", "fingerprints"));

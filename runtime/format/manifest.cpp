@@ -48,7 +48,7 @@ void validate_collective(const Manifest& m, const ProgramEntry& p, const Program
     bad(fmt::format("{}: collective \"{}\", expected nccl_allreduce", at, st.collective));
   if (!st.kernel.empty()) bad(fmt::format("{}: a collective step names kernel {}, expected none", at, st.kernel));
   if (!nccl_width)
-    bad(fmt::format("{}: an NCCL all-reduce at width {}, which deploy.allreduce.nccl does not list", at, p.width));
+    bad(fmt::format("{}: an NCCL all-reduce at width {}, which deploy.allreduce does not give to nccl", at, p.width));
   if (st.elements == 0 || st.elements > kMaxDeviceBytes / 2)
     bad(fmt::format("{}: elements {}, expected 1..{}", at, st.elements, kMaxDeviceBytes / 2));
   const auto w = ws.find(p.width);
@@ -83,11 +83,12 @@ void validate_programs(const Manifest& m, const std::set<int64_t>& widths, Bad&&
   for (const KernelEntry& k : m.kernels) by_key[k.key] = &k;
   std::map<int64_t, uint64_t> ws;
   for (const WorkspaceEntry& w : m.workspace) ws[w.width] = w.bytes;
-  std::set<int64_t> nccl_widths;  // deploy.allreduce.nccl (1.8); the deploy reader checks its shape
-  if (m.deploy.contains("allreduce") && m.deploy["allreduce"].is_object() && m.deploy["allreduce"].contains("nccl") &&
-      m.deploy["allreduce"]["nccl"].is_array())
-    for (const Json& w : m.deploy["allreduce"]["nccl"])
-      if (w.is_number_integer()) nccl_widths.insert(w.get<int64_t>());
+  std::set<int64_t> nccl_widths;  // deploy.allreduce's keys (1.8); the deploy reader checks its shape
+  if (m.deploy.contains("allreduce") && m.deploy["allreduce"].is_object())
+    for (auto it = m.deploy["allreduce"].begin(); it != m.deploy["allreduce"].end(); ++it)
+      if (it.value() == "nccl" && !it.key().empty() && it.key().size() <= 6 &&
+          std::all_of(it.key().begin(), it.key().end(), [](char c) { return c >= '0' && c <= '9'; }))
+        nccl_widths.insert(std::stoll(it.key()));
   for (size_t i = 0; i < m.programs.size(); ++i) {
     const ProgramEntry& p = m.programs[i];
     const std::string who = fmt::format("programs[{}] ({} width {})", i, p.cls, p.width);
@@ -109,7 +110,7 @@ void validate_programs(const Manifest& m, const std::set<int64_t>& widths, Bad&&
         for (const ProgramArgEntry& arg : st.args)
           if (arg.from == "tp")
             bad(fmt::format("{} step {} ({}): binds tp source \"{}\", but width {} all-reduces with NCCL "
-                            "(deploy.allreduce.nccl)", who, s, st.kernel, arg.name, p.width));
+                            "(deploy.allreduce)", who, s, st.kernel, arg.name, p.width));
       for (const std::string& t : targets) {
         auto it = by_key.find(st.kernel + "." + t);
         if (it == by_key.end()) {

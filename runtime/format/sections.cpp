@@ -107,7 +107,12 @@ Json to_json(const Deploy& d) {
        {{"max_keys_per_chunk", d.indexer.max_keys_per_chunk}, {"max_requests", d.indexer.max_requests}}},
   };
   // Only when some width uses NCCL (format 1.8): every other deploy keeps its canonical bytes.
-  if (!d.allreduce_nccl.empty()) j["allreduce"] = {{"nccl", d.allreduce_nccl}};
+  // The deploy file's own per-width form, so that parse_deploy(to_json(d)) == d holds.
+  if (!d.allreduce_nccl.empty()) {
+    Json a = Json::object();
+    for (int64_t w : d.allreduce_nccl) a[std::to_string(w)] = to_string(Allreduce::nccl);
+    j["allreduce"] = std::move(a);
+  }
   return j;
 }
 
@@ -212,16 +217,26 @@ Deploy deploy_from_json(const Json& j, const std::string& where) {
     d.indexer.max_requests = o.num<int64_t>("max_requests", 1, kMaxIndexerLimit);
   }
   if (top.has("allreduce")) {  // since 1.8, only when some width all-reduces with NCCL
-    Obj o = top.obj("allreduce");
-    o.only({"nccl"});
-    d.allreduce_nccl = int_set(o, "nccl", 1, kMaxWidth);
+    const Json& a = top.get("allreduce");
+    if (!a.is_object() || a.empty())
+      schema_error(where, fmt::format("field deploy.allreduce is {}, expected an object mapping widths to \"nccl\"",
+                                      a.is_object() ? "empty" : a.type_name()));
     if (d.tensor_parallel == 1)
-      schema_error(where, "field deploy.allreduce.nccl is set at tensor_parallel 1, expected it absent (no step "
-                          "all-reduces)");
-    for (int64_t w : d.allreduce_nccl)
+      schema_error(where, "field deploy.allreduce is set at tensor_parallel 1, expected it absent (no step all-reduces)");
+    for (auto it = a.begin(); it != a.end(); ++it) {
+      const std::string& k = it.key();
+      const bool digits = !k.empty() && k.size() <= 6 && k[0] != '0' &&
+                          std::all_of(k.begin(), k.end(), [](char c) { return c >= '0' && c <= '9'; });
+      const int64_t w = digits ? std::stoll(k) : 0;
       if (!std::binary_search(d.widths.begin(), d.widths.end(), w))
-        schema_error(where, fmt::format("field deploy.allreduce.nccl names width {}, expected one of the widths [{}]", w,
-                                        fmt::join(d.widths, ", ")));
+        schema_error(where, fmt::format("field deploy.allreduce has key \"{}\", expected one of the widths [{}]",
+                                        excerpt(k), fmt::join(d.widths, ", ")));
+      if (it.value() != to_string(Allreduce::nccl))
+        schema_error(where, fmt::format("field deploy.allreduce.{} is {}, expected \"nccl\" (in_kernel widths are left "
+                                        "out)", k, excerpt(it.value().dump())));
+      d.allreduce_nccl.push_back(w);
+    }
+    std::sort(d.allreduce_nccl.begin(), d.allreduce_nccl.end());
   }
   return d;
 }

@@ -142,7 +142,8 @@ struct Deploy {
   Indexer indexer;
   // Widths whose programs all-reduce with NCCL (sorted, unique, among `widths`); every other width uses
   // the in-kernel path. Empty at tensor_parallel 1 and by default. The canonical JSON records it
-  // (`"allreduce": {"nccl": [...]}`) only when non-empty, so bundles that do not use NCCL keep their bytes.
+  // (`"allreduce": {"<width>": "nccl", ...}`, the deploy file's per-width form) only when non-empty, so
+  // bundles that do not use NCCL keep their bytes.
   std::vector<int64_t> allreduce_nccl;
 
   // Query rows per request in a decode or spec-verify step (vLLM uniform_decode_query_len).

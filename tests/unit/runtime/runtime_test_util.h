@@ -73,6 +73,8 @@ struct Bundles {
   fs::path tiny_dir; // the same bundle as a directory (the archive extracted)
   fs::path spec;     // .dpk: sm_90a, widths 1,2,4, one speculative token, conv ds/float32, kv fp8/16
   fs::path tp2;      // .dpk: sm_90a, TP 2 (ranks 0 and 1), widths 1-4
+  fs::path tp2_mixed;  // tp2 with "allreduce": widths 3 and 4 by NCCL, 1 and 2 in-kernel (format 1.8)
+  fs::path tp2_nccl;   // tp2 with "allreduce": "nccl" at every width (format 1.8, no exchange buffers)
   fs::path multi;    // .dpk: sm_80, sm_90, sm_90a, width 1
   fs::path fp8;      // .dpk: synth --quantize fp8 of kimi-linear-tiny, sm_90a, widths 1-2, with fingerprints
   fs::path k3;       // .dpk: kimi-k3-tiny without weights, sm_90a, widths 1-2 (format 1.7: attention residuals)
@@ -90,11 +92,13 @@ inline Bundles ensure_bundles() {
   b.tiny_dir = b.dir / "tiny-dir";
   b.spec = b.dir / "spec.dpk";
   b.tp2 = b.dir / "tp2.dpk";
+  b.tp2_mixed = b.dir / "tp2-mixed.dpk";
+  b.tp2_nccl = b.dir / "tp2-nccl.dpk";
   b.multi = b.dir / "multi.dpk";
   b.fp8 = b.dir / "fp8.dpk";
   b.k3 = b.dir / "k3.dpk";
   if (prebuilt && *prebuilt) {
-    for (const fs::path& p : {b.tiny, b.tiny_dir, b.spec, b.tp2, b.multi, b.k3})
+    for (const fs::path& p : {b.tiny, b.tiny_dir, b.spec, b.tp2, b.tp2_mixed, b.tp2_nccl, b.multi, b.k3})
       if (!fs::exists(p)) b.error = "DECODEPACK_TEST_WORK=" + b.dir.string() + " lacks " + p.filename().string();
     return b;
   }
@@ -105,7 +109,7 @@ inline Bundles ensure_bundles() {
   struct stat st {};
   ::stat(DP_CLI_PATH, &st);
   const std::string stamp = std::string(DP_CLI_PATH) + " " + std::to_string(st.st_size) + " " +
-                            std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + " v5\n";
+                            std::to_string(st.st_mtim.tv_sec) + "." + std::to_string(st.st_mtim.tv_nsec) + " v6\n";
   const fs::path stamp_file = b.dir / "stamp";
   if (!fs::exists(stamp_file) || read_text(stamp_file) != stamp) {
     fs::remove(stamp_file);
@@ -128,6 +132,12 @@ inline Bundles ensure_bundles() {
                 "kv_cache": {"dtype": "fp8", "block_size": 16}})")},
         {"build", "--model", b.model.string(), "--no-weights", "-o", b.tp2.string(), "--cache-dir", cache.string(),
          "-j", "2", "--deploy", deploy("tp2.json", R"({"targets": ["sm_90a"], "tensor_parallel": 2, "max_num_seqs": 4})")},
+        {"build", "--model", b.model.string(), "--no-weights", "-o", b.tp2_mixed.string(), "--cache-dir", cache.string(),
+         "-j", "2", "--deploy", deploy("tp2-mixed.json", R"({"targets": ["sm_90a"], "tensor_parallel": 2, "max_num_seqs": 4,
+                "allreduce": {"1": "in_kernel", "3": "nccl", "4": "nccl"}})")},
+        {"build", "--model", b.model.string(), "--no-weights", "-o", b.tp2_nccl.string(), "--cache-dir", cache.string(),
+         "-j", "2", "--deploy", deploy("tp2-nccl.json", R"({"targets": ["sm_90a"], "tensor_parallel": 2, "max_num_seqs": 4,
+                "allreduce": "nccl"})")},
         {"build", "--model", b.model.string(), "--no-weights", "-o", b.multi.string(), "--cache-dir", cache.string(),
          "-j", "2", "--deploy", deploy("multi.json", R"({"targets": ["sm_80", "sm_90", "sm_90a"], "widths": [1]})")},
         {"synth", "--preset", "kimi-linear-tiny", "--quantize", "fp8", "--seed", "0", "-o", (b.dir / "model-fp8").string()},
