@@ -443,6 +443,72 @@ class BindingTest(unittest.TestCase):
         self.assertEqual(e.exception.code, dp.ERR_INVALID_ARGUMENT)
         self.assertIn("do not all-reduce (tensor_parallel 1)", e.exception.message)
 
+    def test_nccl_path_on_a_bundle_without_nccl_widths(self):
+        s = self.ready_session()
+        self.assertEqual(s.nccl_widths(), [])
+        with self.assertRaises(dp.DecodepackError) as e:
+            s.init_nccl(bytes(128))
+        self.assertEqual(e.exception.code, dp.ERR_INVALID_ARGUMENT)
+        self.assertIn("do not all-reduce with NCCL at any width", e.exception.message)
+        with self.assertRaises(ValueError):
+            s.init_nccl(bytes(16))
+
+    def test_nccl_unique_id_names_a_missing_library(self):
+        with self.assertRaises(dp.DecodepackError) as e:
+            dp.nccl_unique_id("libnccl-not-here.so.2")
+        self.assertEqual(e.exception.code, dp.ERR_NCCL_UNAVAILABLE)
+        self.assertIn("libnccl-not-here.so.2 cannot be loaded", e.exception.message)
+        self.assertEqual(dp.CODES[dp.ERR_NCCL_UNAVAILABLE], "DP_ERR_NCCL_UNAVAILABLE")
+        self.assertEqual(dp.REASON_NO_COMMUNICATOR, 8)
+
+    def test_unique_id_broadcast_over_a_group(self):
+        # A stand-in torch: the group's first rank makes the id (here: no NCCL, so it raises), every other
+        # rank receives the broadcast bytes.
+        import types
+
+        payload = bytes(range(128))
+
+        class T:
+            def __init__(self, v):
+                self.v = list(v)
+
+            def copy_(self, o):
+                self.v = list(o.v)
+                return self
+
+            def cpu(self):
+                return self
+
+            def tolist(self):
+                return list(self.v)
+
+        def fake(rank):
+            torch = types.ModuleType("torch")
+            dist = types.ModuleType("torch.distributed")
+            torch.uint8 = "uint8"
+            torch.zeros = lambda n, dtype=None, device=None: T([0] * n)
+            torch.frombuffer = lambda b, dtype=None: T(b)
+            dist.get_rank = lambda: rank
+            dist.get_global_rank = lambda group, r: 0
+            dist.broadcast = lambda t, src, group=None: t.v.__setitem__(slice(None), payload) if rank != src else None
+            torch.distributed = dist
+            return {"torch": torch, "torch.distributed": dist}
+
+        saved = {k: sys.modules.get(k) for k in ("torch", "torch.distributed")}
+        try:
+            sys.modules.update(fake(1))
+            self.assertEqual(dp.broadcast_nccl_unique_id(group=object()), payload)
+            sys.modules.update(fake(0))
+            with self.assertRaises(dp.DecodepackError) as e:
+                dp.broadcast_nccl_unique_id(group=object(), library="libnccl-not-here.so.2")
+            self.assertEqual(e.exception.code, dp.ERR_NCCL_UNAVAILABLE)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    sys.modules.pop(k, None)
+                else:
+                    sys.modules[k] = v
+
     def test_launch_on_host_only_session(self):
         s = self.ready_session()
         p = s.plan(2, [1, 1])

@@ -87,23 +87,24 @@ TEST(BundleFormat, VersionGateAcceptsOwnMajorAndOlderMinors) {
 
 TEST(BundleFormat, VersionGateRefusesNewerMinorAndOtherMajors) {
   expect_format_error([] { format::check_version({1, 99}, "m.json"); }, FormatError::Kind::version,
-                      {"m.json", "version 1.99", "format 1.7", "supported: 1.0 to 1.7", "upgrade decodepack"});
+                      {"m.json", "version 1.99", "format 1.8", "supported: 1.0 to 1.8", "upgrade decodepack"});
   expect_format_error([] { format::check_version({2, 0}, "m.json"); }, FormatError::Kind::version,
-                      {"m.json", "version 2.0", "format 1.7", "supported: 1.0 to 1.7"});
+                      {"m.json", "version 2.0", "format 1.8", "supported: 1.0 to 1.8"});
   expect_format_error([] { format::check_version({0, 3}, "m.json"); }, FormatError::Kind::version,
-                      {"version 0.3", "supported: 1.0 to 1.7", "rebuild the bundle"});
+                      {"version 0.3", "supported: 1.0 to 1.8", "rebuild the bundle"});
 
   for (auto [major, minor] : {std::pair{1, 99}, std::pair{2, 0}}) {
     SCOPED_TRACE(major * 100 + minor);
     Json j = fixture_json();
     j["format_version"] = {{"major", major}, {"minor", minor}};
     expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::version,
-                        {fmt::format("version {}.{}", major, minor), "supported: 1.0 to 1.7"});
+                        {fmt::format("version {}.{}", major, minor), "supported: 1.0 to 1.8"});
   }
 }
 
 // Writers record the lowest minor a bundle needs: 1.5, 1.6 with a tp source, 1.7 with K3 attention
-// residuals (source layer, cache kind attn_res, an attnres kernel), so older bundles keep their bytes.
+// residuals (source layer, cache kind attn_res, an attnres kernel), 1.8 with a collective step, so older
+// bundles keep their bytes.
 TEST(BundleFormat, WritersRecordTheLowestMinorTheBundleNeeds) {
   format::Manifest m;
   EXPECT_EQ(format::written_minor(m), format::kMinWrittenMinor);
@@ -126,14 +127,22 @@ TEST(BundleFormat, WritersRecordTheLowestMinorTheBundleNeeds) {
   k.op = "attnres";
   c.kernels.push_back(k);
   for (const format::Manifest* x : {&a, &b, &c}) EXPECT_EQ(format::written_minor(*x), 7);
-  EXPECT_EQ(format::kFormatMinor, 7);
+  // 1.8: a collective step (the NCCL all-reduce path), whatever else the bundle uses.
+  format::ProgramStepEntry nccl;
+  nccl.collective = "nccl_allreduce";
+  nccl.elements = 256;
+  for (format::Manifest x : {m, a}) {
+    x.programs[0].steps.push_back(nccl);
+    EXPECT_EQ(format::written_minor(x), 8);
+  }
+  EXPECT_EQ(format::kFormatMinor, 8);
 }
 
 TEST(BundleFormat, VersionIsCheckedBeforeAnyOtherField) {
   // A 2.0 manifest may look like anything else; the reader must say "version", not "missing field".
   Json j = {{"format", "decodepack-bundle"}, {"format_version", {{"major", 2}, {"minor", 0}}}, {"v2", true}};
   expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::version,
-                      {"version 2.0", "supported: 1.0 to 1.7"});
+                      {"version 2.0", "supported: 1.0 to 1.8"});
   j["format"] = "something-else";
   expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::schema,
                       {"field format is \"something-else\", expected \"decodepack-bundle\""});
@@ -146,7 +155,7 @@ TEST(BundleFormat, BundleOpenRefusesANewerMinorAsInput) {
   j["format_version"]["minor"] = 99;
   std::ofstream(t / "b/manifest.json", std::ios::trunc) << j.dump() << "\n";
   test::expect_error([&] { Bundle::open(t / "b"); }, Errc::input,
-                     {"manifest.json", "version 1.99", "format 1.7", "supported: 1.0 to 1.7"});
+                     {"manifest.json", "version 1.99", "format 1.8", "supported: 1.0 to 1.8"});
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -239,7 +239,8 @@ std::vector<Set> example(int64_t stride0 = 5, int64_t stride1 = 1) {
 TEST(IndexerCodes, CommunicatorHasItsName) {
   EXPECT_EQ(DP_ERR_COMMUNICATOR, 27);
   EXPECT_STREQ(dp_code_name(DP_ERR_COMMUNICATOR), "DP_ERR_COMMUNICATOR");
-  EXPECT_STREQ(dp_code_name(DP_ERR_COMMUNICATOR + 1), "DP_ERR_?");
+  EXPECT_STREQ(dp_code_name(DP_ERR_COMMUNICATOR + 1), "DP_ERR_NCCL_UNAVAILABLE");  // the next code, 28
+  EXPECT_STREQ(dp_code_name(DP_ERR_NCCL_UNAVAILABLE + 1), "DP_ERR_?");
   EXPECT_STREQ(dp_code_name(DP_ERR_INTERNAL), "DP_ERR_INTERNAL");  // the table did not shift
 }
 
