@@ -1,5 +1,5 @@
 // The deployment config: what a bundle is built for (targets, tensor parallelism, batch widths,
-// speculative decoding, cache formats, prefetch caps, indexer limits).
+// speculative decoding, cache formats, prefetch caps, indexer limits, the all-reduce path per width).
 //
 // A deploy file is JSON (schema: manifests/deploy.schema.json; example: manifests/deploy-default.json):
 //

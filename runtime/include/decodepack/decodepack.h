@@ -563,7 +563,8 @@ DP_API void dp_plan_result_init(dp_plan_result* r);
 /* Plans a step: a refusal is a result (out->reason), not an error; errors are misuse (DP_ERR_STATE:
  * weights not finalized, or kernels not loaded on a device session; DP_ERR_ABORTED after an abort).
  * Checks, in order: PP stage input, every cache bound, graph mode, request count, uniform rows, the
- * metadata arrays against the bound caches. Under FULL graphs a host plans at capture only; the plan
+ * metadata arrays against the bound caches, and (format 1.8) the NCCL communicator when the planned
+ * width all-reduces with NCCL. Under FULL graphs a host plans at capture only; the plan
  * is baked into the graph. Allocates nothing. */
 DP_API dp_status* dp_plan(dp_session* session, const dp_step_desc* desc, dp_plan_result* out);
 
@@ -632,14 +633,14 @@ DP_API dp_status* dp_session_raise_error_flag(dp_session* session, uint32_t bits
  *      and no rank may launch a layer before every rank has.
  * The buffers must outlive the session and every graph that captured its launches. */
 
-/* Bytes of one rank's exchange buffer; 0 when the bundle's programs do not all-reduce (tensor_parallel
- * 1, or no program built). */
+/* Bytes of one rank's exchange buffer; 0 when the bundle's programs do not all-reduce in-kernel
+ * (tensor_parallel 1, no program built, or every width all-reduces with NCCL, format 1.8). */
 DP_API uint64_t dp_session_exchange_bytes(const dp_session* session);
 
 /* Sets every rank's exchange buffer (`exchange[r]`: rank r's, as this process maps it; num_ranks = the
  * bundle's tensor_parallel) and the bound of each in-kernel wait in microseconds (>= 1; ranks sharing
  * one device are time-sliced, so give them at least a second). Once per session, before
- * dp_session_load_kernels, which refuses a tensor-parallel bundle without it (DP_ERR_STATE). Errors:
+ * dp_session_load_kernels, which refuses a bundle with in-kernel all-reduces without it (DP_ERR_STATE). Errors:
  * DP_ERR_INVALID_ARGUMENT (the bundle does not all-reduce; num_ranks other than tensor_parallel; an
  * address 0 or used twice; timeout 0), DP_ERR_ALIGNMENT, DP_ERR_STATE (after load), DP_ERR_REBIND
  * (second call), device errors from the table upload or the zeroing. Host-only sessions keep the
