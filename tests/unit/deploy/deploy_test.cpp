@@ -440,12 +440,12 @@ TEST(Deploy, IndexerUnderDcp) {
 TEST(Deploy, UnknownFields) {
   EXPECT_EQ(error_of(minimal({{"tensor_paralel", 2}})),
             "deploy.json: unknown field tensor_paralel: did you mean tensor_parallel? (valid fields of the top level: "
-            "conv_state, dcp, indexer, kda_state, kv_cache, max_num_seqs, num_speculative_tokens, prefetch, ranks, "
+            "allreduce, conv_state, dcp, indexer, kda_state, kv_cache, max_num_seqs, num_speculative_tokens, prefetch, ranks, "
             "targets, tensor_parallel, widths)");
   EXPECT_EQ(error_of(minimal({{"kv_cache", {{"blocksize", 64}}}})),
             "deploy.json: unknown field kv_cache.blocksize: did you mean kv_cache.block_size? (valid fields of "
             "kv_cache: block_size, dtype)");
-  EXPECT_MSG(minimal({{"quantization", "fp8"}}), "unknown field quantization (valid fields of the top level: conv_state");
+  EXPECT_MSG(minimal({{"quantization", "fp8"}}), "unknown field quantization (valid fields of the top level: allreduce, conv_state");
   EXPECT_MSG(minimal({{"prefetch", {{"cap_mib", 64}}}}), "unknown field prefetch.cap_mib");
   EXPECT_MSG(minimal({{"indexer", {{"max_keys", 64}}}}), "unknown field indexer.max_keys");
   EXPECT_MSG(minimal({{"dcp", {{"size", 1}, {"interleave_size", 1}}}}), "unknown field dcp.interleave_size");
@@ -473,7 +473,7 @@ void collect_paths(const Json& j, const std::string& prefix, std::set<std::strin
   for (auto it = j.begin(); it != j.end(); ++it) {
     std::string p = prefix.empty() ? it.key() : prefix + "." + it.key();
     out.insert(p);
-    if (it->is_object() && it.key() != "width_cap_bytes") collect_paths(*it, p, out);
+    if (it->is_object() && it.key() != "width_cap_bytes" && it.key() != "allreduce") collect_paths(*it, p, out);
   }
 }
 
@@ -481,7 +481,8 @@ TEST(Deploy, CanonicalJsonHasEveryFieldAndRoundTrips) {
   Deploy d = parse_deploy(minimal({{"tensor_parallel", 2},
                                    {"num_speculative_tokens", 2},
                                    {"kv_cache", {{"dtype", "fp8"}, {"block_size", 128}}},
-                                   {"prefetch", {{"width_cap_bytes", {{"2", 1024}, {"3", 0}}}}}}),
+                                   {"prefetch", {{"width_cap_bytes", {{"2", 1024}, {"3", 0}}}}},
+                                   {"allreduce", {{"3", "nccl"}}}}),  // recorded only when some width uses NCCL
                           kWhere);
   Json j = to_json(d);
   std::set<std::string> paths;
