@@ -327,7 +327,7 @@ void Harness::check_step(int index, const std::string& mode) {
       // reference's own residual ("end to end", shown in the row's name) a correct layer whose FFN input
       // is the renormalised mixer output alone (K3 layer 0 mixes the MLA output with the embedding, and
       // the mix may weight the MLA output ~1) lands near 1e-2 from rounding alone:
-      // tests/results/gpu-2026-12-03/README.md "Why K3 layer 0's hidden was at 1e-2".
+      // tests/results/gpu-2026-12-03/README.md "Why K3-shaped layer 0's hidden was at 1e-2".
       const double end_to_end = ref::rel_error(hout, want.hidden, &valid);
       ref::Mat rout_valid = rout;
       zero_rows(rout_valid, valid);

@@ -133,6 +133,7 @@ Inputs make_inputs(const Setup& s, const LayerWeights& w) {
 struct Run {
   LayerOutput out;
   Trace trace;
+  AttnResState attn_res;  // the block state after the layer (K3)
 };
 
 Run run_layer(const Setup& s, const LayerWeights& w, const Inputs& in, const Options& opt, const Mat* hidden = nullptr) {
@@ -140,6 +141,7 @@ Run run_layer(const Setup& s, const LayerWeights& w, const Inputs& in, const Opt
   Run r;
   r.out = decoder_layer(w, hidden ? *hidden : st.hidden, s.layer > 0 ? &st.residual : nullptr, st.meta, st.state, opt,
                         &r.trace, s.m.attn_res_block > 0 ? &st.attn_res : nullptr);
+  r.attn_res = st.attn_res;
   return r;
 }
 
@@ -350,6 +352,15 @@ int run(const Setup& s, int samples) {
   if (samples > 0) {
     const Mat y0e = run_ffn(w, x2, exact);
     fmt::print("  FFN's own rounding (rounded vs exact math on the same x2): {:9.3e}\n", rel_error(ffn_base, y0e));
+  }
+  // What `run --check` compares a layer's hidden output on: the FFN half (post-attention norm, K3 mix,
+  // FFN) fed the layer's residual output. Its own rounding noise, without the mixer half's.
+  {
+    const LayerWeights* ranks[1] = {&w};
+    const AttnResState* ar = m.attn_res_block > 0 ? &base.attn_res : nullptr;
+    const Mat he = post_attention_ffn(ranks, base.out.residual, exact, nullptr, ar);
+    fmt::print("  FFN half on the same residual (norm, mix, FFN): rounded vs exact math {:9.3e}\n",
+               rel_error(base.out.hidden, he));
   }
   return 0;
 }
