@@ -17,7 +17,8 @@
 // the bf16-rounded reference from exact float64 math, per stage; (3) per rounding point, the change of
 // the layer's outputs when that point alone is not rounded; (4) the change under one-ulp input
 // perturbations; (5) the change of the FFN output for a one-ulp change of its input (the FFN's own
-// amplification), and of the MLA/KDA output for a one-ulp change of the normed input.
+// amplification), the FFN's own rounding, and that of the layer's FFN half (post-attention norm, K3 mix,
+// FFN) on the layer's residual output, which is what `run --check` compares a GPU layer's hidden with.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -226,10 +227,7 @@ void magnitudes(const Setup& s, const LayerWeights& w, const Inputs& in, const R
     const Tensor& rn = w.get("mlp_res_norm.weight");
     const Tensor& rp = w.get("mlp_res_proj.weight");
     std::vector<std::span<const double>> srcs;
-    std::vector<Mat> blocks = in.attn_res.blocks;
-    if (w.spec().attn_res_push) blocks.push_back(in.residual.rows ? in.residual : in.hidden);
-    if (s.layer == 0) blocks.back() = in.hidden;  // layer 0 pushes the embedding
-    for (const Mat& b : blocks) srcs.push_back(b.row(0));
+    for (const Mat& b : base.attn_res.blocks) srcs.push_back(b.row(0));  // as they stand after the push
     srcs.push_back(base.out.residual.row(0));
     std::string ls = "  post-attention mix logits (blocks..., p):";
     std::vector<double> lg;
