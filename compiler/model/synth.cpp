@@ -123,7 +123,13 @@ std::vector<uint8_t> synth_tensor(const WeightSpec& w, DType dtype, uint64_t see
       case Fill::dt_bias: v = rng.symmetric(1.0) - 2.0; break;
       case Fill::conv: v = rng.symmetric(0.5); break;
       case Fill::bias: v = rng.symmetric(0.05); break;
-      case Fill::res_proj: v = rng.symmetric(0.2); break;
+      // A K3 attention-residual pseudo-query [1, H] (times res_norm ~1): the linear fill's fan-in scale
+      // gives mix logits (x . w) * rsqrt(mean(x^2)) of standard deviation ~1 at every hidden size, so
+      // the softmax over the blocks is neither uniform (the paper's zero init, which would leave the
+      // logit path untested) nor one-hot. A fixed +-0.2 gave logits of sd 0.115 * sqrt(H): ~1.8 at H
+      // 256 but ~10 at H 7168, an all-or-nothing mix no trained model shows, which fed K3-shaped layer
+      // 0's FFN the renormalised MLA output alone (tests/results/gpu-2026-12-03/README.md).
+      case Fill::res_proj: v = rng.symmetric(std::sqrt(3.0 / static_cast<double>(fan_in))); break;
       default: v = 0; break;
     }
     if (dtype == DType::F32) {

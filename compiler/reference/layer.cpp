@@ -587,6 +587,43 @@ Mat ffn(std::span<const LayerWeights* const> ranks, const Mat& x, const Options&
   fail(Errc::internal, "reference ffn: unknown FFN kind");
 }
 
+Mat post_attention_ffn(std::span<const LayerWeights* const> ranks, const Mat& residual, const Options& opt,
+                       Trace* trace, const AttnResState* attn_res) {
+  if (ranks.empty()) fail(Errc::internal, "reference post_attention_ffn: no ranks");
+  const LayerWeights& w0 = *ranks[0];
+  const Model& m = w0.model();
+  if (residual.cols != m.hidden)
+    fail(Errc::input, "reference post_attention_ffn: residual is [{}, {}], expected [T, {}]", residual.rows,
+         residual.cols, m.hidden);
+  const int64_t B = m.attn_res_block;
+  if ((B > 0) != (attn_res != nullptr))
+    fail(Errc::input, "reference post_attention_ffn: layer {}: {}", w0.layer(),
+         B > 0 ? "the model has block attention residuals: pass the step's AttnResState after the layer"
+               : "an AttnResState for a model without block attention residuals");
+  if (B > 0 && static_cast<int64_t>(attn_res->blocks.size()) != attn_res_blocks(w0.layer() + 1, B))
+    fail(Errc::input, "reference post_attention_ffn: layer {}'s second mix sees {} stored blocks, the state holds {}",
+         w0.layer(), attn_res_blocks(w0.layer() + 1, B), attn_res->blocks.size());
+  // The residual is already the bf16 sum, so the add of the fused add + norm is left out (no residual
+  // argument): the norm (K3: the mix and the norm) is the one decoder_layer_tp applies to it.
+  AddNorm post;
+  if (B == 0) {
+    post = fused_add_rms_norm(residual, nullptr, w0.get("post_attention_layernorm.weight").data, m.rms_norm_eps,
+                              opt.rounding);
+  } else {
+    std::vector<Mat> blocks = attn_res->blocks;
+    post = attn_res_add_norm(residual, nullptr, blocks, false, w0.get("mlp_res_norm.weight").data,
+                             w0.get("mlp_res_proj.weight").data, w0.get("post_attention_layernorm.weight").data,
+                             m.rms_norm_eps, opt.rounding);
+  }
+  Mat hidden = ffn(ranks, post.x, opt, trace);
+  if (trace) {
+    trace->put("x2", post.x);
+    trace->put("residual2", post.residual);
+    trace->put("ffn_out", hidden);
+  }
+  return hidden;
+}
+
 // ---- whole layers -------------------------------------------------------------------------------
 
 LayerOutput decoder_layer(const LayerWeights& w, const Mat& hidden, const Mat* residual, const StepMeta& meta,

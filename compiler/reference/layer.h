@@ -191,6 +191,17 @@ Mat moe(const LayerWeights& w, const Mat& x, const Options& opt, Trace* trace = 
 // routed_expert_norm (when configured); W_up_lat; + shared expert (all-reduced).
 Mat ffn(std::span<const LayerWeights* const> ranks, const Mat& x, const Options& opt, Trace* trace = nullptr);
 
+// The second half of a layer, from the residual stream after the post-attention add (K3: the partial
+// sum p): x2 = RMSNorm_post(residual) (K3: the mlp_res mix of the stored blocks, as they stand after
+// this layer's push, and p; then the norm), hidden = ffn(ranks, x2). decoder_layer_tp computes the same
+// from its own residual, bit for bit. `run --check` feeds it the GPU's residual output, so a layer's
+// FFN half is compared on the GPU's own input (as every layer is compared on the GPU's own layer
+// input) instead of compounding the mixer half's rounding differences into it. `attn_res` is the
+// step's block state after the layer ran (K3), null otherwise. Trace keys: "x2", "residual2",
+// "ffn_out" and the FFN's.
+Mat post_attention_ffn(std::span<const LayerWeights* const> ranks, const Mat& residual, const Options& opt = {},
+                       Trace* trace = nullptr, const AttnResState* attn_res = nullptr);
+
 // ---- whole layers ----
 
 struct LayerOutput {

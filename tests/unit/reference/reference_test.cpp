@@ -5,10 +5,12 @@
 // kernel delays its input, attention over one token returns that token, absorbed MLA equals the
 // naive per-head attention, a MoE forced onto one expert is that expert, a spec-verify step equals
 // the sequential steps it verifies, padded requests touch nothing, and TP partials sum to TP=1.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <random>
 
 #include "../test_util.h"
@@ -891,6 +893,59 @@ TEST(Reference, K3SpecVerifyAndTensorParallel) {
   LayerOutput ot = decoder_layer_tp(ranks, hid, &res, mm, states, none(), nullptr, &at);
   EXPECT_LT(rel_error(ot.hidden, of.hidden), 1e-13);
   EXPECT_GT(max_abs(of.hidden.v), 0.0);
+}
+
+// The FFN half on the layer's own residual output is the layer's hidden output, bit for bit (vLLM
+// rounding), for plain and K3 (attention-residual) layers, at TP 1 and TP 2: `run --check` relies on
+// this to compare a GPU layer's FFN half on the GPU's residual.
+TEST(Reference, PostAttentionFfnOnTheResidualIsTheLayersHidden) {
+  for (const Model* mp : {&tiny(), &k3tiny()}) {
+    const Model& m = *mp;
+    for (int layer = 0; layer < m.num_layers; ++layer) {
+      SCOPED_TRACE(fmt::format("{} layer {}", m.config_source, layer));
+      const bool kda = m.layers[static_cast<size_t>(layer)].mixer == model::Mixer::kda;
+      StepMeta meta = StepMeta::simple(2, 1, {3, 5}, 4, 2);
+      for (int tp : {1, 2}) {
+        std::vector<std::unique_ptr<LayerWeights>> w;
+        std::vector<const LayerWeights*> ranks;
+        std::vector<LayerState> st(static_cast<size_t>(tp));
+        std::vector<LayerState*> sp;
+        LayerState whole = [&] {
+          LayerState s;
+          if (kda) s.kda = rand_kda(m, {}, 3, m.kda.conv_kernel - 1, 31);
+          else s.mla = rand_mla(m, 5, 4, 31);
+          return s;
+        }();
+        for (int r = 0; r < tp; ++r) {
+          w.push_back(std::make_unique<LayerWeights>(LayerWeights::from_synth(m, layer, 30, {tp, r})));
+          ranks.push_back(w.back().get());
+          if (kda) st[static_cast<size_t>(r)].kda = tp == 1 ? whole.kda : slice_kda(m, whole.kda, tp, r);
+          else st[static_cast<size_t>(r)].mla = whole.mla;
+          sp.push_back(&st[static_cast<size_t>(r)]);
+        }
+        const Mat hid = rand_mat(2, m.hidden, 32), res = rand_mat(2, m.hidden, 33);
+        AttnResState ar = rand_attn_res(m, layer, 2, 34);
+        const LayerOutput out =
+            decoder_layer_tp(ranks, hid, layer > 0 ? &res : nullptr, meta, sp, {}, nullptr, ar_ptr(m, ar));
+        Trace tr;
+        const Mat h = post_attention_ffn(ranks, out.residual, {}, &tr, ar_ptr(m, ar));
+        EXPECT_EQ(h.v, out.hidden.v) << "tp " << tp;
+        EXPECT_GT(max_abs(h.v), 0.0);
+        EXPECT_EQ(tr.at("residual2").v, out.residual.v);
+        // A changed residual changes the FFN half's output (it is really the input).
+        Mat moved = out.residual;
+        for (double& v : moved.row(0)) v = -v;
+        EXPECT_NE(post_attention_ffn(ranks, moved, {}, nullptr, ar_ptr(m, ar)).v, out.hidden.v);
+      }
+    }
+  }
+  // The block state must be the one after the layer (layer 0 of K3 pushes the embedding first).
+  const Model& m = k3tiny();
+  LayerWeights w = LayerWeights::from_synth(m, 0, 30);
+  const LayerWeights* ranks[1] = {&w};
+  AttnResState empty;
+  EXPECT_THROW(post_attention_ffn(ranks, rand_mat(2, m.hidden, 35), {}, nullptr, &empty), dp::Error);
+  EXPECT_THROW(post_attention_ffn(ranks, rand_mat(2, m.hidden, 35), {}, nullptr, nullptr), dp::Error);
 }
 
 TEST(Reference, AttnResMixClosedForms) {
