@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "common/error.h"
+#include "common/rng.h"
 #include "tooling/cuda_driver.h"
 #include "decodepack/decodepack.h"
 
@@ -63,28 +64,7 @@ inline dp_bundle* open_bundle(const std::string& path) {
   return b;
 }
 
-// Random numbers: splitmix64, the same stream on every platform.
-struct Rng {
-  uint64_t s;
-  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 0x5DEECE66Dull) {}
-  uint64_t next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  double uniform(double lo, double hi) { return lo + (hi - lo) * static_cast<double>(next() >> 11) * 0x1.0p-53; }
-  // Uniform in [lo, hi] but never 0 (inputs are non-zero, so a kernel that ignores one shows).
-  double nonzero(double lo, double hi) {
-    const double x = uniform(lo, hi);
-    return x == 0 ? hi : x;
-  }
-  int64_t below(int64_t n) { return static_cast<int64_t>(next() % static_cast<uint64_t>(n)); }
-  template <class T>
-  void shuffle(std::vector<T>& v) {
-    for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[static_cast<size_t>(below(static_cast<int64_t>(i)))]);
-  }
-};
+using dp::Rng;  // common/rng.h: the inputs' random stream
 
 inline std::string human_bytes(uint64_t b) {
   if (b >= (1ull << 30)) return fmt::format("{:.2f} GiB", static_cast<double>(b) / double(1ull << 30));

@@ -29,6 +29,7 @@
 #include <fmt/format.h>
 
 #include "common/error.h"
+#include "common/rng.h"
 #include "model/ir.h"
 #include "reference/layer.h"
 #include "reference/numeric.h"
@@ -37,22 +38,6 @@ namespace {
 
 using namespace dp;
 using namespace dp::ref;
-
-struct Rng {
-  uint64_t s;
-  explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 0x5DEECE66Dull) {}
-  uint64_t next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  double uniform(double lo, double hi) { return lo + (hi - lo) * static_cast<double>(next() >> 11) * 0x1.0p-53; }
-  double nonzero(double lo, double hi) {
-    const double x = uniform(lo, hi);
-    return x == 0 ? hi : x;
-  }
-};
 
 Mat rand_bf16(int64_t rows, int64_t cols, double a, Rng& rng) {
   Mat m(rows, cols);
