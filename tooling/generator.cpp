@@ -214,9 +214,24 @@ void Generator::bind_caches(const BatchSizing& z) {
     }
     if (kda) kda_.push_back(std::move(kc));
   }
+  // K3 block attention residuals: the model's buffer, rows for the largest width the bundle holds. Every
+  // layer runs on the bundle's programs (check_bundle_serves, plan), and they write each block before a
+  // later layer of the same step reads it (layer 0 pushes the embedding), so no step puts anything there.
+  // Filled with bf16 NaN once: a block read before its step wrote it would give NaN logits, not plausible
+  // tokens.
+  const AttnResBuffer ar =
+      bind_attn_res(s, harness_->model().attn_res_block, widths_, harness_->q(),
+                    [&](size_t bytes, const std::string& what) { return mem_->alloc(bytes, what); });
+  if (ar.data) {
+    d.check(d.MemsetD8Async(ar.data, 0xFF, ar.bytes, harness_->stream()), "cuMemsetD8Async",
+            "attention-residual blocks");
+    total += ar.bytes;
+  }
   harness_->sync();
-  log(fmt::format("caches: {} for {} KDA slots and {} MLA blocks of {} tokens per layer", human_bytes(total), z.slots,
-                  z.blocks, block_size_));
+  log(fmt::format("caches: {} for {} KDA slots and {} MLA blocks of {} tokens per layer{}", human_bytes(total), z.slots,
+                  z.blocks, block_size_,
+                  ar.data ? fmt::format(", attention-residual blocks ({} per row) for {} rows", ar.blocks, ar.rows)
+                          : std::string()));
 }
 
 void Generator::allocate_io(int widest, int32_t cols) {

@@ -11,7 +11,9 @@
 //      lm_head.weight, or embed_tokens.weight when tied) and binds it (dp_session_bind_lm_head); keeps
 //      the embedding on the host;
 //   3. binds zeroed caches sized for the batch (Batcher: one KDA state slot per request, MLA blocks for
-//      every token a request feeds);
+//      every token a request feeds) and, for a model with block attention residuals (Kimi-K3), the
+//      attention-residual buffer (bind_attn_res: rows for the largest width; the layer programs fill it
+//      within each step, since every layer runs on them);
 //   4. per step (Batcher::next): gathers the input tokens' embedding rows on the host and uploads them and
 //      the metadata, zeroes the state slots of requests that start, dp_plan at the step's width, every
 //      layer through dp_launch_layer (ping-pong hidden/residual buffers, prefetch forks and one join),

@@ -246,20 +246,14 @@ void Harness::bind_caches() {
       lc.c.push_back(std::move(c));
     }
   }
-  attn_res_ = 0;
-  if (const int64_t B = model_->m.attn_res_block; B > 0) {
-    // One buffer for the model, rows for the largest width (the session refuses fewer).
-    const int64_t rows = static_cast<int64_t>(*std::max_element(widths_.begin(), widths_.end())) * q_;
-    dp_tensor t;
-    rt(dp_session_kv_layout(sh_.s, -1, DP_KV_ATTN_RES, rows, &t), "attention-residual buffer layout");
-    attn_res_blocks_ = t.shape[1];
-    attn_res_stride_ = t.strides[0];
-    const size_t bytes = static_cast<size_t>(rows * attn_res_stride_) * 2;
-    attn_res_ = width_mem_->alloc(bytes, "attention-residual blocks");
-    t.data = attn_res_;
-    rt(dp_session_bind_kv(sh_.s, -1, DP_KV_ATTN_RES, &t), "binding the attention-residual buffer");
-    total += bytes;
-  }
+  // K3: one attention-residual buffer for the model (its contents: upload_step_inputs).
+  const AttnResBuffer ar =
+      bind_attn_res(sh_.s, model_->m.attn_res_block, widths_, q_,
+                    [&](size_t bytes, const std::string& what) { return width_mem_->alloc(bytes, what); });
+  attn_res_ = ar.data;
+  attn_res_blocks_ = ar.blocks;
+  attn_res_stride_ = ar.stride;
+  total += ar.bytes;
   log(fmt::format("caches: {} for {} KDA slots and {} MLA blocks per layer", human_bytes(total), meta_.slots,
                   meta_.blocks));
 }
@@ -871,6 +865,24 @@ RunResult run_bundle(const RunOptions& o) {
   h.run();
   group.join();
   return res;
+}
+
+AttnResBuffer bind_attn_res(dp_session* s, int64_t attn_res_block, const std::vector<int32_t>& widths, int q,
+                            const std::function<CUdeviceptr(size_t, const std::string&)>& alloc) {
+  AttnResBuffer b;
+  if (attn_res_block <= 0) return b;
+  if (widths.empty()) fail(Errc::internal, "the attention-residual buffer: no widths to size it for");
+  // Rows for the largest width the bundle holds, whatever width runs (the session refuses fewer).
+  b.rows = static_cast<int64_t>(*std::max_element(widths.begin(), widths.end())) * q;
+  dp_tensor t;
+  rt(dp_session_kv_layout(s, -1, DP_KV_ATTN_RES, b.rows, &t), "attention-residual buffer layout");
+  b.blocks = t.shape[1];
+  b.stride = t.strides[0];
+  b.bytes = static_cast<size_t>(b.rows * b.stride) * dp_dtype_size(t.dtype);
+  b.data = alloc(b.bytes, "attention-residual blocks");
+  t.data = b.data;
+  rt(dp_session_bind_kv(s, -1, DP_KV_ATTN_RES, &t), "binding the attention-residual buffer");
+  return b;
 }
 
 }  // namespace dp::tools

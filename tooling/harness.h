@@ -167,4 +167,20 @@ class Harness {
   size_t act_bytes_ = 0;  // one [rows, H] bf16 buffer
 };
 
+// K3 block attention residuals (model-family.md 3d): the model's attention-residual buffer, one per
+// session (dp_session_bind_kv, layer -1, DP_KV_ATTN_RES), as `run`, `bench` and `generate` bind it.
+struct AttnResBuffer {
+  CUdeviceptr data = 0;            // 0: the model has none (nothing allocated or bound)
+  int64_t rows = 0;                // the largest width x q (the session refuses fewer)
+  int64_t blocks = 0, stride = 0;  // blocks per row; elements between rows (the session's layout)
+  size_t bytes = 0;
+};
+// With attn_res_block > 0: `rows` = the largest of `widths` x q rows in the session's layout
+// (dp_session_kv_layout), allocated through `alloc` (bytes, what) and bound; with 0, nothing. Its
+// contents are the caller's: the layer programs write each block before a later layer of the same step
+// reads it (layer 0 pushes the embedding), so a host that runs every layer on the bundle's programs puts
+// nothing there; one that runs some layers itself writes the blocks those layers push.
+AttnResBuffer bind_attn_res(dp_session* s, int64_t attn_res_block, const std::vector<int32_t>& widths, int q,
+                            const std::function<CUdeviceptr(size_t, const std::string&)>& alloc);
+
 }  // namespace dp::tools
