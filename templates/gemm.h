@@ -619,19 +619,26 @@ __device__ __forceinline__ void dp_pair_fp4(dp_u32 x0, dp_u32 x1, dp_u32 x2, dp_
   out[3] = __byte_perm(x1, x3, 0x7632u);
 }
 
+// The shared-memory ring dp_mma_rows_fp4 streams weights through: 8 slots of 16 bytes per lane of each
+// of the block's 8 warps (32 KB), one instance per kernel (the function is not a template).
+__device__ __forceinline__ dp_u32x4* dp_fp4_ring() {
+  __shared__ dp_u32x4 ring[DP_GEMM_GROUPS * 8 * DP_GROUP];
+  return ring;
+}
+
 // Tensor-core dot products of one warp over MXFP4 weight rows (dp_fp4_row): MT tiles of 16 rows against
 // NT tiles of 8 activation rows over the 128-column chunks [c0, c_end) of K. Lane (g, q) loads group q
 // of every chunk (columns [128c + 32q, +32): one 16-byte load and one scale byte) of weight rows g and
 // g + 8 of every tile, and the same 32 columns of activation row g of every tile (four 16-byte loads);
 // converted to bf16 with the group's scale folded in (exact, times 2^-32: dp_e2m1x8_to_bf16x8), they
 // are eight 16-deep steps whose k slots the lane fills with its own columns for both operands, as
-// dp_mma_rows does (the activations paired as the weights). kUnroll chunks of weight loads are issued
-// before any is used.
+// dp_mma_rows does (the activations paired as the weights). The weight vectors come through the warp's
+// slots of the shared-memory ring (dp_fp4_ring), copied by cp.async 4/MT chunks ahead. The ring's slots
+// are the warp's own: the function may be called by any subset of a block's warps, with no barrier.
 //   wrow(m): dp_fp4_row of weight row m (0 <= m < 16*MT); xrow(t): [K] bf16 or null (a zero row)
 template <int K, int MT, int NT, typename WRow, typename XRow>
 __device__ __forceinline__ void dp_mma_rows_fp4(WRow wrow, XRow xrow, int c0, int c_end, float (&acc)[MT][NT][4]) {
   static_assert(K % DP_FP4_GROUP == 0, "mxfp4 weights: K must be a multiple of 32 (one scale per 32 values)");
-  constexpr int kUnroll = MT == 1 ? 4 : 2;  // chunks of weight loads in flight
   const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
   const dp_u8* wp[MT][2];  // rows g, g+8 of each tile, at this lane's group of chunk 0
   const dp_u8* sp[MT][2];
@@ -654,73 +661,92 @@ __device__ __forceinline__ void dp_mma_rows_fp4(WRow wrow, XRow xrow, int c0, in
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) sum[mt][nt][0] = sum[mt][nt][1] = sum[mt][nt][2] = sum[mt][nt][3] = 0.0f;
-  typedef dp_u32x4 Vecs[kUnroll][MT][2];  // weight vectors of kUnroll chunks
-  typedef dp_u32 Scales[kUnroll][MT][2];  // their scale bytes
-  auto load = [&](int cb, Vecs& wv, Scales& sc) {
+  // One chunk: the lane's weight vectors and scale bytes of rows g, g+8 of every tile, converted and
+  // multiplied with its activation columns.
+  auto process = [&](int c, const dp_u32x4 (&wv)[MT][2], const dp_u32 (&sc)[MT][2]) {
+    const bool in = DP_FP4_CHUNK * c + DP_FP4_GROUP * q < K;
+    dp_u32 xw[NT][16];  // activation row g's 32 columns as bf16 pairs, paired as the weights
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int c = cb + u;
-      const bool in = c < c_end && DP_FP4_CHUNK * c + DP_FP4_GROUP * q < K;
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          if (in) {
-            wv[u][mt][r] = dp_load16(wp[mt][r] + 64 * c);
-            sc[u][mt][r] = sp[mt][r][4 * c];
-          } else {
-            wv[u][mt][r].x = wv[u][mt][r].y = wv[u][mt][r].z = wv[u][mt][r].w = 0u;
-            sc[u][mt][r] = 0u;
-          }
+      for (int i = 0; i < 4; ++i) {
+        dp_u32x4 v;
+        if (in && xp[nt]) {
+          v = dp_load16(xp[nt] + DP_FP4_CHUNK * c + 8 * i);
+        } else {
+          v.x = v.y = v.z = v.w = 0u;
         }
-    }
-  };
-  auto process = [&](int cb, const Vecs& wv, const Scales& sc) {
+        dp_pair_fp4(v.x, v.y, v.z, v.w, xw[nt] + 4 * i);
+      }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int c = cb + u;
-      if (c >= c_end) continue;  // uniform over the warp
-      const bool in = DP_FP4_CHUNK * c + DP_FP4_GROUP * q < K;
-      dp_u32 xw[NT][16];  // activation row g's 32 columns as bf16 pairs, paired as the weights
+    for (int mt = 0; mt < MT; ++mt) {
+      dp_u32 a[2][16];  // rows g, g+8: 32 columns as bf16 pairs (real values * 2^-32)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const dp_u32 factor = dp_fp4_factor(sc[mt][r]);
+        dp_e2m1x8_to_bf16x8(wv[mt][r].x, factor, a[r]);
+        dp_e2m1x8_to_bf16x8(wv[mt][r].y, factor, a[r] + 4);
+        dp_e2m1x8_to_bf16x8(wv[mt][r].z, factor, a[r] + 8);
+        dp_e2m1x8_to_bf16x8(wv[mt][r].w, factor, a[r] + 12);
+      }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          dp_u32x4 v;
-          if (in && xp[nt]) {
-            v = dp_load16(xp[nt] + DP_FP4_CHUNK * c + 8 * i);
-          } else {
-            v.x = v.y = v.z = v.w = 0u;
-          }
-          dp_pair_fp4(v.x, v.y, v.z, v.w, xw[nt] + 4 * i);
-        }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        dp_u32 a[2][16];  // rows g, g+8: 32 columns as bf16 pairs (real values * 2^-32)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const dp_u32 factor = dp_fp4_factor(sc[u][mt][r]);
-          const dp_u32x4 v = wv[u][mt][r];
-          dp_e2m1x8_to_bf16x8(v.x, factor, a[r]);
-          dp_e2m1x8_to_bf16x8(v.y, factor, a[r] + 4);
-          dp_e2m1x8_to_bf16x8(v.z, factor, a[r] + 8);
-          dp_e2m1x8_to_bf16x8(v.w, factor, a[r] + 12);
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            dp_mma_16816(sum[mt][nt], a[0][2 * i], a[1][2 * i], a[0][2 * i + 1], a[1][2 * i + 1], xw[nt][2 * i],
-                         xw[nt][2 * i + 1]);
-      }
+        for (int i = 0; i < 8; ++i)
+          dp_mma_16816(sum[mt][nt], a[0][2 * i], a[1][2 * i], a[0][2 * i + 1], a[1][2 * i + 1], xw[nt][2 * i],
+                       xw[nt][2 * i + 1]);
     }
   };
-  for (int cb = c0; cb < c_end; cb += kUnroll) {
-    Vecs wv;
-    Scales sc;
-    load(cb, wv, sc);
-    process(cb, wv, sc);
+  // The weights stream through the warp's ring with cp.async, kStages chunks ahead of their use (no
+  // registers held for them: measured 2-5% faster than chunks of loads into registers); the scale
+  // bytes are loaded as their chunk is issued. Each lane reads back only its own slots.
+  constexpr int kStages = 4 / MT;
+  const int warp = (int)threadIdx.x / DP_GROUP;
+  // This lane's slots: chunk stage st, row r of tile mt at ring + (st*2*MT + 2*mt + r) * 512 bytes.
+  const dp_u32 ring =
+      (dp_u32)__cvta_generic_to_shared(dp_fp4_ring()) + (dp_u32)((warp * 2 * kStages * MT * DP_GROUP + lane) * 16);
+  dp_u32 scr[kStages][MT][2];  // scale bytes of the chunks in flight
+  // Issues chunk c (zero-filled past c_end or K: nothing is copied and its scales are 0) into stage st.
+  auto issue = [&](int c, int st) {
+    const bool in = c < c_end && DP_FP4_CHUNK * c + DP_FP4_GROUP * q < K;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const dp_u32 dst = ring + (dp_u32)((st * 2 * MT + mt * 2 + r) * 32 * 16);
+        if (in) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(wp[mt][r] + 64 * c));
+        scr[st][mt][r] = in ? (dp_u32)sp[mt][r][4 * c] : 0u;
+      }
+    asm volatile("cp.async.commit_group;");
+  };
+#pragma unroll
+  for (int st = 0; st < kStages; ++st) issue(c0 + st, st);
+  for (int cb = c0; cb < c_end; cb += kStages) {
+#pragma unroll
+    for (int st = 0; st < kStages; ++st) {
+      const int c = cb + st;
+      if (c < c_end) {  // uniform over the warp
+        asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1));
+        dp_u32x4 wv[MT][2];
+        dp_u32 sc[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const dp_u32 src = ring + (dp_u32)((st * 2 * MT + mt * 2 + r) * 32 * 16);
+            const bool in = DP_FP4_CHUNK * c + DP_FP4_GROUP * q < K;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(wv[mt][r].x), "=r"(wv[mt][r].y), "=r"(wv[mt][r].z), "=r"(wv[mt][r].w)
+                         : "r"(src));
+            if (!in) wv[mt][r].x = wv[mt][r].y = wv[mt][r].z = wv[mt][r].w = 0u;
+            sc[mt][r] = scr[st][mt][r];
+          }
+        process(c, wv, sc);
+        issue(c + kStages, st);
+      }
+    }
   }
+  asm volatile("cp.async.wait_group 0;");  // nothing in flight into the ring when the next call begins
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
