@@ -597,9 +597,9 @@ __device__ __forceinline__ void dp_dot_rows_fp4(const dp_fp4_row (&w)[M], const 
 // word (some shifts go to the multiply-add pipe) and four multiplies for eight values, against the
 // fifteen byte-permute and logic instructions of the lookup tables this replaces (measured: the expert
 // GEMVs 15-20% faster). The callers pair the activations the same way (dp_pair_fp4) and multiply their
-// sums by 2^32. The 2^-32 keeps the factor a normal bf16 for s up to 160 and every operand normal from s = 34; s
-// above 160 is taken as 160 (real checkpoints' scales sit near 127: weights of magnitude 2^-93 to 2^33
-// are decoded exactly).
+// sums by 2^32. The 2^-32 keeps the factor a normal bf16 for s up to 160 and every operand normal from
+// s = 34; s above 160 is taken as 160 (real checkpoints' scales sit near 127: weights of magnitude
+// 2^-93 to 2^33 are decoded exactly).
 #define DP_FP4_UNSHIFT 0x1p32f
 __device__ __forceinline__ dp_u32 dp_fp4_factor(dp_u32 s) {  // bf16x2 (2^(s-33), 2^(s-33))
   return (dp_u32)(s < 160u ? s : 160u) * 0x00800080u + 94u * 0x00800080u;
