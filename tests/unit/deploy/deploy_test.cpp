@@ -14,11 +14,13 @@
 #include "common/embedded.h"
 #include "common/error.h"
 #include "model/ir.h"
+#include "deploy_errors.h"
 
 namespace fs = std::filesystem;
 using dp::Errc;
 using dp::Json;
 using namespace dp::deploy;
+using dp::test::deploy_error_of;
 
 namespace {
 
@@ -32,24 +34,6 @@ Json minimal(const Json& patch = Json::object()) {
   j.merge_patch(patch);
   return j;
 }
-
-// The message of the dp::Error(input) that parsing `j` throws; fails the test if it does not throw.
-std::string error_of(const Json& j) {
-  try {
-    parse_deploy(j, kWhere);
-  } catch (const dp::Error& e) {
-    EXPECT_EQ(e.code(), Errc::input) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "no error for " << j.dump();
-  return {};
-}
-
-#define EXPECT_MSG(json, fragment)                                                 \
-  do {                                                                             \
-    std::string m_ = error_of(json);                                               \
-    EXPECT_NE(m_.find(fragment), std::string::npos) << "message: " << m_;          \
-  } while (0)
 
 // ---- Defaults -----------------------------------------------------------------------------------------
 
@@ -169,7 +153,7 @@ TEST(Deploy, TargetTable) {
 TEST(Deploy, TargetsAreSortedAndChecked) {
   EXPECT_EQ(parse_deploy(minimal({{"targets", {"sm_90a", "gfx942", "sm_80"}}}), kWhere).targets,
             (std::vector<std::string>{"gfx942", "sm_80", "sm_90a"}));
-  EXPECT_EQ(error_of(minimal({{"targets", {"sm_90a", "sm_91"}}})),
+  EXPECT_EQ(deploy_error_of(minimal({{"targets", {"sm_90a", "sm_91"}}})),
             "deploy.json: targets[1] \"sm_91\" is not a known target (valid: gfx90a, gfx942, gfx950, sm_100a, "
             "sm_120a, sm_80, sm_86, sm_89, sm_90, sm_90a)");
   EXPECT_MSG(minimal({{"targets", {"sm_90a", "sm_90a"}}}), "targets[1] \"sm_90a\" is listed twice");
@@ -189,7 +173,7 @@ TEST(Deploy, TensorParallelSizes) {
     for (int r = 0; r < tp; ++r) EXPECT_EQ(d.ranks[r], r);
   }
   for (int tp : {0, 3, 6, 16, -1})
-    EXPECT_EQ(error_of(minimal({{"tensor_parallel", tp}})),
+    EXPECT_EQ(deploy_error_of(minimal({{"tensor_parallel", tp}})),
               fmt::format("deploy.json: tensor_parallel {} is not supported (valid: 1, 2, 4, 8)", tp));
   EXPECT_MSG(minimal({{"tensor_parallel", "2"}}), "tensor_parallel is a string (\"2\"), expected an integer");
   EXPECT_MSG(minimal({{"tensor_parallel", true}}), "tensor_parallel is a boolean");
@@ -202,9 +186,9 @@ TEST(Deploy, TensorParallelSizes) {
 TEST(Deploy, Ranks) {
   EXPECT_EQ(parse_deploy(minimal({{"tensor_parallel", 4}, {"ranks", {3, 1}}}), kWhere).ranks,
             (std::vector<int64_t>{1, 3}));
-  EXPECT_EQ(error_of(minimal({{"tensor_parallel", 4}, {"ranks", {0, 4}}})),
+  EXPECT_EQ(deploy_error_of(minimal({{"tensor_parallel", 4}, {"ranks", {0, 4}}})),
             "deploy.json: ranks[1] 4 is not a rank of tensor_parallel 4 (valid: 0..3)");
-  EXPECT_EQ(error_of(minimal({{"ranks", {-1}}})),
+  EXPECT_EQ(deploy_error_of(minimal({{"ranks", {-1}}})),
             "deploy.json: ranks[0] -1 is not a rank of tensor_parallel 1 (valid: 0..0)");
   EXPECT_MSG(minimal({{"tensor_parallel", 2}, {"ranks", {1, 1}}}), "ranks[1] 1 is listed twice (each rank once)");
   EXPECT_MSG(minimal({{"ranks", Json::array()}}), "ranks is an empty list");
@@ -218,7 +202,7 @@ TEST(Deploy, WidthsFromMaxNumSeqs) {
   Deploy d = parse_deploy(minimal({{"max_num_seqs", kMaxWidth}}), kWhere);
   EXPECT_EQ(d.widths.size(), static_cast<size_t>(kMaxWidth));
   EXPECT_EQ(d.max_width(), kMaxWidth);
-  EXPECT_EQ(error_of(minimal({{"max_num_seqs", 0}})).substr(0, 55),
+  EXPECT_EQ(deploy_error_of(minimal({{"max_num_seqs", 0}})).substr(0, 55),
             "deploy.json: max_num_seqs 0 is out of range (valid: 1..");
   EXPECT_MSG(minimal({{"max_num_seqs", 65}}), "max_num_seqs 65 is out of range (valid: 1..64; steps wider");
   EXPECT_MSG(minimal({{"max_num_seqs", -3}}), "max_num_seqs -3 is out of range");
@@ -228,7 +212,7 @@ TEST(Deploy, WidthsFromMaxNumSeqs) {
 TEST(Deploy, ExplicitWidths) {
   Json j = minimal({{"max_num_seqs", nullptr}, {"widths", {8, 1, 4, 2}}});
   EXPECT_EQ(parse_deploy(j, kWhere).widths, (std::vector<int64_t>{1, 2, 4, 8}));
-  EXPECT_EQ(error_of(minimal({{"max_num_seqs", nullptr}, {"widths", {1, 0}}})),
+  EXPECT_EQ(deploy_error_of(minimal({{"max_num_seqs", nullptr}, {"widths", {1, 0}}})),
             "deploy.json: widths[1] 0 is out of range (valid: 1..64)");
   EXPECT_MSG(minimal({{"max_num_seqs", nullptr}, {"widths", {65}}}), "widths[0] 65 is out of range (valid: 1..64)");
   EXPECT_MSG(minimal({{"max_num_seqs", nullptr}, {"widths", {2, 4, 2}}}), "widths[2] 2 is listed twice (each width once)");
@@ -248,7 +232,7 @@ TEST(Deploy, SpeculativeTokens) {
     EXPECT_EQ(d.num_speculative_tokens, n);
     EXPECT_EQ(d.q(), n + 1);
   }
-  EXPECT_EQ(error_of(minimal({{"num_speculative_tokens", 8}})),
+  EXPECT_EQ(deploy_error_of(minimal({{"num_speculative_tokens", 8}})),
             "deploy.json: num_speculative_tokens 8 is out of range (valid: 0..7)");
   EXPECT_MSG(minimal({{"num_speculative_tokens", -1}}), "num_speculative_tokens -1 is out of range (valid: 0..7)");
 }
@@ -263,11 +247,11 @@ TEST(Deploy, KvCache) {
   EXPECT_EQ(element_dtype(KvCacheDtype::bf16), dp::DType::BF16);
   for (int bs : {16, 32, 48, 64, 128, 256, 1920, 65536})
     EXPECT_EQ(parse_deploy(minimal({{"kv_cache", {{"block_size", bs}}}}), kWhere).kv_cache.block_size, bs);
-  EXPECT_EQ(error_of(minimal({{"kv_cache", {{"dtype", "fp16"}}}})),
+  EXPECT_EQ(deploy_error_of(minimal({{"kv_cache", {{"dtype", "fp16"}}}})),
             "deploy.json: kv_cache.dtype \"fp16\" is not supported (valid: bf16, fp8; the Kimi models are bf16)");
   EXPECT_MSG(minimal({{"kv_cache", {{"dtype", "auto"}}}}), "vLLM's \"auto\" means the model dtype: write bf16");
   EXPECT_MSG(minimal({{"kv_cache", {{"dtype", "fp8_ds_mla"}}}}), "DeepSeek sparse-MLA");
-  EXPECT_EQ(error_of(minimal({{"kv_cache", {{"dtype", "int4"}}}})),
+  EXPECT_EQ(deploy_error_of(minimal({{"kv_cache", {{"dtype", "int4"}}}})),
             "deploy.json: kv_cache.dtype \"int4\" is not supported (valid: bf16, fp8)");
   EXPECT_MSG(minimal({{"kv_cache", {{"block_size", 24}}}}), "kv_cache.block_size 24 is not a multiple of 16");
   EXPECT_MSG(minimal({{"kv_cache", {{"block_size", 0}}}}), "kv_cache.block_size 0 is out of range (valid: 16..65536)");
@@ -288,7 +272,7 @@ TEST(Deploy, KdaAndConvState) {
   EXPECT_EQ(element_dtype(ConvStateDtype::float32), dp::DType::F32);
   EXPECT_MSG(minimal({{"kda_state", {{"dtype", "bf16"}}}}),
              "kda_state.dtype \"bf16\" is not supported (valid: float32; vLLM keeps the KDA recurrent state in float32");
-  EXPECT_EQ(error_of(minimal({{"kda_state", {{"layout", "kk"}}}})),
+  EXPECT_EQ(deploy_error_of(minimal({{"kda_state", {{"layout", "kk"}}}})),
             "deploy.json: kda_state.layout \"kk\" is not supported (valid: kv, vk)");
   EXPECT_MSG(minimal({{"conv_state", {{"dtype", "fp8"}}}}), "conv_state.dtype \"fp8\" is not supported (valid: bf16, float32)");
   EXPECT_MSG(minimal({{"conv_state", {{"layout", "SD"}}}}), "write it in lower case: sd");
@@ -313,12 +297,12 @@ TEST(Deploy, Dcp) {
   Deploy d = parse_deploy(minimal({{"tensor_parallel", 8}, {"dcp", {{"size", 4}, {"interleave", 16}}}}), kWhere);
   EXPECT_EQ(d.dcp.size, 4);
   EXPECT_EQ(d.dcp.interleave, 16);
-  EXPECT_EQ(error_of(minimal({{"tensor_parallel", 4}, {"dcp", {{"size", 8}}}})),
+  EXPECT_EQ(deploy_error_of(minimal({{"tensor_parallel", 4}, {"dcp", {{"size", 8}}}})),
             "deploy.json: dcp.size 8 does not divide tensor_parallel 4 (valid: 1, 2, 4)");
-  EXPECT_EQ(error_of(minimal({{"tensor_parallel", 4}, {"dcp", {{"size", 3}}}})),
+  EXPECT_EQ(deploy_error_of(minimal({{"tensor_parallel", 4}, {"dcp", {{"size", 3}}}})),
             "deploy.json: dcp.size 3 does not divide tensor_parallel 4 (valid: 1, 2, 4)");
   EXPECT_MSG(minimal({{"dcp", {{"size", 0}}}}), "dcp.size 0 is out of range (valid: 1..8)");
-  EXPECT_EQ(error_of(minimal({{"dcp", {{"interleave", 3}}}})),
+  EXPECT_EQ(deploy_error_of(minimal({{"dcp", {{"interleave", 3}}}})),
             "deploy.json: dcp.interleave 3 does not divide kv_cache.block_size 64 (valid: 1, 2, 4, 8, 16, 32, 64)");
   EXPECT_MSG(minimal({{"kv_cache", {{"block_size", 48}}}, {"dcp", {{"interleave", 32}}}}),
              "dcp.interleave 32 does not divide kv_cache.block_size 48 (valid: 1, 2, 3, 4, 6, 8, 12, 16, 24, 48)");
@@ -386,7 +370,7 @@ TEST(Deploy, PrefetchErrors) {
   EXPECT_MSG(minimal({{"prefetch", {{"cap_bytes", -1}}}}), "prefetch.cap_bytes -1 is out of range (valid: 0..1073741824)");
   EXPECT_MSG(minimal({{"prefetch", {{"cap_bytes", (int64_t{1} << 30) + 1}}}}), "prefetch.cap_bytes 1073741825 is out of range");
   EXPECT_MSG(minimal({{"prefetch", {{"max_rows", 513}}}}), "prefetch.max_rows 513 is out of range (valid: 0..512)");
-  EXPECT_EQ(error_of(minimal({{"prefetch", {{"width_cap_bytes", {{"16", 0}}}}}})),
+  EXPECT_EQ(deploy_error_of(minimal({{"prefetch", {{"width_cap_bytes", {{"16", 0}}}}}})),
             "deploy.json: prefetch.width_cap_bytes.16 names width 16, which is not built (valid: 1..4)");
   EXPECT_MSG(minimal({{"max_num_seqs", nullptr}, {"widths", {1, 4}}, {"prefetch", {{"width_cap_bytes", {{"2", 0}}}}}}),
              "names width 2, which is not built (valid: 1, 4)");
@@ -438,11 +422,11 @@ TEST(Deploy, IndexerUnderDcp) {
 // ---- Unknown and null fields -------------------------------------------------------------------------
 
 TEST(Deploy, UnknownFields) {
-  EXPECT_EQ(error_of(minimal({{"tensor_paralel", 2}})),
+  EXPECT_EQ(deploy_error_of(minimal({{"tensor_paralel", 2}})),
             "deploy.json: unknown field tensor_paralel: did you mean tensor_parallel? (valid fields of the top level: "
             "allreduce, conv_state, dcp, indexer, kda_state, kv_cache, max_num_seqs, num_speculative_tokens, prefetch, ranks, "
             "targets, tensor_parallel, widths)");
-  EXPECT_EQ(error_of(minimal({{"kv_cache", {{"blocksize", 64}}}})),
+  EXPECT_EQ(deploy_error_of(minimal({{"kv_cache", {{"blocksize", 64}}}})),
             "deploy.json: unknown field kv_cache.blocksize: did you mean kv_cache.block_size? (valid fields of "
             "kv_cache: block_size, dtype)");
   EXPECT_MSG(minimal({{"quantization", "fp8"}}), "unknown field quantization (valid fields of the top level: allreduce, conv_state");
@@ -454,14 +438,14 @@ TEST(Deploy, UnknownFields) {
 TEST(Deploy, NullIsNotDefault) {
   Json j = minimal();
   j["ranks"] = nullptr;
-  EXPECT_EQ(error_of(j), "deploy.json: ranks is null; leave it out to get the default");
+  EXPECT_EQ(deploy_error_of(j), "deploy.json: ranks is null; leave it out to get the default");
   j = minimal();
   j["kv_cache"] = {{"dtype", nullptr}};
   EXPECT_MSG(j, "kv_cache.dtype is null");
 }
 
 TEST(Deploy, TopLevelMustBeAnObject) {
-  EXPECT_EQ(error_of(Json::array()), "deploy.json: the top level is an array ([]), expected an object");
+  EXPECT_EQ(deploy_error_of(Json::array()), "deploy.json: the top level is an array ([]), expected an object");
   EXPECT_MSG(Json("x"), "the top level is a string");
 }
 

@@ -15,10 +15,12 @@
 #include "format/manifest.h"
 #include "format/sections.h"
 #include "model/ir.h"
+#include "../deploy/deploy_errors.h"
 #include "plan/plan.h"
 
 namespace dp::plan {
 namespace {
+using dp::test::deploy_error_of;
 
 Json deploy_json(const Json& patch = Json::object()) {
   Json j = {{"targets", {"sm_90a"}}, {"tensor_parallel", 2}, {"max_num_seqs", 4}};
@@ -26,23 +28,6 @@ Json deploy_json(const Json& patch = Json::object()) {
   return j;
 }
 deploy::Deploy parse(const Json& j) { return deploy::parse_deploy(j, "deploy.json"); }
-
-std::string error_of(const Json& j) {
-  try {
-    parse(j);
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), Errc::input) << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "no error for " << j.dump();
-  return {};
-}
-
-#define EXPECT_MSG(json, fragment)                                        \
-  do {                                                                    \
-    const std::string m_ = error_of(json);                                \
-    EXPECT_NE(m_.find(fragment), std::string::npos) << "message: " << m_; \
-  } while (0)
 
 TEST(DeployAllreduce, DefaultIsInKernelEverywhereAndLeavesTheCanonicalFormAlone) {
   const deploy::Deploy d = parse(deploy_json());
