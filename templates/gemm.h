@@ -27,7 +27,12 @@
 // Launch bounds of the decode ops' entry points: blocks of at most n threads, and on NVIDIA at least one
 // resident block per SM. Without the second number ptxas may cap registers to fit more blocks and
 // spill a few values to local memory instead (seen: 12 bytes at 64 registers, where 71 fit without);
-// these kernels are bounded by memory, not by occupancy beyond one or two blocks.
+// these kernels are bounded by memory, not by occupancy beyond one or two blocks. The GEMM-shaped ops
+// (gemm, mlp_up, moe_up, moe_down) up to 8 activation rows take DP_KERNEL_BOUNDS_2 (codegen's
+// gemv_bounds): their grids have more blocks than SMs (144 blocks of 16 rows for a 2304-row matrix on
+// 132 SMs), so one block per SM left the rest to a second wave; the 48B-shaped e4m3 down_proj at 130
+// registers took 14.4 us at width 1 against 11.6 us capped at 128 (H200, 2026-12-03). None of them
+// spills at the cap up to 8 rows; from 9 rows some do, and they keep one block per SM.
 #if DP_VENDOR_NVIDIA
 #define DP_KERNEL_BOUNDS(n) __launch_bounds__(n, 1)
 #define DP_KERNEL_BOUNDS_2(n) __launch_bounds__(n, 2)  // two resident blocks per SM (at most 128 registers)
@@ -394,10 +399,27 @@ __device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_
 // 16-deep steps. Every block's products are summed apart and added to acc times the rows' block scale,
 // c[0], c[1] with row g's scale, c[2], c[3] with row g + 8's (the two may belong to different matrices).
 //   wrow(m): dp_fp8_row of weight row m (0 <= m < 16*MT); xrow(t): [K] bf16 or null (a zero row)
-template <int K, int MT, int NT, typename WRow, typename XRow>
+//   kSpan: b_end - b0 where every caller's range has that many blocks (at most; 0: not known), which
+//   picks how many blocks' loads a lane issues at once (dp_fp8_unroll).
+// A lane loads kUnroll blocks, then converts and multiplies them, then loads the next kUnroll: the loads
+// of a round wait for the previous round's arithmetic, so the rounds a range takes are latency the
+// kernel pays. kUnroll 2 by default (one tile); 3 where the range is an odd multiple of 3 blocks (9:
+// three full rounds instead of five, the last half empty; the 48B-shaped down_proj 11.4 -> 9.7 us at
+// width 1, 12.2 -> 10.0 us at width 8), all 4 where it is 4 blocks (one round; the o_proj 6.0 -> 5.8
+// us). Measured on an H200 with the same outputs bit for bit (2026-12-03, tests/results/
+// gpu-2026-12-03d); 3 on 5-block ranges and 4 on longer ones were slower (more registers, no fewer
+// rounds).
+template <int MT, int kSpan>
+__host__ __device__ constexpr int dp_fp8_unroll() {
+  if (MT != 1) return 1;
+  if (kSpan == 4) return 4;
+  if (kSpan > 0 && kSpan % 3 == 0 && kSpan % 2 != 0) return 3;
+  return 2;
+}
+template <int K, int MT, int NT, int kSpan = 0, typename WRow, typename XRow>
 __device__ __forceinline__ void dp_mma_rows_fp8(WRow wrow, XRow xrow, int b0, int b_end, float (&acc)[MT][NT][4]) {
   static_assert(K % 16 == 0, "fp8 weights: K must be a multiple of 16 (16-byte e4m3 vectors)");
-  constexpr int kUnroll = MT == 1 ? 2 : 1;  // blocks of loads in flight
+  constexpr int kUnroll = dp_fp8_unroll<MT, kSpan>();  // blocks of loads in flight
   const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
   dp_fp8_row wr[MT][2];  // rows g, g+8 of each tile
   const dp_bf16* xp[NT];
@@ -485,6 +507,7 @@ __device__ __forceinline__ void dp_mma_rows_fp8(WRow wrow, XRow xrow, int b0, in
     }
   }
 }
+
 #endif
 
 // ---------------------------------------------------------------------------------------------------
@@ -857,8 +880,8 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
     if constexpr (kFp8) {
       const int b0 = slice * kSliceBlocks;
       const int b_end = (b0 + kSliceBlocks < kBlocks) ? b0 + kSliceBlocks : kBlocks;
-      dp_mma_rows_fp8<K, MT, NT>([&](int m) { return wrow(slot, m); },
-                                 [&](int t) { return t < T ? xrow(t) : nullptr; }, b0, b_end, acc);
+      dp_mma_rows_fp8<K, MT, NT, kSliceBlocks>([&](int m) { return wrow(slot, m); },
+                                               [&](int t) { return t < T ? xrow(t) : nullptr; }, b0, b_end, acc);
     } else if constexpr (kFp4) {
       const int b0 = slice * kSliceBlocks;
       const int b_end = (b0 + kSliceBlocks < kBlocks) ? b0 + kSliceBlocks : kBlocks;

@@ -160,7 +160,8 @@ std::string generate_source(const KernelInstance& k) {
                    launch.grid_is_default ? " by default" : "", sig.bytes);
   s += "#include \"vendor.h\"\n";
   s += fmt::format("#include \"{}\"\n\n", op.header);
-  s += fmt::format("extern \"C\" __global__ {}({}) void {}(\n", op.bounds, op.block_threads(full), name);
+  s += fmt::format("extern \"C\" __global__ {}({}) void {}(\n", op.bounds_for ? op.bounds_for(full) : op.bounds,
+                   op.block_threads(full), name);
   for (size_t i = 0; i < sig.params.size(); ++i) {
     const KernelParam& p = sig.params[i];
     std::string decl = fmt::format("    {} {}{}", p.c_type, p.name, i + 1 < sig.params.size() ? "," : ") {");

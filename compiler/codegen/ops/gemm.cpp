@@ -57,7 +57,7 @@ uint32_t gemm_grid(const Params& p) {
 }  // namespace
 
 std::vector<OpSpec> gemm_ops() {
-  return {
+  std::vector<OpSpec> ops{
       {
           // Skinny GEMM over up to six weights that read the same input, stacked in one launch.
           "gemm",
@@ -128,7 +128,7 @@ std::vector<OpSpec> gemm_ops() {
             return s;
           },
           [](const Params&) { return kGemmThreads; },
-          "DP_KERNEL_BOUNDS",
+          "DP_KERNEL_BOUNDS",  // replaced by gemv_bounds (below)
           [](const Params& p) {
             DeviceCall c;
             if (!p.at("Q8") && !p.at("AD")) return c;  // dp_gemm over the bf16 weights given
@@ -144,6 +144,8 @@ std::vector<OpSpec> gemm_ops() {
           },
       },
   };
+  for (OpSpec& op : ops) op.bounds_for = gemv_bounds;
+  return ops;
 }
 
 }  // namespace dp::codegen::ops

@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include <string_view>
+
 #include "common/error.h"
 
 namespace dp::codegen::ops {
@@ -116,7 +118,7 @@ std::vector<ArgSpec> moe_down_q4_args(const Params& p) {
 }  // namespace
 
 std::vector<OpSpec> moe_ops() {
-  return {
+  std::vector<OpSpec> ops{
       {
           // MoE routing: sigmoid, correction bias, top-k, renormalise; the step's used-expert list.
           "moe_route",
@@ -248,7 +250,7 @@ std::vector<OpSpec> moe_ops() {
             return s;
           },
           [](const Params&) { return kGemmThreads; },
-          "DP_KERNEL_BOUNDS",
+          "DP_KERNEL_BOUNDS",  // replaced by gemv_bounds (below)
           [](const Params& p) { return p.at("Q4") ? DeviceCall{"dp_moe_up_q4", {}} : q8_call(p, "dp_moe_up_q8"); },
       },
       {
@@ -320,7 +322,7 @@ std::vector<OpSpec> moe_ops() {
             return s;
           },
           [](const Params&) { return kGemmThreads; },
-          "DP_KERNEL_BOUNDS",
+          "DP_KERNEL_BOUNDS",  // replaced by gemv_bounds (below)
           [](const Params& p) {
             return p.at("Q4") ? DeviceCall{"dp_moe_down_q4", {}} : q8_call(p, "dp_moe_down_q8");
           },
@@ -373,10 +375,13 @@ std::vector<OpSpec> moe_ops() {
             return s;
           },
           [](const Params&) { return kGemmThreads; },
-          "DP_KERNEL_BOUNDS",
+          "DP_KERNEL_BOUNDS",  // replaced by gemv_bounds (below)
           [](const Params& p) { return q8_call(p, "dp_mlp_up_q8"); },
       },
   };
+  for (OpSpec& op : ops)
+    if (std::string_view(op.name) != "moe_route") op.bounds_for = gemv_bounds;
+  return ops;
 }
 
 }  // namespace dp::codegen::ops

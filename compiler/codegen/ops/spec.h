@@ -62,6 +62,8 @@ struct OpSpec {
   // function (empty: device_fn) and its argument expressions (parameter names, "nullptr" for one this
   // instance lacks; empty: every parameter in order). No function here: the default call.
   std::function<DeviceCall(const Params&)> call = {};
+  // When set, the launch-bounds macro by instance instead of `bounds` (set after the initializer).
+  std::function<const char*(const Params&)> bounds_for = {};
 };
 
 // The families, one per templates/ header.
@@ -88,6 +90,12 @@ inline constexpr int64_t kGemmGroups = 8;
 inline constexpr int64_t kTileRows = 16;       // weight rows of one tensor-core tile
 inline constexpr int64_t kMaxGemmRows = 32;    // activation rows (W*q) of one launch
 inline constexpr int64_t kTargetBlocks = 264;  // about two blocks per SM of a 132-SM H200
+
+// Launch bounds of the GEMM-shaped ops (gemm, mlp_up, moe_up, moe_down): at most 128 registers, two
+// blocks per SM, up to 8 activation rows (one tensor-core column tile); their grids have more blocks
+// than SMs, and at one block per SM the rest ran as a second wave (templates/gemm.h). From 9 rows the
+// second column tile's accumulators do not fit 128 registers (spills), so one block per SM.
+inline const char* gemv_bounds(const Params& p) { return p.at("W") <= 8 ? "DP_KERNEL_BOUNDS_2" : "DP_KERNEL_BOUNDS"; }
 
 // ---- Messages and shapes ------------------------------------------------------------------------
 // FP8 block-quantized weights (e4m3 values, fp32 scales per 128 x 128 block): the "Q8" parameter of the

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include <fmt/format.h>
+
 #include "../../backend/backend_test_util.h"
 #include "../compile_check.h"
 #include "codegen/kernel.h"
@@ -75,6 +77,20 @@ TEST(GemmOp, Source) {
   const std::string g = generate_source(gemm(4, 4096, {2304}));
   EXPECT_NE(g.find("dp_gemm<4, 4096, 2304, 0, 0, 0, 0, 0, 0, 1, 8>(x, out, w0);"), std::string::npos) << g;
   EXPECT_NE(g.find("DP_GRID_DEPENDENCY_ENTRY();"), std::string::npos) << g;
+}
+
+TEST(GemmOp, TwoBlocksPerSmUpToEightRows) {
+  // Up to 8 activation rows (one tensor-core column tile) the entry caps registers at 128 so that two
+  // blocks share an SM (144-block grids on 132 SMs ran a second wave at one block per SM); from 9 rows
+  // it keeps one block per SM, as the second column tile's accumulators would spill at 128.
+  for (int64_t w : {1, 8}) {
+    const std::string g = generate_source(gemm(w, 9216, {2304}));
+    EXPECT_NE(g.find(fmt::format("__global__ DP_KERNEL_BOUNDS_2(256) void gemm_w{}_k9216_na2304(", w)),
+              std::string::npos)
+        << g;
+  }
+  const std::string g16 = generate_source(gemm(16, 9216, {2304}));
+  EXPECT_NE(g16.find("__global__ DP_KERNEL_BOUNDS(256) void gemm_w16_k9216_na2304("), std::string::npos) << g16;
 }
 
 // Kimi-Linear tiny (hidden 256, KDA projections, router) and Kimi-Linear-48B at width 8, q 2.

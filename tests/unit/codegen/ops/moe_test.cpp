@@ -81,6 +81,22 @@ TEST(MoeOps, LaunchShapes) {
   EXPECT_EQ(launch_shape(mlp_up(4, 2304, 9216)).grid[0], 576u);
 }
 
+TEST(MoeOps, GemmShapedOpsTakeTwoBlocksPerSmUpToEightRows) {
+  // moe_up, moe_down and mlp_up as gemm (gemm_test): 128 registers, two blocks per SM, up to 8 rows;
+  // moe_route (one block) keeps one.
+  auto bounds_of = [](const KernelInstance& k) {
+    const std::string g = generate_source(k);
+    const size_t at = g.find("__global__ ");
+    return at == std::string::npos ? std::string() : g.substr(at + 11, g.find('(', at) - at - 11);
+  };
+  EXPECT_EQ(bounds_of(moe_up(1, 2304, 1024, 256, 8, 1024)), "DP_KERNEL_BOUNDS_2");
+  EXPECT_EQ(bounds_of(moe_down(8, 2304, 1024, 256, 8, 1024)), "DP_KERNEL_BOUNDS_2");
+  EXPECT_EQ(bounds_of(mlp_up(4, 2304, 9216)), "DP_KERNEL_BOUNDS_2");
+  EXPECT_EQ(bounds_of(moe_up(16, 2304, 1024, 256, 8, 1024)), "DP_KERNEL_BOUNDS");
+  EXPECT_EQ(bounds_of(moe_down(9, 2304, 1024, 256, 8, 1024)), "DP_KERNEL_BOUNDS");
+  EXPECT_EQ(bounds_of(route(8, 256, 8)), "DP_KERNEL_BOUNDS");
+}
+
 // Kimi-Linear tiny (16 experts top-4, I 128, shared 128, dense 512), Kimi-Linear-48B at width 8, q 2, and
 // Kimi-K3 (SiTU, 896 experts top-16).
 std::vector<KernelInstance> compile_set(const std::string& t) {
