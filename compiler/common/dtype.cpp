@@ -49,22 +49,27 @@ float bf16_bits_to_f32(uint16_t b) {
 }
 
 uint8_t f32_to_e4m3_bits(float f) {
-  const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
-  if (std::isnan(f)) return sign | 0x7f;
-  const double a = std::fabs(static_cast<double>(f));
-  if (a >= kE4m3Max) return sign | 0x7e;  // saturate (also +-Inf): e4m3fn has no infinity
-  // Below 2^-6 the values are subnormal, m * 2^-9 for m in 0..7: the bits are the rounded multiple of
-  // 2^-9 itself, and a round up to 8 is exactly the smallest normal (exponent field 1, mantissa 0).
-  // Scaling by a power of two is exact, so nearbyint (round half to even) sees the exact quotient.
-  if (a < 0x1p-6) return sign | static_cast<uint8_t>(std::nearbyint(std::ldexp(a, 9)));
-  int e = 0;
-  std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1): the unbiased e4m3 exponent is e - 1
-  const int exp = e - 1;  // -6..8
-  // The significand in eighths: [8, 16); a round up to 16 carries into the exponent, which the sum
-  // below does by itself (16 - 8 = 8 = one exponent step of the field).
-  const int q = static_cast<int>(std::nearbyint(std::ldexp(a, 3 - exp)));
-  const int bits = ((exp + 7) << 3) + (q - 8);
-  return sign | static_cast<uint8_t>(bits > 0x7e ? 0x7e : bits);  // 448 < a < 464 rounds to 448 anyway
+  // On the float's bits (a quantizer's inner loop: an FP8 checkpoint is billions of these), with the
+  // same results as rounding the exact value: round half to even, saturating.
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7f;   // NaN
+  if (a >= 0x43e00000u) return sign | 0x7e;  // >= 448 (also +-Inf): e4m3fn has no infinity, saturate
+  if (a < 0x3c800000u) {
+    // Below 2^-6 the values are subnormal, m * 2^-9 for m in 0..7: the bits are the rounded multiple of
+    // 2^-9 itself (a * 2^9 is exact), and a round up to 8 is exactly the smallest normal (exponent field
+    // 1, mantissa 0).
+    float m;
+    std::memcpy(&m, &a, 4);
+    return sign | static_cast<uint8_t>(std::nearbyint(m * 512.0f));
+  }
+  // Normal: drop 20 of the 23 mantissa bits, rounding half to even on the whole pattern, so that a
+  // round up of the mantissa carries into the exponent; then rebias the exponent (127 -> 7).
+  const uint32_t r = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+  const uint32_t bits = r - ((127u - 7u) << 3);
+  return sign | static_cast<uint8_t>(bits > 0x7eu ? 0x7eu : bits);  // 448 < a < 464 rounds to 448 anyway
 }
 
 float e4m3_bits_to_f32(uint8_t b) {
