@@ -11,7 +11,7 @@
 #include "common/error.h"
 #include "reference/numeric.h"
 #include "tooling/harness.h"
-#include "tooling/parallel.h"
+#include "common/parallel.h"
 
 namespace dp::tools {
 

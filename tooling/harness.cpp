@@ -29,7 +29,7 @@
 #include "reference/numeric.h"
 #include "tooling/check.h"
 #include "tooling/device.h"
-#include "tooling/parallel.h"
+#include "common/parallel.h"
 
 namespace dp::tools {
 

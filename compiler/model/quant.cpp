@@ -12,6 +12,7 @@
 
 #include "common/dtype.h"
 #include "common/error.h"
+#include "common/parallel.h"
 
 namespace dp::model {
 namespace {
@@ -354,17 +355,7 @@ Fp8Blocks quantize_fp8_blocks(const std::vector<float>& values, int64_t rows, in
   // Rows of blocks are independent: big matrices (a synthetic checkpoint's, the reference's) are cut
   // over the cores, the same bytes whatever the count.
   const unsigned threads = values.size() < (1u << 20) ? 1u : std::max(1u, std::thread::hardware_concurrency());
-  if (threads == 1 || br < 2) {
-    for (int64_t bi = 0; bi < br; ++bi) block_row(bi);
-    return out;
-  }
-  std::vector<std::thread> pool;
-  const unsigned n = static_cast<unsigned>(std::min<int64_t>(threads, br));
-  for (unsigned t = 0; t < n; ++t)
-    pool.emplace_back([&, t] {
-      for (int64_t bi = t; bi < br; bi += n) block_row(bi);
-    });
-  for (std::thread& th : pool) th.join();
+  parallel_for(static_cast<size_t>(br), threads, [&](size_t bi) { block_row(static_cast<int64_t>(bi)); });
   return out;
 }
 

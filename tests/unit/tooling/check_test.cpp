@@ -7,7 +7,7 @@
 #include <stdexcept>
 
 #include "tooling/check.h"
-#include "tooling/parallel.h"
+#include "common/parallel.h"
 
 namespace dp::tools {
 namespace {

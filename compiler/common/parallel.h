@@ -1,5 +1,6 @@
-// The tools' one thread pool: a parallel loop over indices (weight conversion of expert groups, the
-// layer-by-layer reference checks).
+// A parallel loop over indices, for work whose items are independent and equal enough to be dealt out
+// round robin (weight conversion of expert groups, the layer-by-layer reference checks, rows of FP8
+// blocks in the quantizer).
 #pragma once
 
 #include <algorithm>
@@ -7,7 +8,7 @@
 #include <thread>
 #include <vector>
 
-namespace dp::tools {
+namespace dp {
 
 // Runs f(i) for i in [0, n) on up to `threads` threads; the first exception is rethrown after all joined.
 template <class F>
@@ -32,4 +33,4 @@ void parallel_for(size_t n, unsigned threads, F&& f) {
     if (e) std::rethrow_exception(e);
 }
 
-}  // namespace dp::tools
+}  // namespace dp
