@@ -798,6 +798,27 @@ struct dp_fp4_matrix {
 };
 
 #if DP_VENDOR_NVIDIA
+// The units of K the tensor-core loops take ranges of, for weight rows of type R: 128-column blocks
+// (e4m3), 128-column chunks (MXFP4) or 32-column chunks (bf16).
+template <int K, typename R>
+__host__ __device__ constexpr int dp_mma_units() {
+  if constexpr (dp_is_fp8_row<R>::value)
+    return (K + DP_FP8_BLOCK - 1) / DP_FP8_BLOCK;
+  else if constexpr (dp_is_fp4_row<R>::value)
+    return (K + DP_FP4_CHUNK - 1) / DP_FP4_CHUNK;
+  else
+    return (K + 31) / 32;
+}
+// dp_mma_rows, dp_mma_rows_fp8 or dp_mma_rows_fp4 (by what wrow returns) over the units [u0, u_end).
+template <int K, int MT, int NT, typename WRow, typename XRow>
+__device__ __forceinline__ void dp_mma_rows_range(WRow wrow, XRow xrow, int u0, int u_end, float (&acc)[MT][NT][4]) {
+  if constexpr (dp_is_fp8_row<decltype(wrow(0))>::value)
+    dp_mma_rows_fp8<K, MT, NT>(wrow, xrow, u0, u_end, acc);
+  else if constexpr (dp_is_fp4_row<decltype(wrow(0))>::value)
+    dp_mma_rows_fp4<K, MT, NT>(wrow, xrow, u0, u_end, acc);
+  else
+    dp_mma_rows<K, MT, NT>(wrow, xrow, u0, u_end, acc);
+}
 // dp_mma_rows, dp_mma_rows_fp8 or dp_mma_rows_fp4 (by what wrow returns) over the whole of K.
 template <int K, int MT, int NT, typename WRow, typename XRow>
 __device__ __forceinline__ void dp_mma_rows_all(WRow wrow, XRow xrow, float (&acc)[MT][NT][4]) {

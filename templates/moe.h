@@ -244,8 +244,8 @@ __device__ __forceinline__ void dp_gate_up_warp_tile(XRow xrow, WM wg, WM wu, in
 //   1: warp tiles of 8 features (dp_gate_up_warp_tile), the shared expert's first, then each used
 //      expert's, walked by all warps of the grid with a stride (any grid; the compiler sizes it to the
 //      most tiles a step can have, at most about two blocks per SM). On AMD: the block tiles of 0,
-//      walked by the blocks of the grid with a stride. MXFP4 experts (kQ4) take the warp tiles from one
-//      row on NVIDIA.
+//      walked by the blocks of the grid with a stride. MXFP4 and e4m3 experts (kQ4, kQ8) take the warp
+//      tiles from one row on NVIDIA.
 // Expert storage: bf16; e4m3 with 128 x 128 block scales (kQ8, every matrix, routed and shared); or
 // MXFP4 (kQ4: the routed experts' packed E2M1 codes [I, D/2] bytes and E8M0 scales [I, D/32] bytes,
 // strides in bytes; no shared expert, SI == 0).
@@ -274,7 +274,7 @@ __device__ __forceinline__ void dp_moe_up_impl(
       return dp_bf16_matrix<D>{(const dp_bf16*)w + w_off};
   };
 #if DP_VENDOR_NVIDIA
-  if constexpr (kWarpTiles && (T >= 2 || kQ4 != 0)) {
+  if constexpr (kWarpTiles && (T >= 2 || kQ4 != 0 || kQ8 != 0)) {
     constexpr int tS = (SI + 7) / 8, tI = (I + 7) / 8;  // 8-feature tiles of the shared expert, of one expert
     const int warps = (int)gridDim.x * DP_GEMM_GROUPS;
     const int total = tS + experts[0] * tI;
@@ -382,47 +382,83 @@ __device__ __forceinline__ void dp_moe_up_q4(const dp_bf16* __restrict__ x, cons
       stride_w1_scale, stride_w3, stride_w3_scale, act_beta, act_lbeta);
 }
 
-// Dense MLP gate/up: h = act(gate x, up x). Launch: grid ceil(I/RB), block 256. dp_mlp_up: bf16 weights;
-// dp_mlp_up_q8: e4m3 gate_proj and up_proj with their 128 x 128 block scales.
-template <int T, int D, int I, int kAct, int MT, int S, typename WM>
+// Dense MLP gate/up: h = act(gate x, up x). dp_mlp_up: bf16 weights; dp_mlp_up_q8: e4m3 gate_proj and
+// up_proj with their 128 x 128 block scales. Two work splits (kWarpTiles, chosen by the compiler):
+//   0: block tiles of RB features. Launch: grid ceil(I/RB), block 256.
+//   1 (NVIDIA): warp tiles of 8 features (dp_gate_up_warp_tile) walked by every warp of the grid with a
+//      stride (any grid), as dp_moe_up_impl's warp tiles.
+template <int T, int D, int I, int kAct, int MT, int S, int kWarpTiles, typename WM>
 __device__ __forceinline__ void dp_mlp_up_impl(const dp_bf16* __restrict__ x,  // [T, D] bf16
                                                WM w_gate,                      // [I, D] gate_proj
                                                WM w_up,                        // [I, D] up_proj
                                                dp_bf16* __restrict__ h,        // [T, I] bf16
                                                float act_beta, float act_lbeta) {
-  typedef dp_gate_up_geometry<T, D, MT, S> F;
-  typedef typename F::G G;
-  constexpr int RB = F::kFeatures;
-  __shared__ float partial[DP_GEMM_GROUPS * G::kSlotRows * T];  // [8, 16*MT, T] fp32
-  __shared__ float result[G::kRows * T];                        // [2*RB, T] fp32
-  __shared__ float act[RB * T];                                 // [RB, T] fp32
-  const int row0 = (int)blockIdx.x * RB;
-  dp_gate_up_tile<T, D, MT, S, kAct>([&](int t) { return x + (dp_u64)t * D; }, w_gate, w_up, I, row0, act_beta,
-                                     act_lbeta, partial, result, act);
-  for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
-    const int t = i % T, r = row0 + i / T;
-    if (r < I) h[(dp_u64)t * I + r] = dp_f32_to_bf16(act[i]);
+#if DP_VENDOR_NVIDIA
+  if constexpr (kWarpTiles != 0) {
+    // Warp tiles of 8 features over all of D (dp_gate_up_warp_tile), walked by every warp of the grid
+    // with a stride.
+    constexpr int tI = (I + 7) / 8;
+    const int warps = (int)gridDim.x * DP_GEMM_GROUPS;
+    for (int it = (int)blockIdx.x * DP_GEMM_GROUPS + (int)threadIdx.x / DP_GROUP; it < tI; it += warps)
+      dp_gate_up_warp_tile<T, D, kAct>([&](int t) { return x + (dp_u64)t * D; }, w_gate, w_up, I, 8 * it, act_beta,
+                                       act_lbeta,
+                                       [&](int t, int f, float v) { h[(dp_u64)t * I + f] = dp_f32_to_bf16(v); });
+    return;
+  }
+#endif
+#if DP_VENDOR_NVIDIA
+  constexpr bool kBlockTiles = kWarpTiles == 0;
+#else
+  constexpr bool kBlockTiles = true;
+#endif
+  if constexpr (kBlockTiles) {
+    typedef dp_gate_up_geometry<T, D, MT, S> F;
+    typedef typename F::G G;
+    constexpr int RB = F::kFeatures;
+    __shared__ float partial[DP_GEMM_GROUPS * G::kSlotRows * T];  // [8, 16*MT, T] fp32
+    __shared__ float result[G::kRows * T];                        // [2*RB, T] fp32
+    __shared__ float act[RB * T];                                 // [RB, T] fp32
+    auto tile = [&](int b) {
+      const int row0 = b * RB;
+      dp_gate_up_tile<T, D, MT, S, kAct>([&](int t) { return x + (dp_u64)t * D; }, w_gate, w_up, I, row0, act_beta,
+                                         act_lbeta, partial, result, act);
+      for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
+        const int t = i % T, r = row0 + i / T;
+        if (r < I) h[(dp_u64)t * I + r] = dp_f32_to_bf16(act[i]);
+      }
+    };
+    if constexpr (kWarpTiles == 0) {
+      tile((int)blockIdx.x);
+    } else {
+      // The warp tiles' grid on AMD: the block tiles walked by the blocks with a stride.
+      for (int b = (int)blockIdx.x; b < (I + RB - 1) / RB; b += (int)gridDim.x) {
+        __syncthreads();  // the previous tile's readers of act are done
+        tile(b);
+      }
+    }
   }
 }
-template <int T, int D, int I, int kAct, int MT, int S>
+template <int T, int D, int I, int kAct, int MT, int S, int kWarpTiles = 0>
 __device__ __forceinline__ void dp_mlp_up(const dp_bf16* __restrict__ x, const dp_bf16* w_gate, const dp_bf16* w_up,
                                           dp_bf16* __restrict__ h, float act_beta = 0.0f, float act_lbeta = 0.0f) {
-  dp_mlp_up_impl<T, D, I, kAct, MT, S>(x, dp_bf16_matrix<D>{w_gate}, dp_bf16_matrix<D>{w_up}, h, act_beta, act_lbeta);
+  dp_mlp_up_impl<T, D, I, kAct, MT, S, kWarpTiles>(x, dp_bf16_matrix<D>{w_gate}, dp_bf16_matrix<D>{w_up}, h, act_beta,
+                                                   act_lbeta);
 }
-template <int T, int D, int I, int kAct, int MT, int S>
+template <int T, int D, int I, int kAct, int MT, int S, int kWarpTiles = 0>
 __device__ __forceinline__ void dp_mlp_up_q8(const dp_bf16* __restrict__ x, const dp_u8* w_gate,
                                              const float* w_gate_scale, const dp_u8* w_up, const float* w_up_scale,
                                              dp_bf16* __restrict__ h, float act_beta = 0.0f, float act_lbeta = 0.0f) {
-  dp_mlp_up_impl<T, D, I, kAct, MT, S>(x, dp_fp8_matrix<D>{w_gate, w_gate_scale}, dp_fp8_matrix<D>{w_up, w_up_scale},
-                                       h, act_beta, act_lbeta);
+  dp_mlp_up_impl<T, D, I, kAct, MT, S, kWarpTiles>(x, dp_fp8_matrix<D>{w_gate, w_gate_scale},
+                                                   dp_fp8_matrix<D>{w_up, w_up_scale}, h, act_beta, act_lbeta);
 }
 
 // ---------------------------------------------------------------------------------------------------
 // Down + weighted sum + shared expert:
 //   out[t, n] = sum_j (routed_scaling * topk_weights[t, j]) * (W2[ids[t, j]] h[t, j])[n] + (W2s hs[t])[n]
 // Launch: grid ceil(D/M) blocks, block 256. A block owns M output features; its 8 groups share out the
-// items (the shared expert first, then the used experts in order: item i goes to group i % 8), so that
-// many experts' rows are in flight at once instead of one expert after another. Each expert's rows are
+// items (the shared expert first, then the used experts in order: item i goes to group i % 8; with one
+// row on the tensor cores the items' K-ranges end to end in 8 equal parts), so that many experts' rows
+// are in flight at once instead of one expert after another. Each expert's rows are
 // read once for all the rows that chose it (rows that did not are masked out). A group sums its items
 // in order and the block sums its groups in order: deterministic, no atomics.
 // M = 16 with T >= 2 on NVIDIA: the block's 16 rows of an item are one tensor-core tile (dp_mma_rows)
@@ -493,16 +529,25 @@ __device__ __forceinline__ void dp_moe_down_impl(
     float acc[NT][4];  // [NT, 4] fp32 accumulator fragments: rows g, g+8; activations 8nt + 2q + (k % 2)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-    for (int item = group; item < items; item += DP_GEMM_GROUPS) {
+    // One item's products, over its K-units [u0, u_end) with one row (all of them from two), added to acc
+    // with each row's weight.
+    auto add_item = [&](int item, int u0, int u_end) {
       float tmp[1][NT][4];  // this item's products
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) tmp[0][nt][0] = tmp[0][nt][1] = tmp[0][nt][2] = tmp[0][nt][3] = 0.0f;
       auto wrow = [&](int m) { return weight_row(item, m); };
       auto xrow = [&](int t) { return t < T ? act_row(item, t, nullptr) : nullptr; };
-      if (kShared && item == 0)
-        dp_mma_rows_all<SI, 1, NT>(wrow, xrow, tmp);
-      else
-        dp_mma_rows_all<I, 1, NT>(wrow, xrow, tmp);
+      if constexpr (T == 1) {
+        if (kShared && item == 0)
+          dp_mma_rows_range<SI, 1, NT>(wrow, xrow, u0, u_end, tmp);
+        else
+          dp_mma_rows_range<I, 1, NT>(wrow, xrow, u0, u_end, tmp);
+      } else {
+        if (kShared && item == 0)
+          dp_mma_rows_all<SI, 1, NT>(wrow, xrow, tmp);
+        else
+          dp_mma_rows_all<I, 1, NT>(wrow, xrow, tmp);
+      }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -513,6 +558,27 @@ __device__ __forceinline__ void dp_moe_down_impl(
           acc[nt][k] += c * tmp[0][nt][k];
           acc[nt][k + 2] += c * tmp[0][nt][k + 2];
         }
+    };
+    if constexpr (T == 1) {
+      // One row: the items' K-units (dp_mma_units: blocks or chunks) laid end to end, the shared
+      // expert's first, and cut into 8 equal ranges, one per group; a group's range may end inside an
+      // item and the next group's begin there. The 9 items of the 48B shape (8 experts and the shared
+      // one) left one group two whole items and the others one: 15.4 -> 14.7 us (H200, 2026-12-04).
+      // With more rows (more items) the split items cost more than the balance won (width 8: 57.5 ->
+      // 63.3 us), so from 2 rows a group takes whole items i, i + 8, ...
+      typedef decltype(weight_row(0, 0)) Row;
+      constexpr int uS = kShared ? dp_mma_units<SI, Row>() : 0, uI = dp_mma_units<I, Row>();
+      const int units = kShared * uS + (items - kShared) * uI;
+      const int lo = group * units / DP_GEMM_GROUPS, hi = (group + 1) * units / DP_GEMM_GROUPS;
+      // First item the range touches: the shared expert, or routed item kShared + (lo - uS) / uI.
+      for (int item = (kShared && lo < uS) ? 0 : kShared + (lo - kShared * uS) / uI; item < items; ++item) {
+        const int off = (kShared && item == 0) ? 0 : kShared * uS + (item - kShared) * uI;
+        if (off >= hi) break;
+        const int n = (kShared && item == 0) ? uS : uI;
+        add_item(item, lo > off ? lo - off : 0, hi - off < n ? hi - off : n);
+      }
+    } else {
+      for (int item = group; item < items; item += DP_GEMM_GROUPS) add_item(item, 0, 0);
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)

@@ -22,7 +22,14 @@ int64_t moe_max_used(const Params& p) { return std::min(p.at("E"), p.at("W") * p
 // tensor-core tile, over all of D) and walks the step's tiles with a grid stride; one row keeps the
 // block tiles of 16 features (4 K-slices, lane FMAs). Measured on the H200 (bench/NOTES.md).
 // MXFP4 experts (Q4) take the warp tiles from one row (tensor cores, like the e4m3 ones in moe_down).
-bool moe_up_warp_tiles(const Params& p) { return p.at("W") >= 2 || p.at("Q4"); }
+// e4m3 experts (Q8) too: their loop is the tensor cores' at one row as well, and the block tiles' grid
+// (576 blocks for the 48B shape at width 1) ran as three waves of two blocks per SM: warp tiles 20.4 ->
+// 19.4 us (H200, 2026-12-04, bench/gemv_harness).
+bool moe_up_warp_tiles(const Params& p) { return p.at("W") >= 2 || p.at("Q4") || p.at("Q8"); }
+
+// mlp_up with e4m3 weights: the same warp tiles (one expert, no routing), 19.8 -> 18.9 us at width 1
+// and 20.4 -> 19.6 us at width 8 for the 48B shape (same run). bf16 keeps the block tiles (not measured).
+bool mlp_up_warp_tiles(const Params& p) { return p.at("Q8") != 0; }
 
 // moe_down: output features per block (M). One activation row: every group keeps 4 x 1 lane-FMA
 // accumulators for its items and streams 4 rows of each. From 2 rows, and for e4m3 weights: a 16-row
@@ -342,7 +349,8 @@ std::vector<OpSpec> moe_ops() {
             if (p.at("Q8")) check_multiple_of_16(p, who, {"D"});
           },
           [](const Params& p) {
-            return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("ACT"), 1, kFfnSlices};
+            return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("ACT"), 1, kFfnSlices,
+                                        mlp_up_warp_tiles(p) ? 1 : 0};
           },
           [](const Params& p) {
             std::vector<ArgSpec> a{
@@ -370,7 +378,13 @@ std::vector<OpSpec> moe_ops() {
           },
           [](const Params& p) {
             LaunchShape s;
-            s.grid[0] = static_cast<uint32_t>((p.at("I") + kFfnFeatures - 1) / kFfnFeatures);
+            if (mlp_up_warp_tiles(p)) {
+              // Warp tiles of 8 features walked with a stride: one warp a tile, at most kTargetBlocks.
+              const int64_t tiles = (p.at("I") + 7) / 8;
+              s.grid[0] = static_cast<uint32_t>(std::min(kTargetBlocks, (tiles + kGemmGroups - 1) / kGemmGroups));
+            } else {
+              s.grid[0] = static_cast<uint32_t>((p.at("I") + kFfnFeatures - 1) / kFfnFeatures);
+            }
             s.block[0] = kGemmThreads;
             return s;
           },

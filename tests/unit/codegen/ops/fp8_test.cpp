@@ -91,6 +91,19 @@ TEST(Fp8Ops, ExpertSignatures) {
   EXPECT_EQ(comb.params.back().shape, "[64, 4] fp32");  // 32 heads x 256 rows, 512 columns
 }
 
+// e4m3 gate/up takes the warp tiles from one row (dense and routed): one warp per 8-feature tile, the
+// grid sized for the tiles (1152 for the 48B shape: 144 blocks), at most two blocks per SM.
+TEST(Fp8Ops, GateUpTakesWarpTilesFromOneRow) {
+  EXPECT_EQ(launch_shape(q8(mlp_up(1, 2304, 9216))).grid[0], 9216u / 8 / 8);
+  EXPECT_EQ(launch_shape(q8(mlp_up(8, 2304, 9216))).grid[0], 9216u / 8 / 8);
+  EXPECT_EQ(launch_shape(q8(mlp_up(1, 7168, 33792))).grid[0], 264u);  // 528 capped
+  EXPECT_EQ(launch_shape(mlp_up(1, 2304, 9216)).grid[0], 576u);       // bf16: the block tiles
+  EXPECT_EQ(launch_shape(q8(moe_up(1, 2304, 1024, 256, 8, 1024))).grid[0], (1024u / 8) * 9 / 8);
+  EXPECT_NE(generate_source(q8(mlp_up(1, 2304, 9216))).find("dp_mlp_up_q8<1, 2304, 9216, 0, 1, 4, 1>"),
+            std::string::npos);
+  EXPECT_NE(generate_source(mlp_up(1, 2304, 9216)).find("dp_mlp_up<1, 2304, 9216, 0, 1, 4, 0>"), std::string::npos);
+}
+
 std::vector<KernelInstance> compile_set(const std::string& t) {
   return {
       q8(gemm(1, 256, {256, 256, 256, 128, 128, 2}, false, t), 7),
