@@ -6,6 +6,7 @@
 // still runs (AMD-only bundles) and says what is missing only when an sm_XX target is asked for.
 #include <dlfcn.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -14,6 +15,7 @@
 
 #include "backend/subprocess.h"
 #include "backend/toolchain.h"
+#include "common/crash_note.h"
 #include "common/error.h"
 #include "common/fs.h"
 
@@ -181,7 +183,17 @@ class NvrtcToolchain final : public DeviceToolchain {
 
     std::vector<const char*> argv;
     for (const std::string& o : opts) argv.push_back(o.c_str());
-    const nvrtcResult rc = api_.CompileProgram(prog, static_cast<int>(argv.size()), argv.data());
+    nvrtcResult rc;
+    {
+      // NVRTC runs in this process: if it crashes on this source (a compiler bug), say which kernel.
+      const CrashNote note(fmt::format("NVRTC {} crashed compiling kernel {}: a compiler bug on this source; "
+                                       "nothing was written to the output",
+                                       nvrtc_version_, job.stem),
+                           static_cast<int>(Errc::toolchain));
+      // Fault injection for tests/cli/compiler_crash.py: the compile of the kernel named here crashes.
+      if (const char* k = std::getenv("DECODEPACK_TEST_NVRTC_CRASH"); k && job.stem == k) std::raise(SIGSEGV);
+      rc = api_.CompileProgram(prog, static_cast<int>(argv.size()), argv.data());
+    }
     size_t n = 0;
     std::string raw_log;
     if (api_.GetProgramLogSize(prog, &n) == NVRTC_SUCCESS && n > 1) {
