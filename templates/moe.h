@@ -394,7 +394,8 @@ __device__ __forceinline__ void dp_mlp_up_impl(const dp_bf16* __restrict__ x,  /
                                                dp_bf16* __restrict__ h,        // [T, I] bf16
                                                float act_beta, float act_lbeta) {
 #if DP_VENDOR_NVIDIA
-  if constexpr (kWarpTiles != 0) {
+  constexpr bool kBlockTiles = kWarpTiles == 0;
+  if constexpr (!kBlockTiles) {
     // Warp tiles of 8 features over all of D (dp_gate_up_warp_tile), walked by every warp of the grid
     // with a stride.
     constexpr int tI = (I + 7) / 8;
@@ -403,13 +404,9 @@ __device__ __forceinline__ void dp_mlp_up_impl(const dp_bf16* __restrict__ x,  /
       dp_gate_up_warp_tile<T, D, kAct>([&](int t) { return x + (dp_u64)t * D; }, w_gate, w_up, I, 8 * it, act_beta,
                                        act_lbeta,
                                        [&](int t, int f, float v) { h[(dp_u64)t * I + f] = dp_f32_to_bf16(v); });
-    return;
   }
-#endif
-#if DP_VENDOR_NVIDIA
-  constexpr bool kBlockTiles = kWarpTiles == 0;
 #else
-  constexpr bool kBlockTiles = true;
+  constexpr bool kBlockTiles = true;  // AMD: the block tiles, walked with a stride under the warp tiles' grid
 #endif
   if constexpr (kBlockTiles) {
     typedef dp_gate_up_geometry<T, D, MT, S> F;
