@@ -1,0 +1,92 @@
+// Programmatic dependent launch (templates/vendor.h): every entry point lets the next kernel launch, then
+// waits for the previous one (griddepcontrol.wait) before it touches memory another kernel writes. The
+// kernels read their predecessors' outputs with non-coherent loads (ld.global.nc), whose data must not
+// change while they can be issued: a load or store placed before the wait would read a half-written
+// input or clobber one still being read (bench/NOTES.md, 2026-12-04: an early wait with activation loads
+// gave wrong outputs). This compiles one instance of each op for sm_90a and checks in its PTX that no
+// global load, store, atomic or cp.async comes before the entry function's first griddepcontrol.wait.
+#include <gtest/gtest.h>
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../../backend/backend_test_util.h"
+#include "backend/compile.h"
+#include "instances.h"
+
+namespace dp::codegen {
+namespace {
+
+using namespace test_ops;
+
+KernelInstance q8(KernelInstance k, int64_t mask = 1) {
+  k.params["Q8"] = mask;
+  return k;
+}
+
+// The first memory instruction of the PTX before its first griddepcontrol.wait ("" if none), or
+// "no griddepcontrol.wait" if the wait is missing.
+std::string memory_before_wait(const std::string& ptx) {
+  std::istringstream in(ptx);
+  for (std::string line; std::getline(in, line);) {
+    const size_t b = line.find_first_not_of(" \t");
+    if (b == std::string::npos) continue;
+    const std::string op = line.substr(b);
+    if (op.rfind("griddepcontrol.wait", 0) == 0) return "";
+    for (const char* m : {"ld.global", "st.global", "atom.", "red.", "cp.async", "ld.volatile.global"})
+      if (op.rfind(m, 0) == 0) return op;
+  }
+  return "no griddepcontrol.wait";
+}
+
+TEST(PdlOrderCompile, NoKernelTouchesGlobalMemoryBeforeItsDependencyWait) {
+  DP_SKIP_WITHOUT(backend::Vendor::nvidia);
+  const std::vector<KernelInstance> set = {
+      rmsnorm(1, 2304),
+      gemm(1, 2304, {4096}),
+      gemm(8, 2304, {4096, 4096, 4096, 128, 128, 32}),
+      q8(gemm(1, 4096, {2304})),
+      q8(gemm(1, 2304, {4096, 4096, 4096, 128, 128, 32}), 7),
+      gemm(1, 2304, {256}, /*f32=*/true),
+      route(1, 256, 8),
+      mlp_up(1, 2304, 9216),
+      q8(mlp_up(1, 2304, 9216)),
+      moe_up(1, 2304, 1024, 256, 8, 1024),
+      q8(moe_up(8, 2304, 1024, 256, 8, 1024)),
+      moe_down(1, 2304, 1024, 256, 8, 1024),
+      q8(moe_down(1, 2304, 1024, 256, 8, 1024)),
+      kda(1, 1, 32),
+      mla_prep(1, 1, 32),
+      mla_attn(1, 1, 32),
+      mla_combine(1, 1, 32),
+  };
+  test::TempDir cache;
+  backend::CompileOptions o;
+  o.jobs = 2;
+  o.cache_dir = cache.path();
+  o.emit_ptx = true;
+  const backend::CompileReport report = backend::compile_all(set, o);
+  ASSERT_EQ(report.kernels.size(), set.size());
+  for (const backend::CompiledKernel& k : report.kernels) {
+    ASSERT_FALSE(k.ptx.empty()) << k.key;
+    EXPECT_EQ(memory_before_wait(k.ptx), "") << k.key << ": a global memory access before the dependency wait";
+  }
+}
+
+// The check itself: a load before the wait is found, one after it is not, and a missing wait is named.
+TEST(PdlOrder, TheCheckFindsALoadBeforeTheWait) {
+  EXPECT_EQ(memory_before_wait("\tld.param.u64 %rd1, [p];\n\tgriddepcontrol.launch_dependents;\n"
+                               "\tgriddepcontrol.wait;\n\tld.global.nc.v4.u32 {%r1,%r2,%r3,%r4}, [%rd1];\n"),
+            "");
+  EXPECT_EQ(memory_before_wait("\tgriddepcontrol.launch_dependents;\n\tld.global.nc.v4.u32 {%r1}, [%rd1];\n"
+                               "\tgriddepcontrol.wait;\n"),
+            "ld.global.nc.v4.u32 {%r1}, [%rd1];");
+  EXPECT_EQ(memory_before_wait("\tcp.async.cg.shared.global [%r1], [%rd1], 16;\n\tgriddepcontrol.wait;\n"),
+            "cp.async.cg.shared.global [%r1], [%rd1], 16;");
+  EXPECT_EQ(memory_before_wait("\tld.global.f32 %f1, [%rd1];\n"), "ld.global.f32 %f1, [%rd1];");
+  EXPECT_EQ(memory_before_wait("\tret;\n"), "no griddepcontrol.wait");
+}
+
+}  // namespace
+}  // namespace dp::codegen
