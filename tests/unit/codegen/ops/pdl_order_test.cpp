@@ -3,8 +3,9 @@
 // kernels read their predecessors' outputs with non-coherent loads (ld.global.nc), whose data must not
 // change while they can be issued: a load or store placed before the wait would read a half-written
 // input or clobber one still being read (bench/NOTES.md, 2026-12-04: an early wait with activation loads
-// gave wrong outputs). This compiles one instance of each op for sm_90a and checks in its PTX that no
-// global load, store, atomic or cp.async comes before the entry function's first griddepcontrol.wait.
+// gave wrong outputs). This compiles instances of the decode-layer ops (norm, gemm, routing, gate/up,
+// down, KDA step, MLA; not yet attnres, the indexer, the all-reduce or prefetch) for sm_90a and checks in
+// their PTX that no global load, store, atomic or cp.async comes before the first griddepcontrol.wait.
 #include <gtest/gtest.h>
 
 #include <sstream>
