@@ -13,11 +13,6 @@ namespace {
 
 using namespace test_ops;
 
-KernelInstance q8(KernelInstance k, int64_t mask = 1) {
-  k.params["Q8"] = mask;
-  return k;
-}
-
 std::vector<std::string> names(const KernelSignature& s) {
   std::vector<std::string> n;
   for (const KernelParam& p : s.params) n.push_back(p.name);

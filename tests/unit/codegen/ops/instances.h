@@ -62,4 +62,10 @@ inline KernelInstance prefetch(int64_t b, std::string target = "sm_90a") {
   return {"prefetch", {{"B", b}}, std::move(target)};
 }
 
+// The e4m3 form of an op that reads weights: Q8 = mask (bit s: weight s is e4m3; 1 for single-weight ops).
+inline KernelInstance q8(KernelInstance k, int64_t mask = 1) {
+  k.params["Q8"] = mask;
+  return k;
+}
+
 }  // namespace dp::codegen::test_ops

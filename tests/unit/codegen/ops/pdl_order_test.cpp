@@ -21,11 +21,6 @@ namespace {
 
 using namespace test_ops;
 
-KernelInstance q8(KernelInstance k, int64_t mask = 1) {
-  k.params["Q8"] = mask;
-  return k;
-}
-
 // The first memory instruction of the PTX before its first griddepcontrol.wait ("" if none), or
 // "no griddepcontrol.wait" if the wait is missing.
 std::string memory_before_wait(const std::string& ptx) {
