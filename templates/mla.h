@@ -51,7 +51,7 @@ __device__ __forceinline__ void dp_mla_prep(const dp_bf16* __restrict__ q,      
                                             const float* kv_b_scale = nullptr) {  // kQ8: [ceil(N*(PN+V)/128), ceil(L/128)]
   static_assert(L % 64 == 0 && R % 2 == 0 && PN % 8 == 0, "mla_prep: L multiple of 64, even R");
   static_assert(BS >= 1, "mla_prep: cache block size");
-  constexpr int kCols = 16 * (DP_MLA_THREADS / DP_GROUP);  // latent columns per absorb block (128)
+  constexpr int kCols = 4 * DP_GROUP;  // latent columns per absorb block (128)
   const int tid = (int)threadIdx.x;
   int b = (int)blockIdx.x;
   if (b < T) {
@@ -80,79 +80,88 @@ __device__ __forceinline__ void dp_mla_prep(const dp_bf16* __restrict__ q,      
     for (int e = tid; e < R; e += DP_MLA_THREADS) dst[L + e] = row[L + e];
     return;
   }
-  // ---- absorbed query of head n, latent columns [16*(8*tile + group), +16) ----
-  // Lane l of a group reads rows j = l, l+32, ... of W_UK_T[n] (32 contiguous bytes of each: whole
-  // sectors), all at once, multiplies them by q_nope[t][j] and the group sums over its lanes.
+  // ---- absorbed query of head n, latent columns [kCols*tile, +kCols) ----
+  // Lane l of every group owns the 4 columns col0 + 4l .. +3 (a group reads whole 128- or 256-byte
+  // row segments) and group g takes rows j of W_UK_T[n] in [kJPer*g, +kJPer), all its loads at once;
+  // each lane sums over its rows for every query row, and the groups' partial sums meet in shared
+  // memory, kRedRows query rows at a time. No cross-lane reduction.
   b -= T;
+  constexpr int kGroups = DP_MLA_THREADS / DP_GROUP;
   constexpr int kTiles = (L + kCols - 1) / kCols;
-  constexpr int kJIters = (PN + DP_GROUP - 1) / DP_GROUP;
-  constexpr int kRowChunk = T < 4 ? T : 4;
+  constexpr int kCPL = kCols / DP_GROUP;                 // columns per lane (4)
+  constexpr int kJPer = (PN + kGroups - 1) / kGroups;    // W_UK_T rows per group
+  constexpr int kRedRows = T < 4 ? T : 4;                // query rows per shared-memory reduction
+  static_assert(kCPL == 4, "mla_prep: 4 columns a lane");
   const int n = b / kTiles, group = tid / DP_GROUP, lane = tid % DP_GROUP;
-  const int col0 = (b % kTiles) * kCols + 16 * group;  // this group's 16 columns
-  __shared__ float qn[T * PN];                         // [T, PN] fp32 q_nope of head n
+  const int col0 = (b % kTiles) * kCols;
+  const int col = col0 + kCPL * lane;                    // this lane's first column
+  __shared__ float qn[T * PN];                           // [T, PN] fp32 q_nope of head n
+  __shared__ float red[kGroups * kRedRows * kCols];      // [groups, rows, kCols] fp32 partial sums
   for (int e = tid; e < T * PN; e += DP_MLA_THREADS) {
     const int t = e / PN, j = e % PN;
     qn[e] = dp_bf16_to_f32(q[(dp_u64)t * stride_q + n * (PN + R) + j]);
   }
-  const bool cols_in = col0 < L;  // per group (L is a multiple of 64, so of 16)
-  dp_u32x4 wv[kJIters][2];         // rows j = lane + 32*i, columns col0 .. col0 + 15 (e4m3: one vector)
-  float wsc[kJIters];              // e4m3: the block scale of each row's 16 columns
-  if (cols_in) {
+  const bool cols_in = col < L;  // L is a multiple of 64: a lane's 4 columns are all in or all out
+  dp_u32 wv[kJPer][2];           // row j = kJPer*group + i, columns col .. col+3 (e4m3: one word)
+  float wsc[kJPer];              // e4m3: the block scale of each row's columns
 #pragma unroll
-    for (int i = 0; i < kJIters; ++i) {
-      const int j = lane + DP_GROUP * i;
-      const dp_u64 row = (dp_u64)n * (PN + V) + j;  // W_UK_T[n][j], row stride L
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (j < PN && (kQ8 == 0 || h == 0)) {
-          wv[i][h] = kQ8 ? dp_load16((const dp_u8*)kv_b + row * L + col0)
-                         : dp_load16((const dp_bf16*)kv_b + row * L + col0 + 8 * h);
-        } else {
-          wv[i][h].x = wv[i][h].y = wv[i][h].z = wv[i][h].w = 0u;
-        }
+  for (int i = 0; i < kJPer; ++i) {
+    const int j = kJPer * group + i;
+    const dp_u64 row = (dp_u64)n * (PN + V) + j;  // W_UK_T[n][j], row stride L
+    wv[i][0] = wv[i][1] = 0u;
+    wsc[i] = 0.0f;
+    if (cols_in && j < PN) {
+      if constexpr (kQ8 != 0) {
+        wv[i][0] = *(const dp_u32*)((const dp_u8*)kv_b + row * L + col);
+        wsc[i] = kv_b_scale[(row / 128) * ((L + 127) / 128) + col / 128];
+      } else {
+        const dp_u32* w = (const dp_u32*)((const dp_bf16*)kv_b + row * L + col);
+        wv[i][0] = w[0];
+        wv[i][1] = w[1];
       }
-      wsc[i] = kQ8 && j < PN ? kv_b_scale[(row / 128) * ((L + 127) / 128) + col0 / 128] : 0.0f;
     }
   }
   __syncthreads();  // qn
-  if (cols_in) {
-    for (int t0 = 0; t0 < T; t0 += kRowChunk) {
-      float acc[kRowChunk][16];  // [rows, 16] fp32 lane partials
+  for (int t0 = 0; t0 < T; t0 += kRedRows) {
+    float acc[kRedRows][kCPL];  // [rows, 4] fp32 sums over this group's rows
 #pragma unroll
-      for (int tt = 0; tt < kRowChunk; ++tt)
+    for (int tt = 0; tt < kRedRows; ++tt)
 #pragma unroll
-        for (int c = 0; c < 16; ++c) acc[tt][c] = 0.0f;
+      for (int c = 0; c < kCPL; ++c) acc[tt][c] = 0.0f;
 #pragma unroll
-      for (int i = 0; i < kJIters; ++i) {
-        const int j = lane + DP_GROUP * i;
-        if (j >= PN) continue;
-        float wf[16];
-        if constexpr (kQ8 != 0) {
-          dp_unpack16_e4m3(wv[i][0], wf);
-        } else {
-          dp_unpack8_bf16(wv[i][0], wf);
-          dp_unpack8_bf16(wv[i][1], wf + 8);
-        }
-#pragma unroll
-        for (int tt = 0; tt < kRowChunk; ++tt) {
-          float qv = t0 + tt < T ? qn[(t0 + tt) * PN + j] : 0.0f;
-          if constexpr (kQ8 != 0) qv *= wsc[i];  // the block scale of these 16 weights
-#pragma unroll
-          for (int c = 0; c < 16; ++c) acc[tt][c] += qv * wf[c];
-        }
+    for (int i = 0; i < kJPer; ++i) {
+      const int j = kJPer * group + i;
+      if (j >= PN) continue;
+      float wf[kCPL];
+      if constexpr (kQ8 != 0) {
+        dp_e4m3x4_to_f32(wv[i][0], wf);
+      } else {
+        wf[0] = dp_bits_to_f32(wv[i][0] << 16);
+        wf[1] = dp_bits_to_f32(wv[i][0] & 0xffff0000u);
+        wf[2] = dp_bits_to_f32(wv[i][1] << 16);
+        wf[3] = dp_bits_to_f32(wv[i][1] & 0xffff0000u);
       }
 #pragma unroll
-      for (int tt = 0; tt < kRowChunk; ++tt)
+      for (int tt = 0; tt < kRedRows; ++tt) {
+        float qv = t0 + tt < T ? qn[(t0 + tt) * PN + j] : 0.0f;
+        if constexpr (kQ8 != 0) qv *= wsc[i];  // the block scale of these weights
 #pragma unroll
-        for (int c = 0; c < 16; ++c) acc[tt][c] = dp_group_sum(acc[tt][c]);
+        for (int c = 0; c < kCPL; ++c) acc[tt][c] += qv * wf[c];
+      }
+    }
+    if (t0 > 0) __syncthreads();  // the previous rows' partials are read
 #pragma unroll
-      for (int tt = 0; tt < kRowChunk; ++tt)
+    for (int tt = 0; tt < kRedRows; ++tt)
 #pragma unroll
-        for (int c = 0; c < 16; ++c) {
-          const int t = t0 + tt;
-          if (lane == (tt * 16 + c) % DP_GROUP && t < T)
-            q_abs[((dp_u64)t * N + n) * (L + R) + col0 + c] = dp_f32_to_bf16(acc[tt][c]);
-        }
+      for (int c = 0; c < kCPL; ++c) red[(group * kRedRows + tt) * kCols + kCPL * lane + c] = acc[tt][c];
+    __syncthreads();
+    for (int e = tid; e < kRedRows * kCols; e += DP_MLA_THREADS) {
+      const int tt = e / kCols, c = e % kCols, t = t0 + tt;
+      if (t >= T || col0 + c >= L) continue;
+      float sum = 0.0f;
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) sum += red[(g * kRedRows + tt) * kCols + c];
+      q_abs[((dp_u64)t * N + n) * (L + R) + col0 + c] = dp_f32_to_bf16(sum);
     }
   }
   if (b % kTiles == 0)  // q_pe rides along unchanged
@@ -201,8 +210,12 @@ __device__ __forceinline__ void dp_mla_attn(const dp_bf16* __restrict__ q_abs,  
   const int r = (int)blockIdx.z, split = (int)blockIdx.y, rho0 = (int)blockIdx.x * DP_MLA_ROWS;
   const int tid = (int)threadIdx.x, warp = tid / DP_GROUP, lane = tid % DP_GROUP;
   const int len = seq_lens[r];
+#if DP_VENDOR_NVIDIA
+  const int chunk = ((len + NS - 1) / NS + DP_MLA_TILE - 1) / DP_MLA_TILE * DP_MLA_TILE;  // whole tiles
+#else
   const int chunk = (len + NS - 1) / NS;
-  const int begin = split * chunk;
+#endif
+  const int begin = split * chunk < len ? split * chunk : len;
   const int end = begin + chunk < len ? begin + chunk : len;
   const float neg_inf = dp_bits_to_f32(0xff800000u);
 #if DP_VENDOR_NVIDIA
@@ -214,7 +227,7 @@ __device__ __forceinline__ void dp_mla_attn(const dp_bf16* __restrict__ q_abs,  
   constexpr int kCols = L / 8;            // latent columns per warp in P C
   constexpr int kNT = kCols / 8;          // 8-column tiles per warp
   constexpr int kPStride = 24;            // bf16 per P row (conflict-free fragment reads)
-  __shared__ __align__(16) dp_bf16 tile[DP_MLA_TILE * kStride];  // [16, L+R+8] bf16 staged cache rows
+  __shared__ __align__(16) dp_bf16 tiles[2][DP_MLA_TILE * kStride];  // [2, 16, L+R+8] bf16 staged cache rows
   __shared__ float sred[4 * DP_MLA_ROWS * DP_MLA_TILE];          // [4, 16, 16] fp32 score partials
   __shared__ __align__(16) dp_bf16 ps[DP_MLA_ROWS * kPStride];   // [16, 24] bf16 probabilities
   __shared__ float alpha_s[DP_MLA_ROWS];                         // [16] rescale of each row's o this tile
@@ -247,34 +260,37 @@ __device__ __forceinline__ void dp_mla_attn(const dp_bf16* __restrict__ q_abs,  
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
 
-  // The next tile's cache rows are loaded into registers while this one is computed (tokens past the
-  // slice are zeros: 0 * p stays 0 in P C).
-  constexpr int kLoads = (DP_MLA_TILE * (KR / 8) + DP_MLA_THREADS - 1) / DP_MLA_THREADS;
-  dp_u32x4 next[kLoads];
-  auto load_tile = [&](int p0) {
+  // The cache rows go to shared memory by cp.async, double-buffered: the next tile is in flight while
+  // this one is computed. Splits start at multiples of the tile (chunk above), so with BS a multiple
+  // of 16 a tile lies in one cache block: one block-table entry, and every thread copies the same
+  // 16-byte pieces of each tile (tokens past the slice are zero-filled: 0 * p stays 0 in P C).
+  static_assert(BS % DP_MLA_TILE == 0, "mla_attn: the cache block size must be a multiple of 16");
+  constexpr int kPieces = DP_MLA_TILE * (KR / 8);  // 16-byte pieces of a tile
+  constexpr int kLoads = (kPieces + DP_MLA_THREADS - 1) / DP_MLA_THREADS;
+  auto issue_tile = [&](int p0, int buf) {
+    const dp_i32 block = block_table[(dp_u64)r * stride_bt + p0 / BS];
+    const dp_bf16* src = cache + (dp_u64)block * cache_stride + (dp_u64)((p0 % BS) * KR);
 #pragma unroll
     for (int k = 0; k < kLoads; ++k) {
       const int e = tid + DP_MLA_THREADS * k;
       const int tok = e / (KR / 8), v = e % (KR / 8);
-      next[k].x = next[k].y = next[k].z = next[k].w = 0u;
-      if (e < DP_MLA_TILE * (KR / 8) && p0 + tok < end) {
-        const int pos = p0 + tok;
-        const dp_i32 block = block_table[(dp_u64)r * stride_bt + pos / BS];
-        next[k] = dp_load16(cache + (dp_u64)block * cache_stride + (dp_u64)((pos % BS) * KR + 8 * v));
+      if (e < kPieces) {
+        const unsigned dst = (unsigned)__cvta_generic_to_shared(tiles[buf] + tok * kStride + 8 * v);
+        const unsigned bytes = p0 + tok < end ? 16u : 0u;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src + tok * KR + 8 * v),
+                     "r"(bytes));
       }
     }
+    asm volatile("cp.async.commit_group;");
   };
-  if (begin < end) load_tile(begin);
-  for (int p0 = begin; p0 < end; p0 += DP_MLA_TILE) {
+  if (begin < end) issue_tile(begin, 0);
+  int buf = 0;
+  for (int p0 = begin; p0 < end; p0 += DP_MLA_TILE, buf ^= 1) {
     const int ntok = end - p0 < DP_MLA_TILE ? end - p0 : DP_MLA_TILE;
-    __syncthreads();  // the previous tile is no longer read
-#pragma unroll
-    for (int k = 0; k < kLoads; ++k) {
-      const int e = tid + DP_MLA_THREADS * k;
-      if (e < DP_MLA_TILE * (KR / 8)) dp_store16(tile + (e / (KR / 8)) * kStride + 8 * (e % (KR / 8)), next[k]);
-    }
-    if (p0 + DP_MLA_TILE < end) load_tile(p0 + DP_MLA_TILE);
-    __syncthreads();
+    const dp_bf16* tile = tiles[buf];
+    asm volatile("cp.async.wait_group 0;" ::: "memory");  // this thread's pieces of this tile landed
+    __syncthreads();  // every piece is visible, and the previous tile (the other buffer) is no longer read
+    if (p0 + DP_MLA_TILE < end) issue_tile(p0 + DP_MLA_TILE, buf ^ 1);
     {  // partial scores of rows g, g+8 x tokens 8*nh + 2*qd (+1) over this warp's K-quarter
       float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const dp_bf16* crow = tile + (8 * nh + g) * kStride + 2 * qd;
@@ -477,10 +493,13 @@ __device__ __forceinline__ void dp_mla_attn(const dp_bf16* __restrict__ q_abs,  
 
 // ---------------------------------------------------------------------------------------------------
 // Merge + W_UV (+ K3 output gate). Launch: grid (N, ceil(V/VB)) blocks of 256 threads, VB = 32:
-// block (n, vt) computes outputs v in [VB*vt, VB*vt + VB) of head n for every row,
-// rows in chunks of up to 8; each group owns VB/8 of the block's v and issues all its W_UV loads at once (many blocks with few
-// dependent loads each, instead of one block per head walking V). Every block of a head merges the
-// head's splits itself (the partials are L2-resident; a few times the bytes of one merge).
+// block (n, vt) computes outputs v in [VB*vt, VB*vt + VB) of head n for every row. Every block of a
+// head merges the head's splits itself (the partials are L2-resident; a few times the bytes of one
+// merge) and issues all its W_UV loads before the merge. From 2 rows on NVIDIA the rows' merges run
+// in one pass and W_UV is applied on the tensor cores (16-row tiles); with one row, and on AMD, each
+// group owns VB/8 of the block's v and sums o_lat . W_UV with lane FMAs, rows in chunks of up to 8
+// (measured on the H200, 48B shape: the tensor-core form 18.4 -> 11.2 us at 8 rows, 8.7 -> 9.4 us
+// with one row).
 // o_lat = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s, rounded to bf16 (vLLM's attention output),
 // then o[v] = o_lat . W_UV[n][:, v], rounded to bf16, times sigmoid(gate) when kGate.
 template <int W, int Q, int N, int L, int PN, int V, int NS, int kGate, int kQ8 = 0>
@@ -492,154 +511,325 @@ __device__ __forceinline__ void dp_mla_combine(const float* __restrict__ part_o,
                                                dp_u32 stride_g,
                                                dp_bf16* __restrict__ out,            // [T, N*V] bf16
                                                const float* kv_b_scale = nullptr) {  // kQ8: block scales of kv_b
-  constexpr int T = W * Q;
-  constexpr int kChunk = T < 8 ? T : 8;
-  constexpr int kVecs = kQ8 ? L / 16 : L / 8;  // 16-byte vectors of a W_UV row: 8 bf16 or 16 e4m3
-  constexpr int kVecElems = kQ8 ? 16 : 8;
-  constexpr int kIters = (kVecs + DP_GROUP - 1) / DP_GROUP;
-  constexpr int kVPerGroup = 4;  // output columns per group
-  constexpr int kBlockV = kVPerGroup * (DP_MLA_THREADS / DP_GROUP);
-  static_assert(L % 8 == 0 && (kQ8 == 0 || L % 16 == 0), "mla_combine: L multiple of 8 (16 for e4m3)");
-  __shared__ float olat[kChunk * L];  // [chunk, L] fp32 (bf16 values)
-  __shared__ float wgt[kChunk * NS];  // [chunk, NS] merge weights e^(m_s - M) / sum
-  const int n = (int)blockIdx.x, tid = (int)threadIdx.x, group = tid / DP_GROUP, lane = tid % DP_GROUP;
-  const int v0 = (int)blockIdx.y * kBlockV + group * kVPerGroup;
-  const float neg_inf = dp_bits_to_f32(0xff800000u);
+#if DP_VENDOR_NVIDIA
+  if constexpr (W * Q >= 2) {
+    // Tensor cores for o_lat . W_UV: the block's 32 outputs v are 4 n-tiles of 8, its 8 warps 4 n-tiles
+    // x 2 halves of L; A = the merged o_lat rows (bf16, a 16-row tile, rows past T zero), B = W_UV rows
+    // as stored (L contiguous: one row is one B column). The merge is one pass over every row of the
+    // tile: (row, 8 columns, group of splits) items over the threads.
+    constexpr int T = W * Q;
+    constexpr int kChunk = T < 16 ? T : 16;           // rows of a pass: one 16-row tile
+    constexpr int kCG = L / 8;                        // 8-column groups of o_lat
+    constexpr int kSG = kChunk * kCG >= DP_MLA_THREADS ? 1 : DP_MLA_THREADS / (kChunk * kCG);  // split groups
+    constexpr int kOS = L + 8;                        // bf16 per staged o_lat row (conflict-free fragments)
+    constexpr int kNT = 4;                            // n-tiles of 8 outputs: 32 per block
+    constexpr int kKH = (DP_MLA_THREADS / 32) / kNT;  // halves of L
+    constexpr int kKPer = L / 16 / kKH;               // 16-deep steps per warp
+    static_assert(L % 256 == 0, "mla_combine: L a multiple of 256 (8-step scale blocks in each half)");
+    __shared__ __align__(16) dp_bf16 olat[16 * kOS];  // [16, L+8] bf16 merged o_lat
+    __shared__ float wgt[kChunk * NS];                // [chunk, NS] merge weights e^(m_s - M) / sum
+    __shared__ float red[kSG > 1 ? kSG * kChunk * L : 1];  // [kSG, chunk, L] fp32 split-group sums
+    __shared__ float cpart[kNT * 32 * 4];             // the second half's C fragments
+    const int n = (int)blockIdx.x, tid = (int)threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, qd = lane % 4, nt = warp % kNT, kh = warp / kNT;
+    const int vb = (int)blockIdx.y * (8 * kNT) + 8 * nt;  // this warp's first output
+    const float neg_inf = dp_bits_to_f32(0xff800000u);
+    const dp_u64 row0 = (dp_u64)n * (PN + V) + PN;       // W_UV[n] row of v = 0
+    constexpr int kLB = (L + 127) / 128;                 // scale blocks along L (e4m3)
 
-  // This group's W_UV rows, all loads in flight before the merge (they do not depend on it).
-  dp_u32x4 wv[kVPerGroup][kIters];
-  float wsc[kVPerGroup][kIters];  // e4m3: each vector's block scale
+    // This lane's B words (row v = vb + g, clamped), every step of its half, all in flight before the merge.
+    const int vl = vb + g < V ? vb + g : V - 1;
+    dp_u32 bw[kKPer][2];
 #pragma unroll
-  for (int k = 0; k < kVPerGroup; ++k) {
-    const int v = v0 + k < V ? v0 + k : V - 1;
-    const dp_u64 row = (dp_u64)n * (PN + V) + PN + v;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int vec = lane + DP_GROUP * it;
-      if (vec < kVecs) {
-        wv[k][it] = kQ8 ? dp_load16((const dp_u8*)kv_b + row * L + 16 * vec)
-                        : dp_load16((const dp_bf16*)kv_b + row * L + 8 * vec);
+    for (int k = 0; k < kKPer; ++k) {
+      const int l = 16 * (kh * kKPer + k);
+      if constexpr (kQ8 != 0) {
+        bw[k][0] = *(const dp_u32*)((const dp_u8*)kv_b + (row0 + vl) * L + l + 4 * qd);
+        bw[k][1] = 0u;
       } else {
-        wv[k][it].x = wv[k][it].y = wv[k][it].z = wv[k][it].w = 0u;
+        const dp_bf16* w = (const dp_bf16*)kv_b + (row0 + vl) * L + l + 2 * qd;
+        bw[k][0] = *(const dp_u32*)w;
+        bw[k][1] = *(const dp_u32*)(w + 8);
       }
-      wsc[k][it] = kQ8 && vec < kVecs ? kv_b_scale[(row / 128) * ((L + 127) / 128) + 16 * vec / 128] : 0.0f;
     }
-  }
+    for (int e = tid; e < (16 - kChunk) * kOS; e += DP_MLA_THREADS) olat[kChunk * kOS + e] = dp_f32_to_bf16(0.0f);
 
-  // Merge: group tt < rows takes row t0 + tt's weights (lanes over the splits); then every row's o_lat
-  // with the threads split into kSG groups of splits x kCG groups of 8 columns (float4 loads), the split
-  // groups summed in a fixed order.
-  constexpr int kCG = L / 8;                         // 8-column groups
-  constexpr int kSG = kCG >= 256 ? 1 : 256 / kCG;    // split groups
-  __shared__ float red[kSG * L];                     // [kSG, L] fp32 split-group partials
-  for (int t0 = 0; t0 < T; t0 += kChunk) {
-    const int rows = T - t0 < kChunk ? T - t0 : kChunk;
-    __syncthreads();
-    if (group < rows) {  // whole groups: the shuffles below stay uniform
-      const int t = t0 + group, r = t / Q, i = t % Q;
-      const dp_u64 base = ((dp_u64)r * NS * Q + i) * N + n;  // (r, s = 0, i, n); split s adds s*Q*N
-      float mx = neg_inf;
-      for (int s = lane; s < NS; s += DP_GROUP) {
-        const float m = part_ml[2 * (base + (dp_u64)s * Q * N)];
-        mx = m > mx ? m : mx;
-      }
+    for (int t0 = 0; t0 < T; t0 += kChunk) {
+      const int rows = T - t0 < kChunk ? T - t0 : kChunk;
+      __syncthreads();  // the previous pass no longer reads olat, wgt or cpart
+      for (int tt = warp; tt < rows; tt += DP_MLA_THREADS / 32) {  // row t0 + tt's merge weights
+        const int t = t0 + tt, r = t / Q, i = t % Q;
+        const dp_u64 base = ((dp_u64)r * NS * Q + i) * N + n;  // (r, s = 0, i, n); split s adds s*Q*N
+        float mx = neg_inf;
+        for (int s = lane; s < NS; s += 32) {
+          const float m = part_ml[2 * (base + (dp_u64)s * Q * N)];
+          mx = m > mx ? m : mx;
+        }
 #pragma unroll
-      for (int d = DP_GROUP / 2; d > 0; d >>= 1) {
-        const float o = dp_shfl_xor(mx, d);
-        mx = o > mx ? o : mx;
+        for (int d = 16; d > 0; d >>= 1) {
+          const float o = dp_shfl_xor(mx, d);
+          mx = o > mx ? o : mx;
+        }
+        float sum = 0.0f;
+        for (int s = lane; s < NS; s += 32) {
+          const dp_u64 p = base + (dp_u64)s * Q * N;
+          const float m = part_ml[2 * p];
+          const float w = m == neg_inf ? 0.0f : dp_expf(m - mx);
+          wgt[tt * NS + s] = w;
+          sum += w * part_ml[2 * p + 1];
+        }
+        sum = dp_group_sum(sum);
+        const float inv = (seq_lens[r] == 0 || mx == neg_inf) ? 0.0f : dp_div(1.0f, sum);
+        for (int s = lane; s < NS; s += 32) wgt[tt * NS + s] *= inv;
       }
-      float sum = 0.0f;
-      for (int s = lane; s < NS; s += DP_GROUP) {
-        const dp_u64 p = base + (dp_u64)s * Q * N;
-        const float m = part_ml[2 * p];
-        const float w = m == neg_inf ? 0.0f : dp_expf(m - mx);
-        wgt[group * NS + s] = w;
-        sum += w * part_ml[2 * p + 1];
-      }
-      sum = dp_group_sum(sum);
-      const float inv = (seq_lens[r] == 0 || mx == neg_inf) ? 0.0f : dp_div(1.0f, sum);
-      for (int s = lane; s < NS; s += DP_GROUP) wgt[group * NS + s] *= inv;
-    }
-    __syncthreads();
-    for (int tt = 0; tt < rows; ++tt) {
-      const int t = t0 + tt, r = t / Q, i = t % Q;
-      const int sg = tid / kCG < kSG ? tid / kCG : kSG;  // kSG: idle thread
-      for (int cg = tid % kCG; sg < kSG && cg < kCG; cg += (kCG >= 256 ? 256 : kCG)) {
+      __syncthreads();
+      for (int it = tid; it < kSG * kChunk * kCG; it += DP_MLA_THREADS) {
+        const int sg = it / (kChunk * kCG), tt = it % (kChunk * kCG) / kCG, cg = it % kCG;
         float o[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        if (tt < rows) {
+          const int t = t0 + tt, r = t / Q, i = t % Q;
 #pragma unroll 4
-        for (int s = sg; s < NS; s += kSG) {
-          const float w = wgt[tt * NS + s];
-          const float* po = part_o + ((((dp_u64)r * NS + s) * Q + i) * N + n) * L + 8 * cg;
-          const dp_u32x4 a = dp_load16(po), c = dp_load16(po + 4);  // 8 fp32
-          if (w != 0.0f) {  // a split that saw no token left its o unwritten
-            o[0] += w * dp_bits_to_f32(a.x);
-            o[1] += w * dp_bits_to_f32(a.y);
-            o[2] += w * dp_bits_to_f32(a.z);
-            o[3] += w * dp_bits_to_f32(a.w);
-            o[4] += w * dp_bits_to_f32(c.x);
-            o[5] += w * dp_bits_to_f32(c.y);
-            o[6] += w * dp_bits_to_f32(c.z);
-            o[7] += w * dp_bits_to_f32(c.w);
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < 8; ++k) red[sg * L + 8 * cg + k] = o[k];
-      }
-      __syncthreads();
-      for (int l = tid; l < L; l += DP_MLA_THREADS) {
-        float o = 0.0f;
-#pragma unroll
-        for (int k = 0; k < kSG; ++k) o += red[k * L + l];
-        olat[tt * L + l] = dp_round_bf16(o);
-      }
-      __syncthreads();
-    }
-    // o[v] = o_lat . kv_b[n*(PN+V) + PN + v, :] for this group's v.
-    float acc[kVPerGroup][kChunk];
-#pragma unroll
-    for (int k = 0; k < kVPerGroup; ++k)
-#pragma unroll
-      for (int tt = 0; tt < kChunk; ++tt) acc[k][tt] = 0.0f;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const int vec = lane + DP_GROUP * it;
-      if (vec < kVecs) {
-#pragma unroll
-        for (int k = 0; k < kVPerGroup; ++k) {
-          float wf[kVecElems];
-          if constexpr (kQ8 != 0) {
-            dp_unpack16_e4m3(wv[k][it], wf);
-#pragma unroll
-            for (int tt = 0; tt < kChunk; ++tt) {
-              float p = 0.0f;
-#pragma unroll
-              for (int j = 0; j < 16; ++j) p += wf[j] * olat[tt * L + 16 * vec + j];
-              acc[k][tt] += p * wsc[k][it];
+          for (int s = sg; s < NS; s += kSG) {
+            const float w = wgt[tt * NS + s];
+            const float* po = part_o + ((((dp_u64)r * NS + s) * Q + i) * N + n) * L + 8 * cg;
+            const dp_u32x4 a = dp_load16(po), c = dp_load16(po + 4);  // 8 fp32
+            if (w != 0.0f) {  // a split that saw no token left its o unwritten
+              o[0] += w * dp_bits_to_f32(a.x);
+              o[1] += w * dp_bits_to_f32(a.y);
+              o[2] += w * dp_bits_to_f32(a.z);
+              o[3] += w * dp_bits_to_f32(a.w);
+              o[4] += w * dp_bits_to_f32(c.x);
+              o[5] += w * dp_bits_to_f32(c.y);
+              o[6] += w * dp_bits_to_f32(c.z);
+              o[7] += w * dp_bits_to_f32(c.w);
             }
-          } else {
-            dp_unpack8_bf16(wv[k][it], wf);
-#pragma unroll
-            for (int tt = 0; tt < kChunk; ++tt)
-#pragma unroll
-              for (int j = 0; j < 8; ++j) acc[k][tt] += wf[j] * olat[tt * L + 8 * vec + j];
           }
+        }
+        if constexpr (kSG == 1) {
+          dp_store16(olat + tt * kOS + 8 * cg, dp_pack8_bf16(o));
+        } else {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) red[(sg * kChunk + tt) * L + 8 * cg + k] = o[k];
+        }
+      }
+      if constexpr (kSG > 1) {
+        __syncthreads();
+        for (int e = tid; e < kChunk * L; e += DP_MLA_THREADS) {
+          float o = 0.0f;
+#pragma unroll
+          for (int k = 0; k < kSG; ++k) o += red[k * kChunk * L + e];
+          olat[(e / L) * kOS + e % L] = dp_f32_to_bf16(o);
+        }
+      }
+      __syncthreads();
+
+      // C = o_lat . W_UV over this warp's half of L (e4m3: each 128-column scale block summed apart and
+      // scaled per output column).
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int kb = 0; kb < (kQ8 != 0 ? kKPer / 8 : 1); ++kb) {
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        constexpr int kSteps = kQ8 != 0 ? 8 : kKPer;
+#pragma unroll
+        for (int k8 = 0; k8 < kSteps; ++k8) {
+          const int k = kb * 8 + k8, l = 16 * (kh * kKPer + k);
+          const dp_bf16* a_lo = olat + g * kOS + l;
+          const dp_bf16* a_hi = olat + (g + 8) * kOS + l;
+          if constexpr (kQ8 != 0) {
+            // Columns l + 4qd .. +3 as (0, 2) and (1, 3) pairs, the order dp_e4m3x4_to_bf16x4 gives.
+            dp_u32 b0, b1, a0, a1, a2, a3;
+            dp_e4m3x4_to_bf16x4(bw[k][0], b0, b1);
+            dp_pair_even_odd(*(const dp_u32*)(a_lo + 4 * qd), *(const dp_u32*)(a_lo + 4 * qd + 2), a0, a2);
+            dp_pair_even_odd(*(const dp_u32*)(a_hi + 4 * qd), *(const dp_u32*)(a_hi + 4 * qd + 2), a1, a3);
+            dp_mma_16816(part, a0, a1, a2, a3, b0, b1);
+          } else {
+            dp_mma_16816(part, *(const dp_u32*)(a_lo + 2 * qd), *(const dp_u32*)(a_hi + 2 * qd),
+                         *(const dp_u32*)(a_lo + 2 * qd + 8), *(const dp_u32*)(a_hi + 2 * qd + 8), bw[k][0], bw[k][1]);
+          }
+        }
+        if constexpr (kQ8 != 0) {
+          const int lb = (16 * (kh * kKPer + kb * 8)) / 128;
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int v = vb + 2 * qd + c < V ? vb + 2 * qd + c : V - 1;
+            const float sc = kv_b_scale[((row0 + v) / 128) * kLB + lb];
+            acc[c] += part[c] * sc;
+            acc[c + 2] += part[c + 2] * sc;
+          }
+        } else {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[c] = part[c];
+        }
+      }
+      if (kh == 1) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) cpart[(nt * 32 + lane) * 4 + c] = acc[c];
+      }
+      __syncthreads();
+      if (kh == 0) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int tt = g + 8 * (c / 2), v = vb + 2 * qd + c % 2, t = t0 + tt;
+          if (tt >= rows || v >= V) continue;
+          float o = dp_round_bf16(acc[c] + cpart[(nt * 32 + lane) * 4 + c]);
+          if (kGate) o *= dp_sigmoid(dp_bf16_to_f32(gate[(dp_u64)t * stride_g + n * V + v]));
+          if (seq_lens[t / Q] == 0) o = 0.0f;
+          out[(dp_u64)t * (N * V) + n * V + v] = dp_f32_to_bf16(o);
         }
       }
     }
+  } else
+#endif
+  {
+    constexpr int T = W * Q;
+    constexpr int kChunk = T < 8 ? T : 8;
+    constexpr int kVecs = kQ8 ? L / 16 : L / 8;  // 16-byte vectors of a W_UV row: 8 bf16 or 16 e4m3
+    constexpr int kVecElems = kQ8 ? 16 : 8;
+    constexpr int kIters = (kVecs + DP_GROUP - 1) / DP_GROUP;
+    constexpr int kVPerGroup = 4;  // output columns per group
+    constexpr int kBlockV = kVPerGroup * (DP_MLA_THREADS / DP_GROUP);
+    static_assert(L % 8 == 0 && (kQ8 == 0 || L % 16 == 0), "mla_combine: L multiple of 8 (16 for e4m3)");
+    __shared__ float olat[kChunk * L];  // [chunk, L] fp32 (bf16 values)
+    __shared__ float wgt[kChunk * NS];  // [chunk, NS] merge weights e^(m_s - M) / sum
+    const int n = (int)blockIdx.x, tid = (int)threadIdx.x, group = tid / DP_GROUP, lane = tid % DP_GROUP;
+    const int v0 = (int)blockIdx.y * kBlockV + group * kVPerGroup;
+    const float neg_inf = dp_bits_to_f32(0xff800000u);
+
+    // This group's W_UV rows, all loads in flight before the merge (they do not depend on it).
+    dp_u32x4 wv[kVPerGroup][kIters];
+    float wsc[kVPerGroup][kIters];  // e4m3: each vector's block scale
 #pragma unroll
-    for (int k = 0; k < kVPerGroup; ++k)
+    for (int k = 0; k < kVPerGroup; ++k) {
+      const int v = v0 + k < V ? v0 + k : V - 1;
+      const dp_u64 row = (dp_u64)n * (PN + V) + PN + v;
 #pragma unroll
-      for (int tt = 0; tt < kChunk; ++tt) acc[k][tt] = dp_group_sum(acc[k][tt]);
-#pragma unroll
-    for (int k = 0; k < kVPerGroup; ++k)
-#pragma unroll
-      for (int tt = 0; tt < kChunk; ++tt) {
-        const int v = v0 + k, t = t0 + tt;
-        if (lane != (k * kChunk + tt) % DP_GROUP || tt >= rows || v >= V) continue;
-        float o = dp_round_bf16(acc[k][tt]);
-        if (kGate) o *= dp_sigmoid(dp_bf16_to_f32(gate[(dp_u64)t * stride_g + n * V + v]));
-        if (seq_lens[t / Q] == 0) o = 0.0f;
-        out[(dp_u64)t * (N * V) + n * V + v] = dp_f32_to_bf16(o);
+      for (int it = 0; it < kIters; ++it) {
+        const int vec = lane + DP_GROUP * it;
+        if (vec < kVecs) {
+          wv[k][it] = kQ8 ? dp_load16((const dp_u8*)kv_b + row * L + 16 * vec)
+                          : dp_load16((const dp_bf16*)kv_b + row * L + 8 * vec);
+        } else {
+          wv[k][it].x = wv[k][it].y = wv[k][it].z = wv[k][it].w = 0u;
+        }
+        wsc[k][it] = kQ8 && vec < kVecs ? kv_b_scale[(row / 128) * ((L + 127) / 128) + 16 * vec / 128] : 0.0f;
       }
+    }
+
+    // Merge: group tt < rows takes row t0 + tt's weights (lanes over the splits); then every row's o_lat
+    // with the threads split into kSG groups of splits x kCG groups of 8 columns (float4 loads), the split
+    // groups summed in a fixed order.
+    constexpr int kCG = L / 8;                         // 8-column groups
+    constexpr int kSG = kCG >= 256 ? 1 : 256 / kCG;    // split groups
+    __shared__ float red[kSG * L];                     // [kSG, L] fp32 split-group partials
+    for (int t0 = 0; t0 < T; t0 += kChunk) {
+      const int rows = T - t0 < kChunk ? T - t0 : kChunk;
+      __syncthreads();
+      if (group < rows) {  // whole groups: the shuffles below stay uniform
+        const int t = t0 + group, r = t / Q, i = t % Q;
+        const dp_u64 base = ((dp_u64)r * NS * Q + i) * N + n;  // (r, s = 0, i, n); split s adds s*Q*N
+        float mx = neg_inf;
+        for (int s = lane; s < NS; s += DP_GROUP) {
+          const float m = part_ml[2 * (base + (dp_u64)s * Q * N)];
+          mx = m > mx ? m : mx;
+        }
+#pragma unroll
+        for (int d = DP_GROUP / 2; d > 0; d >>= 1) {
+          const float o = dp_shfl_xor(mx, d);
+          mx = o > mx ? o : mx;
+        }
+        float sum = 0.0f;
+        for (int s = lane; s < NS; s += DP_GROUP) {
+          const dp_u64 p = base + (dp_u64)s * Q * N;
+          const float m = part_ml[2 * p];
+          const float w = m == neg_inf ? 0.0f : dp_expf(m - mx);
+          wgt[group * NS + s] = w;
+          sum += w * part_ml[2 * p + 1];
+        }
+        sum = dp_group_sum(sum);
+        const float inv = (seq_lens[r] == 0 || mx == neg_inf) ? 0.0f : dp_div(1.0f, sum);
+        for (int s = lane; s < NS; s += DP_GROUP) wgt[group * NS + s] *= inv;
+      }
+      __syncthreads();
+      for (int tt = 0; tt < rows; ++tt) {
+        const int t = t0 + tt, r = t / Q, i = t % Q;
+        const int sg = tid / kCG < kSG ? tid / kCG : kSG;  // kSG: idle thread
+        for (int cg = tid % kCG; sg < kSG && cg < kCG; cg += (kCG >= 256 ? 256 : kCG)) {
+          float o[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+          for (int s = sg; s < NS; s += kSG) {
+            const float w = wgt[tt * NS + s];
+            const float* po = part_o + ((((dp_u64)r * NS + s) * Q + i) * N + n) * L + 8 * cg;
+            const dp_u32x4 a = dp_load16(po), c = dp_load16(po + 4);  // 8 fp32
+            if (w != 0.0f) {  // a split that saw no token left its o unwritten
+              o[0] += w * dp_bits_to_f32(a.x);
+              o[1] += w * dp_bits_to_f32(a.y);
+              o[2] += w * dp_bits_to_f32(a.z);
+              o[3] += w * dp_bits_to_f32(a.w);
+              o[4] += w * dp_bits_to_f32(c.x);
+              o[5] += w * dp_bits_to_f32(c.y);
+              o[6] += w * dp_bits_to_f32(c.z);
+              o[7] += w * dp_bits_to_f32(c.w);
+            }
+          }
+#pragma unroll
+          for (int k = 0; k < 8; ++k) red[sg * L + 8 * cg + k] = o[k];
+        }
+        __syncthreads();
+        for (int l = tid; l < L; l += DP_MLA_THREADS) {
+          float o = 0.0f;
+#pragma unroll
+          for (int k = 0; k < kSG; ++k) o += red[k * L + l];
+          olat[tt * L + l] = dp_round_bf16(o);
+        }
+        __syncthreads();
+      }
+      // o[v] = o_lat . kv_b[n*(PN+V) + PN + v, :] for this group's v.
+      float acc[kVPerGroup][kChunk];
+#pragma unroll
+      for (int k = 0; k < kVPerGroup; ++k)
+#pragma unroll
+        for (int tt = 0; tt < kChunk; ++tt) acc[k][tt] = 0.0f;
+#pragma unroll
+      for (int it = 0; it < kIters; ++it) {
+        const int vec = lane + DP_GROUP * it;
+        if (vec < kVecs) {
+#pragma unroll
+          for (int k = 0; k < kVPerGroup; ++k) {
+            float wf[kVecElems];
+            if constexpr (kQ8 != 0) {
+              dp_unpack16_e4m3(wv[k][it], wf);
+#pragma unroll
+              for (int tt = 0; tt < kChunk; ++tt) {
+                float p = 0.0f;
+#pragma unroll
+                for (int j = 0; j < 16; ++j) p += wf[j] * olat[tt * L + 16 * vec + j];
+                acc[k][tt] += p * wsc[k][it];
+              }
+            } else {
+              dp_unpack8_bf16(wv[k][it], wf);
+#pragma unroll
+              for (int tt = 0; tt < kChunk; ++tt)
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[k][tt] += wf[j] * olat[tt * L + 8 * vec + j];
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kVPerGroup; ++k)
+#pragma unroll
+        for (int tt = 0; tt < kChunk; ++tt) acc[k][tt] = dp_group_sum(acc[k][tt]);
+#pragma unroll
+      for (int k = 0; k < kVPerGroup; ++k)
+#pragma unroll
+        for (int tt = 0; tt < kChunk; ++tt) {
+          const int v = v0 + k, t = t0 + tt;
+          if (lane != (k * kChunk + tt) % DP_GROUP || tt >= rows || v >= V) continue;
+          float o = dp_round_bf16(acc[k][tt]);
+          if (kGate) o *= dp_sigmoid(dp_bf16_to_f32(gate[(dp_u64)t * stride_g + n * V + v]));
+          if (seq_lens[t / Q] == 0) o = 0.0f;
+          out[(dp_u64)t * (N * V) + n * V + v] = dp_f32_to_bf16(o);
+        }
+    }
   }
 }
