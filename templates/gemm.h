@@ -416,7 +416,9 @@ __host__ __device__ constexpr int dp_fp8_unroll() {
   if (kSpan > 0 && kSpan % 3 == 0 && kSpan % 2 != 0) return 3;
   return 2;
 }
-template <int K, int MT, int NT, int kSpan = 0, typename WRow, typename XRow>
+// kEarly 1 (the entry point only triggered its dependents, vendor.h): the first round of weight loads
+// is issued before the wait for the previous kernel, and the activations are read coherently after it.
+template <int K, int MT, int NT, int kSpan = 0, int kEarly = 0, typename WRow, typename XRow>
 __device__ __forceinline__ void dp_mma_rows_fp8(WRow wrow, XRow xrow, int b0, int b_end, float (&acc)[MT][NT][4]) {
   static_assert(K % 16 == 0, "fp8 weights: K must be a multiple of 16 (16-byte e4m3 vectors)");
   constexpr int kUnroll = dp_fp8_unroll<MT, kSpan>();  // blocks of loads in flight
@@ -451,6 +453,7 @@ __device__ __forceinline__ void dp_mma_rows_fp8(WRow wrow, XRow xrow, int b0, in
             }
           }
         }
+    if constexpr (kEarly != 0) dp_grid_dependency_wait();  // after the first round: a no-op later
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int b = bb + u;
@@ -468,8 +471,8 @@ __device__ __forceinline__ void dp_mma_rows_fp8(WRow wrow, XRow xrow, int b0, in
         for (int nt = 0; nt < NT; ++nt) {
           dp_u32x4 x0, x1;
           if (in && xp[nt]) {
-            x0 = dp_load16(xp[nt] + col);
-            x1 = dp_load16(xp[nt] + col + 8);
+            x0 = kEarly ? dp_load16_coherent(xp[nt] + col) : dp_load16(xp[nt] + col);
+            x1 = kEarly ? dp_load16_coherent(xp[nt] + col + 8) : dp_load16(xp[nt] + col + 8);
           } else {
             x0.x = x0.y = x0.z = x0.w = 0u;
             x1 = x0;
@@ -870,7 +873,7 @@ __host__ __device__ constexpr int dp_fma_rows() {
 // dp_mma_rows_fp4). T == 1, and AMD: the lane-FMA loop (dp_dot_rows),
 // kFmaRows rows at a time (each lane streams 16-byte vectors of whole row slices: measured faster than
 // the tensor-core tile's 64-byte row pieces when one activation row leaves nothing to multiply).
-template <int T, int K, int MT, int S, typename WRow, typename XRow>
+template <int T, int K, int MT, int S, int kEarly = 0, typename WRow, typename XRow>
 __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
                                              float* partial,     // smem [8, 16*MT, T] fp32
                                              float* out_smem) {  // smem [RB, T] fp32
@@ -900,7 +903,7 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
     if constexpr (kFp8) {
       const int b0 = slice * kSliceBlocks;
       const int b_end = (b0 + kSliceBlocks < kBlocks) ? b0 + kSliceBlocks : kBlocks;
-      dp_mma_rows_fp8<K, MT, NT, kSliceBlocks>([&](int m) { return wrow(slot, m); },
+      dp_mma_rows_fp8<K, MT, NT, kSliceBlocks, kEarly>([&](int m) { return wrow(slot, m); },
                                                [&](int t) { return t < T ? xrow(t) : nullptr; }, b0, b_end, acc);
     } else if constexpr (kFp4) {
       const int b0 = slice * kSliceBlocks;
@@ -987,7 +990,7 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
 // kQ8 (bit s: weight s is e4m3 with fp32 128 x 128 block scales s_s, dp_fp8_row) selects the weights'
 // storage per segment; dp_gemm is the all-bf16 form.
 template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S, int kQ8,
-          int kAdd = 0>
+          int kAdd = 0, int kEarly = 0>
 __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x,  // [T, K] bf16
                                                  void* __restrict__ out,  // [T, Ntot] bf16 (fp32 if kOutF32)
                                                  const void* const (&ws)[6],   // [N_s, K] bf16 or e4m3
@@ -1027,9 +1030,11 @@ __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x, 
 
   // Rows past the matrix re-read row 0 and are dropped.
   auto xrow = [&](int t) { return x + (dp_u64)t * K; };
+  if constexpr (kEarly != 0)
+    if (!seg_fp8) dp_grid_dependency_wait();  // the bf16 segments wait before anything
   if (kQ8 != 0 && seg_fp8) {
     const dp_u8* wseg = (const dp_u8*)wseg_any;
-    dp_block_dot<T, K, MT, S>(
+    dp_block_dot<T, K, MT, S, kEarly>(
         [&](int slot, int m) {
           const int r = row0 + slot * G::kSlotRows + m;
           return dp_fp8_matrix_row<K>(wseg, sseg, r < n_seg ? r : 0);
@@ -1044,6 +1049,9 @@ __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x, 
         },
         xrow, partial, result);
   }
+  // Every thread has waited before any output is written (a group with an empty K-slice never
+  // reached the wait in the loop).
+  if constexpr (kEarly != 0) dp_grid_dependency_wait();
 
   for (int i = (int)threadIdx.x; i < G::kRows * T; i += DP_GEMM_THREADS) {
     const int t = i % T;
@@ -1085,6 +1093,18 @@ __device__ __forceinline__ void dp_gemm_q8(const dp_bf16* __restrict__ x, void* 
   const void* const ws[6] = {w0, w1, w2, w3, w4, w5};
   const float* const ss[6] = {s0, s1, s2, s3, s4, s5};
   dp_gemm_segments<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, kQ8>(x, out, ws, ss);
+}
+
+// dp_gemm_q8 whose entry point only triggered its dependents: the e4m3 segments' first weight loads
+// are in flight while the block waits for the previous kernel (codegen's early_weights).
+template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S, int kQ8>
+__device__ __forceinline__ void dp_gemm_q8_early(const dp_bf16* __restrict__ x, void* __restrict__ out,
+                                                 const void* w0, const float* s0, const void* w1, const float* s1,
+                                                 const void* w2, const float* s2, const void* w3, const float* s3,
+                                                 const void* w4, const float* s4, const void* w5, const float* s5) {
+  const void* const ws[6] = {w0, w1, w2, w3, w4, w5};
+  const float* const ss[6] = {s0, s1, s2, s3, s4, s5};
+  dp_gemm_segments<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, kQ8, 0, 1>(x, out, ws, ss);
 }
 
 // The GEMM plus a bf16 addend of the output's shape: out = bf16(bf16(x W^T) + add), the sum of two bf16

@@ -209,6 +209,11 @@ __device__ __forceinline__ void dp_prefetch_l2(const void* p, dp_u32 bytes /* <=
 // the previous kernel has finished and its writes are visible before this one reads anything, so a
 // kernel launched with the attribute behaves as in plain stream order, minus the launch gap. Without
 // the attribute (and on AMD) both are no-ops.
+// One exception (codegen gemm_early): the width-1 e4m3 gemm's entry point only triggers, and the
+// device function issues its first round of weight loads, then every thread waits before it reads an
+// activation (with ld.global.cg: coherent, never through the SM's L1) or writes anything. Weights are
+// read-only for the bundle's life, so loading them early is safe; the activations through
+// ld.global.nc after a wait inside the loop gave wrong outputs (bench/NOTES.md, 2026-12-02/03).
 // (Waiting later, after an L2 prefetch of the block's weights, was measured slower on the H200: the
 // prefetch requests cost more than the overlap won; bench/NOTES.md.)
 #if DP_VENDOR_NVIDIA && __CUDA_ARCH__ >= 900

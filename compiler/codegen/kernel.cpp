@@ -177,7 +177,10 @@ std::string generate_source(const KernelInstance& k) {
     for (const KernelParam& p : sig.params) call.args.push_back(p.name);
   std::string call_args;
   for (const std::string& a : call.args) call_args += fmt::format("{}{}", call_args.empty() ? "" : ", ", a);
-  s += "  DP_GRID_DEPENDENCY_ENTRY();  // programmatic dependent launch (vendor.h)\n";
+  if (op.early_weights && op.early_weights(full))
+    s += "  DP_GRID_DEPENDENCY_TRIGGER();  // programmatic dependent launch; waits after its first weight loads\n";
+  else
+    s += "  DP_GRID_DEPENDENCY_ENTRY();  // programmatic dependent launch (vendor.h)\n";
   s += fmt::format("  {}<{}>({});\n}}\n", call.fn, targs, call_args);
   return s;
 }
