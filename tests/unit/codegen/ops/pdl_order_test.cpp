@@ -13,6 +13,7 @@
 // wrong outputs; bench/NOTES.md.)
 #include <gtest/gtest.h>
 
+#include <initializer_list>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -26,19 +27,50 @@ namespace {
 
 using namespace test_ops;
 
-// The first memory instruction of the PTX before its first griddepcontrol.wait ("" if none), or
-// "no griddepcontrol.wait" if the wait is missing.
-std::string memory_before_wait(const std::string& ptx) {
+// One pass over the PTX: the first global memory instruction before the first griddepcontrol.wait
+// that does not start with one of `allowed` ("" if none), whether there is a wait, and whether a
+// coherent load (ld.global.cg) follows it.
+struct WaitScan {
+  std::string before;
+  bool waited = false, coherent_after = false;
+};
+WaitScan scan_wait(const std::string& ptx, std::initializer_list<const char*> allowed = {}) {
+  WaitScan r;
   std::istringstream in(ptx);
   for (std::string line; std::getline(in, line);) {
     const size_t b = line.find_first_not_of(" \t");
     if (b == std::string::npos) continue;
     const std::string op = line.substr(b);
-    if (op.rfind("griddepcontrol.wait", 0) == 0) return "";
+    if (op.rfind("griddepcontrol.wait", 0) == 0) r.waited = true;
+    if (r.waited) {
+      r.coherent_after = r.coherent_after || op.rfind("ld.global.cg", 0) == 0;
+      continue;
+    }
+    bool ok = false;
+    for (const char* a : allowed) ok = ok || op.rfind(a, 0) == 0;
+    if (ok || !r.before.empty()) continue;
     for (const char* m : {"ld.global", "st.global", "atom.", "red.", "cp.async", "ld.volatile.global"})
-      if (op.rfind(m, 0) == 0) return op;
+      if (op.rfind(m, 0) == 0) r.before = op;
   }
-  return "no griddepcontrol.wait";
+  return r;
+}
+
+// The first memory instruction of the PTX before its first griddepcontrol.wait ("" if none), or
+// "no griddepcontrol.wait" if the wait is missing.
+std::string memory_before_wait(const std::string& ptx) {
+  const WaitScan r = scan_wait(ptx);
+  if (!r.before.empty()) return r.before;
+  return r.waited ? "" : "no griddepcontrol.wait";
+}
+
+// Every instance of `set` compiled for sm_90a with its PTX.
+backend::CompileReport compile_with_ptx(const std::vector<KernelInstance>& set) {
+  test::TempDir cache;
+  backend::CompileOptions o;
+  o.jobs = 2;
+  o.cache_dir = cache.path();
+  o.emit_ptx = true;
+  return backend::compile_all(set, o);
 }
 
 TEST(PdlOrderCompile, NoKernelTouchesGlobalMemoryBeforeItsDependencyWait) {
@@ -62,12 +94,7 @@ TEST(PdlOrderCompile, NoKernelTouchesGlobalMemoryBeforeItsDependencyWait) {
       mla_attn(1, 1, 32),
       mla_combine(1, 1, 32),
   };
-  test::TempDir cache;
-  backend::CompileOptions o;
-  o.jobs = 2;
-  o.cache_dir = cache.path();
-  o.emit_ptx = true;
-  const backend::CompileReport report = backend::compile_all(set, o);
+  const backend::CompileReport report = compile_with_ptx(set);
   ASSERT_EQ(report.kernels.size(), set.size());
   for (const backend::CompiledKernel& k : report.kernels) {
     ASSERT_FALSE(k.ptx.empty()) << k.key;
@@ -79,23 +106,10 @@ TEST(PdlOrderCompile, NoKernelTouchesGlobalMemoryBeforeItsDependencyWait) {
 // atomic, a copy, a coherent or plain vector load: an activation), "" if none; "no griddepcontrol.wait"
 // if the wait is missing, "no coherent activation load" if nothing is read with ld.global.cg after it.
 std::string early_violation(const std::string& ptx) {
-  std::istringstream in(ptx);
-  bool waited = false, coherent = false;
-  for (std::string line; std::getline(in, line);) {
-    const size_t b = line.find_first_not_of(" \t");
-    if (b == std::string::npos) continue;
-    const std::string op = line.substr(b);
-    if (op.rfind("griddepcontrol.wait", 0) == 0) waited = true;
-    if (waited) {
-      coherent = coherent || op.rfind("ld.global.cg", 0) == 0;
-      continue;
-    }
-    if (op.rfind("ld.global.nc", 0) == 0 || op.rfind("ld.global.f32", 0) == 0) continue;  // weights, scales
-    for (const char* m : {"ld.global", "st.global", "atom.", "red.", "cp.async", "ld.volatile.global"})
-      if (op.rfind(m, 0) == 0) return op;
-  }
-  if (!waited) return "no griddepcontrol.wait";
-  return coherent ? "" : "no coherent activation load";
+  const WaitScan r = scan_wait(ptx, {"ld.global.nc", "ld.global.f32"});  // weights, their scales
+  if (!r.waited) return "no griddepcontrol.wait";
+  if (!r.before.empty()) return r.before;
+  return r.coherent_after ? "" : "no coherent activation load";
 }
 
 TEST(PdlOrderCompile, TheEarlyWeightsGemmLoadsOnlyWeightsBeforeItsWait) {
@@ -105,12 +119,7 @@ TEST(PdlOrderCompile, TheEarlyWeightsGemmLoadsOnlyWeightsBeforeItsWait) {
       q8(gemm(1, 9216, {2304})),
       q8(gemm(1, 2304, {6144, 576}), 3),
   };
-  test::TempDir cache;
-  backend::CompileOptions o;
-  o.jobs = 2;
-  o.cache_dir = cache.path();
-  o.emit_ptx = true;
-  const backend::CompileReport report = backend::compile_all(set, o);
+  const backend::CompileReport report = compile_with_ptx(set);
   ASSERT_EQ(report.kernels.size(), set.size());
   for (const backend::CompiledKernel& k : report.kernels) {
     ASSERT_FALSE(k.ptx.empty()) << k.key;
