@@ -1084,27 +1084,18 @@ __device__ __forceinline__ void dp_gemm(const dp_bf16* __restrict__ x,  // [T, K
 }
 
 // The GEMM with e4m3 weights in the segments of kQ8: every segment's weight and its scales (null for
-// bf16 and absent segments).
-template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S, int kQ8>
+// bf16 and absent segments). kEarly 1: the entry point only triggered its dependents, and the e4m3
+// segments' first weight loads are in flight while the block waits for the previous kernel (codegen's
+// early_weights).
+template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S, int kQ8,
+          int kEarly = 0>
 __device__ __forceinline__ void dp_gemm_q8(const dp_bf16* __restrict__ x, void* __restrict__ out, const void* w0,
                                            const float* s0, const void* w1, const float* s1, const void* w2,
                                            const float* s2, const void* w3, const float* s3, const void* w4,
                                            const float* s4, const void* w5, const float* s5) {
   const void* const ws[6] = {w0, w1, w2, w3, w4, w5};
   const float* const ss[6] = {s0, s1, s2, s3, s4, s5};
-  dp_gemm_segments<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, kQ8>(x, out, ws, ss);
-}
-
-// dp_gemm_q8 whose entry point only triggered its dependents: the e4m3 segments' first weight loads
-// are in flight while the block waits for the previous kernel (codegen's early_weights).
-template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S, int kQ8>
-__device__ __forceinline__ void dp_gemm_q8_early(const dp_bf16* __restrict__ x, void* __restrict__ out,
-                                                 const void* w0, const float* s0, const void* w1, const float* s1,
-                                                 const void* w2, const float* s2, const void* w3, const float* s3,
-                                                 const void* w4, const float* s4, const void* w5, const float* s5) {
-  const void* const ws[6] = {w0, w1, w2, w3, w4, w5};
-  const float* const ss[6] = {s0, s1, s2, s3, s4, s5};
-  dp_gemm_segments<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, kQ8, 0, 1>(x, out, ws, ss);
+  dp_gemm_segments<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, kQ8, 0, kEarly>(x, out, ws, ss);
 }
 
 // The GEMM plus a bf16 addend of the output's shape: out = bf16(bf16(x W^T) + add), the sum of two bf16

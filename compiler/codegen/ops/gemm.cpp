@@ -38,7 +38,7 @@ GemmGeometry gemm_geometry(int64_t /*t*/, int64_t k, int64_t n_total) {
 }
 
 // One activation row, e4m3 weights, no addend: the first round of weight loads is issued before the
-// wait for the previous kernel (dp_gemm_q8_early). Measured on the H200 (bench/NOTES.md, 2026-12-04
+// wait for the previous kernel (dp_gemm_q8, kEarly 1). Measured on the H200 (bench/NOTES.md, 2026-12-04
 // third session): the width-1 layers 0.4-1.4 us faster; with 8 rows the layers were up to 3 us slower
 // (the activations then come from L2 for every group instead of L1), so only one row takes it.
 bool gemm_early(const Params& p) { return p.at("W") == 1 && p.at("Q8") != 0 && !p.at("AD"); }
@@ -99,6 +99,7 @@ std::vector<OpSpec> gemm_ops() {
             std::vector<int64_t> a{p.at("W"),  p.at("K"),  p.at("NA"), p.at("NB"), p.at("NC"), p.at("ND"),
                                    p.at("NE"), p.at("NF"), p.at("F"),  g.mt,       g.s};
             if (p.at("Q8") || p.at("AD")) a.push_back(p.at("Q8"));
+            if (gemm_early(p)) a.push_back(1);  // dp_gemm_q8's kEarly
             return a;
           },
           [](const Params& p) {
@@ -138,7 +139,7 @@ std::vector<OpSpec> gemm_ops() {
           [](const Params& p) {
             DeviceCall c;
             if (!p.at("Q8") && !p.at("AD")) return c;  // dp_gemm over the bf16 weights given
-            c.fn = p.at("AD") ? "dp_gemm_add" : gemm_early(p) ? "dp_gemm_q8_early" : "dp_gemm_q8";
+            c.fn = p.at("AD") ? "dp_gemm_add" : "dp_gemm_q8";
             c.args = {"x", "out"};
             for (int i = 0; i < 6; ++i) {
               const bool present = p.at(kGemmSegKeys[i]) > 0, fp8 = (p.at("Q8") >> i) & 1;

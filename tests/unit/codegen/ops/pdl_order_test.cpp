@@ -6,7 +6,7 @@
 // gave wrong outputs). This compiles instances of the decode-layer ops (norm, gemm, routing, gate/up,
 // down, KDA step, MLA; not yet attnres, the indexer, the all-reduce or prefetch) for sm_90a and checks in
 // their PTX that no global load, store, atomic or cp.async comes before the first griddepcontrol.wait.
-// The exception (codegen gemm_early, templates/gemm.h dp_gemm_q8_early): the width-1 e4m3 gemm issues
+// The exception (codegen gemm_early, templates/gemm.h dp_gemm_q8 with kEarly 1): the width-1 e4m3 gemm issues
 // its first weight loads before the wait; then only the weights' non-coherent loads and their scales
 // may come first, no store, and the activations are read coherently (ld.global.cg) after the wait. (Its
 // two earlier forms, with activations read through ld.global.nc after a wait inside the loop, gave
