@@ -19,6 +19,8 @@
 //   cross-rank   dp_load16_coherent(), dp_fence_system(), dp_load_acquire_system(),
 //                dp_store_release_system(), dp_cas_system(), dp_or_system(), dp_timer_ns() (the in-kernel
 //                all-reduce's mailboxes; allreduce.h says why each is needed)
+//   grid         dp_fence_device(), dp_arrive_device() (the last block of a grid finds out that it is the
+//                last: gemm.h's fused norm)
 #pragma once
 
 #if defined(__HIP__)
@@ -230,6 +232,26 @@ __device__ __forceinline__ void dp_grid_dependency_wait() {}
     DP_GRID_DEPENDENCY_TRIGGER();  \
     dp_grid_dependency_wait();     \
   } while (0)
+
+// Between the blocks of one grid ("device" / "agent" scope). The pattern: every thread of a block
+// stores its outputs, then dp_fence_device() and a barrier; one thread counts the block in with
+// dp_arrive_device(); the block that sees the count reach the grid's size knows every other block's
+// stores are done, and after a barrier and its own dp_fence_device() it reads them with
+// dp_load16_coherent().
+#if DP_VENDOR_AMD
+__device__ __forceinline__ void dp_fence_device() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
+// Adds 1 to *counter; returns the value before.
+__device__ __forceinline__ dp_u32 dp_arrive_device(dp_u32* counter) {
+  return __hip_atomic_fetch_add(counter, 1u, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
+#else
+__device__ __forceinline__ void dp_fence_device() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ dp_u32 dp_arrive_device(dp_u32* counter) {
+  dp_u32 old;
+  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+  return old;
+}
+#endif
 
 // ===================================================================================================
 // Cross-rank memory operations (templates/allreduce.h): words and buffers that kernels of other ranks

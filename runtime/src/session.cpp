@@ -699,7 +699,13 @@ Status dp_session::load_kernels() {
   if (any_layer_program) {
     uint64_t bytes = 0;
     for (const format::WorkspaceEntry& w : m.workspace) bytes = std::max(bytes, w.bytes);
-    if (bytes) DP_RETURN_IF_ERROR(device->alloc(bytes, "the step workspace", &workspace));
+    if (bytes) {
+      DP_RETURN_IF_ERROR(device->alloc(bytes, "the step workspace", &workspace));
+      // Zeroed once: ops that count blocks there (the gemm's fused norm) find their counters at zero and
+      // leave them so (templates/gemm.h).
+      const std::vector<uint8_t> zeros(bytes, 0);
+      DP_RETURN_IF_ERROR(device->upload(workspace, zeros.data(), bytes, "the step workspace"));
+    }
   }
 
   final_norm.assign(d.widths.size(), LoadedKernel{});

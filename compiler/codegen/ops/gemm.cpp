@@ -79,12 +79,21 @@ std::vector<OpSpec> gemm_ops() {
            {"NF", "nf", 0, 1 << 20, "rows of weight 5 (0: absent)", true},
            {"F", "f", 0, 1, "1: fp32 output (router logits), 0: bf16", true},
            {"Q8", "q8", 0, 63, "bit s set: weight s is e4m3 with 128 x 128 block scales (0: all bf16)", true},
-           {"AD", "ad", 0, 1, "1: add a bf16 addend of the output's shape (bf16 output)", true}},
+           {"AD", "ad", 0, 1, "1: add a bf16 addend of the output's shape (bf16 output)", true},
+           {"NM", "nm", 0, 1,
+            "1: the residual add + RMSNorm of the output fused (post-attention norm; one weight, bf16 output)",
+            true}},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"K"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"K"});
             if (p.at("AD") && p.at("F"))
               fail(Errc::input, "{}: parameters AD = 1 and F = 1: the addend form writes bf16", who);
+            if (p.at("NM")) {
+              if (p.at("F") || p.at("AD") || p.at("NB"))
+                fail(Errc::input, "{}: parameter NM = 1 (fused norm) takes one weight with a bf16 output and no "
+                     "addend; got F = {}, AD = {}, NB = {}", who, p.at("F"), p.at("AD"), p.at("NB"));
+              check_multiple_of_8(p, who, {"NA"});
+            }
             for (int i = 0; i < 6; ++i)
               if (((p.at("Q8") >> i) & 1) && p.at(kGemmSegKeys[i]) == 0)
                 fail(Errc::input, "{}: parameter Q8 = {} marks weight {} as e4m3, but {} = 0 (absent)", who,
@@ -98,7 +107,7 @@ std::vector<OpSpec> gemm_ops() {
             const GemmGeometry g = gemm_geometry(p.at("W"), p.at("K"), gemm_ntot(p));
             std::vector<int64_t> a{p.at("W"),  p.at("K"),  p.at("NA"), p.at("NB"), p.at("NC"), p.at("ND"),
                                    p.at("NE"), p.at("NF"), p.at("F"),  g.mt,       g.s};
-            if (p.at("Q8") || p.at("AD")) a.push_back(p.at("Q8"));
+            if (p.at("Q8") || p.at("AD") || p.at("NM")) a.push_back(p.at("Q8"));
             if (gemm_early(p)) a.push_back(1);  // dp_gemm_q8's kEarly
             return a;
           },
@@ -126,6 +135,18 @@ std::vector<OpSpec> gemm_ops() {
               a.push_back({"add", KernelParam::Kind::pointer, "const dp_bf16*",
                            shape({p.at("W"), gemm_ntot(p)}, "bf16"),
                            "addend: out = bf16(bf16(x W^T) + add) (K3 latent MoE: the shared expert's output)"});
+            if (p.at("NM")) {
+              const std::string rows = dims(p, {"W", "NA"}, "bf16");
+              a.push_back({"residual", KernelParam::Kind::pointer, "const dp_bf16*", rows, "residual stream in"});
+              a.push_back({"norm_weight", KernelParam::Kind::pointer, "const dp_bf16*", dims(p, {"NA"}, "bf16"),
+                           "norm weight"});
+              a.push_back({"normed", KernelParam::Kind::pointer, "dp_bf16*", rows, "normalised rows"});
+              a.push_back({"residual_out", KernelParam::Kind::pointer, "dp_bf16*", rows,
+                           "residual stream out (may alias residual)"});
+              a.push_back({"eps", KernelParam::Kind::f32, "float", "", "variance epsilon"});
+              a.push_back({"done", KernelParam::Kind::pointer, "dp_u32*", "[1] u32",
+                           "blocks done (zero before the launch; left zero)"});
+            }
             return a;
           },
           [](const Params& p) {
@@ -138,8 +159,13 @@ std::vector<OpSpec> gemm_ops() {
           "DP_KERNEL_BOUNDS",  // replaced by gemv_bounds (below)
           [](const Params& p) {
             DeviceCall c;
-            if (!p.at("Q8") && !p.at("AD")) return c;  // dp_gemm over the bf16 weights given
-            c.fn = p.at("AD") ? "dp_gemm_add" : "dp_gemm_q8";
+            if (!p.at("Q8") && !p.at("AD") && !p.at("NM")) return c;  // dp_gemm over the bf16 weights given
+            c.fn = p.at("NM") ? "dp_gemm_norm_q8" : p.at("AD") ? "dp_gemm_add" : "dp_gemm_q8";
+            if (p.at("NM")) {
+              c.args = {"x", "out", "w0", (p.at("Q8") & 1) ? "w0_scale" : "nullptr",
+                        "residual", "norm_weight", "normed", "residual_out", "eps", "done"};
+              return c;
+            }
             c.args = {"x", "out"};
             for (int i = 0; i < 6; ++i) {
               const bool present = p.at(kGemmSegKeys[i]) > 0, fp8 = (p.at("Q8") >> i) & 1;

@@ -183,7 +183,7 @@ std::vector<Case> all_cases() {
 }
 
 std::vector<codegen::KernelInstance> CaseKernels::all() const {
-  std::vector<codegen::KernelInstance> v{rmsnorm,  in_proj, kda,      o_proj,   router,   route,       moe_up,
+  std::vector<codegen::KernelInstance> v{rmsnorm,  in_proj, kda,      o_proj,   o_proj_norm, router, route, moe_up,
                                          moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine, mixed,
                                          mla_in,   q_norm,  q_b,      lat_down, lat_norm, lat_up, attnres[0], attnres[1],
                                          attnres[2], attnres_k3};
@@ -216,6 +216,8 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
            target};
   if (m.a_log_rank >= 0) k.kda.params["AR"] = 1;
   k.o_proj = gemm(P, {H}, false);
+  k.o_proj_norm = k.o_proj;
+  k.o_proj_norm.params["NM"] = 1;
   k.router = gemm(H, {m.experts}, true);
   k.route = {"moe_route", {{"W", T}, {"E", m.experts}, {"K", m.top_k}, {"RN", 1}}, target};
   const int64_t act = m.situ ? 1 : 0;
@@ -272,7 +274,7 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
     // Q8 (left out for bf16): 1 for an op whose weights are all e4m3; for gemm a bitmask over its weights.
     k.in_proj.params["Q8"] = 0b111;  // q, k, v; f_a, g_a (g), b stay bf16
     for (codegen::KernelInstance* i :
-         {&k.o_proj, &k.mlp_down, &k.moe_up, &k.moe_down, &k.mlp_up, &k.mla_prep, &k.mla_combine})
+         {&k.o_proj, &k.o_proj_norm, &k.mlp_down, &k.moe_up, &k.moe_down, &k.mlp_up, &k.mla_prep, &k.mla_combine})
       i->params["Q8"] = 1;
     k.mixed = gemm(H, {P, 80, 208}, false);
     k.mixed.params["Q8"] = 0b101;

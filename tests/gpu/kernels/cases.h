@@ -92,6 +92,7 @@ struct CaseKernels {
   codegen::KernelInstance in_proj;      // gemm: KDA q | k | v | f_a | g_a (g) | b (FP8: q, k, v e4m3)
   codegen::KernelInstance kda;          // kda_step
   codegen::KernelInstance o_proj;       // gemm: [H, P]
+  codegen::KernelInstance o_proj_norm;  // the same with the post-attention norm fused (NM 1)
   codegen::KernelInstance router;       // gemm, fp32 out: [E, H]
   codegen::KernelInstance route;        // moe_route
   codegen::KernelInstance moe_up;       // moe_up (routed + shared)

@@ -621,6 +621,50 @@ void check_gemm(Ctx& ctx, const Case& c, const KernelInstance& k, const std::str
                  q8 ? fmt::format("Q8 {}, K {}", q8, K) : std::string());
 }
 
+// The o-projection with the post-attention norm fused (gemm NM 1): the projection, then the residual
+// add + RMSNorm of its rows against ref::fused_add_rms_norm over the bf16 projection. Launched twice over
+// the same block counter (zeroed once, as the runtime's workspace): the second launch must find it back
+// at zero and give the same bits, and the counter must read zero after each.
+void check_gemm_norm(Ctx& ctx, const Case& c, const KernelInstance& k, uint64_t seed) {
+  const int64_t T = c.rows(), K = k.params.at("K"), N = k.params.at("NA");
+  Rng rng(seed);
+  auto x = rand_bf16(T * K, rng, -1, 1), residual = rand_bf16(T * N, rng, -2, 2);
+  auto weight = rand_bf16(N, rng, 0.5, 1.5);
+  const double a = std::sqrt(3.0 / static_cast<double>(K)) * 1.5;
+  const HostWeight w = rand_weight(N, K, rng, -a, a, q8_of(k) & 1);
+  const DevWeight dw = device_weight(w);
+  DevBuf dx = device_copy(x), dres = device_copy(residual), dnw = device_copy(weight);
+  DevBuf h(T * N * 2), normed(T * N * 2), rout(T * N * 2);
+  DevBuf done = device_copy(std::vector<uint32_t>(64, 0u));
+  const std::vector<double> proj = linear_bf16(to_mat(x, T, K), w.real(), N, K, true);
+  Mat mh(T, N);
+  mh.v = proj;
+  const Mat mr = to_mat(residual, T, N);
+  const ref::AddNorm e = ref::fused_add_rms_norm(mh, &mr, to_double(weight), 1e-5, ref::Rounding::vllm());
+  std::vector<uint16_t> first;
+  for (int launch = 0; launch < 2; ++launch) {
+    h.poison();
+    normed.poison();
+    rout.poison();
+    std::map<std::string, Arg> args{{"x", dx},         {"out", h},          {"residual", dres},
+                                    {"norm_weight", dnw}, {"normed", normed}, {"residual_out", rout},
+                                    {"eps", 1e-5f},     {"done", done}};
+    bind_weight(args, "w0", dw);
+    ctx.kernels.launch(k, args);
+    const std::string tag = fmt::format("o_proj + norm (launch {})", launch + 1);
+    ctx.report.add(c.name(), tag + " projection", rel(bf16_out(h), proj), kBf16Tol);
+    ctx.report.add(c.name(), tag + " out", rel(bf16_out(normed), e.x.v), kBf16Tol);
+    ctx.report.add(c.name(), tag + " residual", rel(bf16_out(rout), e.residual.v), 1e-6);
+    // Exact checks: 0 passes, 1 fails (limit 0.5).
+    const uint32_t counter = done.download<uint32_t>(0, 1)[0];
+    ctx.report.add(c.name(), tag + " block counter left at zero", counter == 0 ? 0.0 : 1.0, 0.5,
+                   fmt::format("counter {}", counter));
+    const std::vector<uint16_t> bits = normed.download<uint16_t>();
+    if (launch == 0) first = bits;
+    else ctx.report.add(c.name(), "o_proj + norm: both launches give the same bits", first == bits ? 0.0 : 1.0, 0.5);
+  }
+}
+
 // KDA step: fresh projections, weights and states; the reference walks requests and draft positions
 // exactly as compiler/reference/layer.cpp kda_mixer does (ConvSpecLayout::per_slot).
 void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
@@ -1775,6 +1819,7 @@ int main(int argc, char** argv) {
       if (!cs.fp8) check_rmsnorm(c, cs, k, seed += 10);  // FP8 cases: only the ops that read FP8 weights
       check_gemm(c, cs, k.in_proj, cs.fp8 ? "kda in_proj (q, k, v e4m3)" : "kda in_proj (6 weights)", seed += 10);
       check_gemm(c, cs, k.o_proj, "o_proj", seed += 10);
+      check_gemm_norm(c, cs, k.o_proj_norm, seed += 10);
       if (cs.fp8) check_gemm(c, cs, k.mixed, "mixed (w0, w2 e4m3; w1 bf16)", seed += 10);
       if (!cs.fp8) check_kda(c, cs, k, seed += 10);
       check_moe(c, cs, k, seed += 10);

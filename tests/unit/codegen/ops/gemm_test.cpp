@@ -79,6 +79,51 @@ TEST(GemmOp, Source) {
   EXPECT_NE(g.find("DP_GRID_DEPENDENCY_ENTRY();"), std::string::npos) << g;
 }
 
+TEST(GemmOp, FusedNormForm) {
+  // The o-projection with the post-attention norm: one weight, then the norm's parameters and the
+  // block counter.
+  const KernelInstance k = gemm_norm(4, 4096, 2304);
+  EXPECT_EQ(kernel_name(k), "gemm_w4_k4096_na2304_nm1");
+  EXPECT_NE(kernel_name(k), kernel_name(gemm(4, 4096, {2304})));
+  const KernelSignature s = kernel_signature(k);
+  std::vector<std::string> names;
+  for (const KernelParam& p : s.params) names.push_back(p.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"x", "out", "w0", "residual", "norm_weight", "normed", "residual_out",
+                                             "eps", "done"}));
+  EXPECT_EQ(s.params[3].shape, "[4, 2304] bf16");
+  EXPECT_EQ(s.params[4].shape, "[2304] bf16");
+  EXPECT_EQ(s.params[8].shape, "[1] u32");
+  EXPECT_EQ(launch_shape(k).grid[0], launch_shape(gemm(4, 4096, {2304})).grid[0]);
+  const std::string g = generate_source(k);
+  EXPECT_NE(g.find("dp_gemm_norm_q8<4, 4096, 2304, 0, 0, 0, 0, 0, 0, 1, 8, 0>(x, out, w0, nullptr, residual, "
+                   "norm_weight, normed, residual_out, eps, done);"),
+            std::string::npos)
+      << g;
+  EXPECT_NE(g.find("DP_GRID_DEPENDENCY_ENTRY();"), std::string::npos) << g;
+  // e4m3 at one row: the scales, and the early-weights form (the entry point only triggers).
+  KernelInstance f = gemm_norm(1, 4096, 2304);
+  f.params["Q8"] = 1;
+  const std::string gf = generate_source(f);
+  EXPECT_NE(gf.find("dp_gemm_norm_q8<1, 4096, 2304, 0, 0, 0, 0, 0, 0, 1, 8, 1, 1>(x, out, w0, w0_scale, residual, "
+                    "norm_weight, normed, residual_out, eps, done);"),
+            std::string::npos)
+      << gf;
+  EXPECT_EQ(gf.find("DP_GRID_DEPENDENCY_ENTRY();"), std::string::npos) << gf;
+}
+
+TEST(GemmOp, FusedNormRefusesWhatItCannotNormalise) {
+  using test::expect_error;
+  auto with = [](KernelInstance i, const char* key, int64_t v) {
+    i.params[key] = v;
+    return i;
+  };
+  expect_error([&] { kernel_name(with(gemm_norm(4, 2304, 256), "NB", 8)); }, Errc::input,
+               {"parameter NM = 1 (fused norm) takes one weight", "NB = 8"});
+  expect_error([&] { kernel_name(with(gemm_norm(4, 2304, 256), "F", 1)); }, Errc::input, {"F = 1"});
+  expect_error([&] { kernel_name(with(gemm_norm(4, 2304, 256), "AD", 1)); }, Errc::input, {"AD = 1"});
+  expect_error([&] { kernel_name(gemm_norm(4, 2304, 260)); }, Errc::input, {"NA = 260 is not a multiple of 8"});
+}
+
 TEST(GemmOp, TwoBlocksPerSmUpToEightRows) {
   // Up to 8 activation rows (one tensor-core column tile) the entry caps registers at 128 so that two
   // blocks share an SM (144-block grids on 132 SMs ran a second wave at one block per SM); from 9 rows
@@ -101,6 +146,13 @@ std::vector<KernelInstance> compile_set(const std::string& t) {
       gemm(2, 256, {16}, true, t),
       gemm(16, 2304, {4096, 4096, 4096, 128, 128, 32}, false, t),
       gemm(16, 4096, {2304}, false, t),
+      gemm_norm(2, 256, 256, t),
+      gemm_norm(8, 4096, 2304, t),
+      [&] {
+        KernelInstance f = gemm_norm(1, 4096, 2304, t);  // e4m3, the early-weights form
+        f.params["Q8"] = 1;
+        return f;
+      }(),
   };
 }
 

@@ -16,6 +16,12 @@ inline KernelInstance gemm(int64_t w, int64_t k, std::vector<int64_t> n, bool f3
   for (size_t s = 0; s < 6; ++s) i.params[keys[s]] = s < n.size() ? n[s] : 0;
   return i;
 }
+// The gemm with the post-attention norm fused (NM 1).
+inline KernelInstance gemm_norm(int64_t w, int64_t k, int64_t n, std::string target = "sm_90a") {
+  KernelInstance i = gemm(w, k, {n}, false, std::move(target));
+  i.params["NM"] = 1;
+  return i;
+}
 inline KernelInstance kda(int64_t w, int64_t q, int64_t nh, int64_t gr = 128, bool k3 = false,
                           std::string target = "sm_90a") {
   return {"kda_step",

@@ -13,7 +13,9 @@
 // wrong outputs; bench/NOTES.md.)
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <initializer_list>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -82,6 +84,8 @@ TEST(PdlOrderCompile, NoKernelTouchesGlobalMemoryBeforeItsDependencyWait) {
       q8(gemm(8, 4096, {2304})),
       q8(gemm(8, 2304, {4096, 4096, 4096, 128, 128, 32}), 7),
       gemm(1, 2304, {256}, /*f32=*/true),
+      gemm_norm(8, 4096, 2304),
+      q8(gemm_norm(8, 4096, 2304)),
       route(1, 256, 8),
       mlp_up(1, 2304, 9216),
       q8(mlp_up(1, 2304, 9216)),
@@ -118,6 +122,7 @@ TEST(PdlOrderCompile, TheEarlyWeightsGemmLoadsOnlyWeightsBeforeItsWait) {
       q8(gemm(1, 4096, {2304})),
       q8(gemm(1, 9216, {2304})),
       q8(gemm(1, 2304, {6144, 576}), 3),
+      q8(gemm_norm(1, 4096, 2304)),
   };
   const backend::CompileReport report = compile_with_ptx(set);
   ASSERT_EQ(report.kernels.size(), set.size());
@@ -128,6 +133,47 @@ TEST(PdlOrderCompile, TheEarlyWeightsGemmLoadsOnlyWeightsBeforeItsWait) {
     // The general check sees the weight loads before the wait: the exception is real.
     EXPECT_NE(memory_before_wait(k.ptx), "") << k.key;
   }
+}
+
+// The fused norm's hand-off between blocks (gemm NM 1, dp_gemm_norm_tail), in PTX order: the dependency
+// wait; every thread's release fence after its stores of the projection and a barrier before the one
+// block-counting atomic; after it a barrier, the acquire fence, then the coherent (L2) loads of the other
+// blocks' rows. "" when so, else the first step missing.
+std::string norm_handoff_violation(const std::string& ptx) {
+  const char* steps[] = {"griddepcontrol.wait", "st.global", "fence.acq_rel.gpu", "bar.sync",
+                         "atom.relaxed.gpu.global.add.u32", "bar.sync", "fence.acq_rel.gpu", "ld.global.cg"};
+  std::istringstream in(ptx);
+  size_t next = 0;
+  for (std::string line; next < std::size(steps) && std::getline(in, line);) {
+    const size_t b = line.find_first_not_of(" \t");
+    if (b != std::string::npos && line.compare(b, std::strlen(steps[next]), steps[next]) == 0) ++next;
+  }
+  return next == std::size(steps) ? "" : steps[next];
+}
+
+TEST(PdlOrderCompile, TheFusedNormCountsItsBlockAfterItsStoresAndReadsTheRowsCoherently) {
+  DP_SKIP_WITHOUT(backend::Vendor::nvidia);
+  const std::vector<KernelInstance> set = {gemm_norm(1, 4096, 2304), gemm_norm(8, 4096, 2304),
+                                           q8(gemm_norm(1, 4096, 2304)), q8(gemm_norm(8, 9216, 2304))};
+  const backend::CompileReport report = compile_with_ptx(set);
+  ASSERT_EQ(report.kernels.size(), set.size());
+  for (const backend::CompiledKernel& k : report.kernels) {
+    ASSERT_FALSE(k.ptx.empty()) << k.key;
+    EXPECT_EQ(norm_handoff_violation(k.ptx), "") << k.key << ": the step missing (in order)";
+  }
+}
+
+TEST(PdlOrder, TheHandoffCheckNamesTheMissingStep) {
+  const std::string ok =
+      "\tgriddepcontrol.wait;\n\tst.global.u16 [a], r;\n\tfence.acq_rel.gpu;\n\tbar.sync 0;\n"
+      "\tatom.relaxed.gpu.global.add.u32 r, [c], 1;\n\tbar.sync 0;\n\tfence.acq_rel.gpu;\n\tld.global.cg.v4.u32 {}, [h];\n";
+  EXPECT_EQ(norm_handoff_violation(ok), "");
+  // The counting atomic before the fence: the fence after it does not count for the release.
+  const std::string early =
+      "\tgriddepcontrol.wait;\n\tst.global.u16 [a], r;\n\tbar.sync 0;\n\tatom.relaxed.gpu.global.add.u32 r, [c], 1;\n"
+      "\tfence.acq_rel.gpu;\n\tbar.sync 0;\n\tld.global.cg.v4.u32 {}, [h];\n";
+  EXPECT_NE(norm_handoff_violation(early), "");
+  EXPECT_EQ(norm_handoff_violation("\tgriddepcontrol.wait;\n"), "st.global");
 }
 
 // The check itself: a load before the wait is found, one after it is not, and a missing wait is named.
