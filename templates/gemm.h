@@ -976,62 +976,78 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
   __syncthreads();
 }
 
-// The post-attention norm fused into the o-projection (gemm, parameter NM): once every block has
-// stored its tile of the output h, the last block to finish (counted on `done`, which the step
-// workspace holds at zero: the runtime zeroes it once and this block resets it) adds the residual and
-// normalises the W rows, as dp_add_rmsnorm does:
+// Work after the whole grid's output (gemm NM, and moe.h's fused routing): the last block of the
+// launch to store its tile runs a tail over the complete output. dp_gemm_last_block counts the block in
+// on `done`, a word the step workspace holds at zero (the runtime zeroes the workspace once; the last
+// block resets the word), and says whether it was the last. Every thread of every block calls it, after
+// its stores of the output.
+__device__ __forceinline__ bool dp_gemm_last_block(dp_u32* done) {
+  __shared__ dp_u32 last;
+  dp_fence_device();  // this thread's stores of the output are visible to the grid before the count
+  __syncthreads();
+  if (threadIdx.x == 0) last = dp_arrive_device(done) == gridDim.x - 1 ? 1u : 0u;
+  __syncthreads();
+  if (!last) return false;
+  dp_fence_device();  // every other block's stores, seen by this thread (read them coherently)
+  if (threadIdx.x == 0) *done = 0u;  // every block has arrived: ready for the next launch
+  return true;
+}
+// A tail: kActive, the counter `done`, and operator()(out), which every thread of the last block runs.
+struct dp_gemm_no_tail {
+  static constexpr bool kActive = false;
+  dp_u32* done = nullptr;
+  __device__ __forceinline__ void operator()(const void*) const {}
+};
+
+// The post-attention norm fused into the o-projection (gemm NM 1): the last block adds the residual to
+// the projection h and normalises the T rows, as dp_add_rmsnorm does:
 //   residual_out = bf16(h + residual),  out = bf16(bf16(x * rsqrt(mean(x^2) + eps)) * weight)
 // with the same roundings; the sum of squares is taken in another order (a 32-lane group per row, lane
 // partials then the group's butterfly), so `out` may differ from the separate op's in the last bit of
-// a few elements. One launch less per layer half: the separate norm's launch and its wait for the
-// GEMM (about 4 us of a width-1 step each, H200, bench/NOTES.md) become this block's tail.
-struct dp_gemm_norm {
+// a few elements. One launch less per layer: the separate norm's launch and its wait for the GEMM
+// become this block's tail (bench/NOTES.md has the prediction and what was measured).
+template <int T, int N>
+struct dp_gemm_norm_tail {
+  static constexpr bool kActive = true;
   const dp_bf16* residual;  // [T, N] bf16 (may alias residual_out)
   const dp_bf16* weight;    // [N] bf16
   dp_bf16* out;             // [T, N] bf16 normalised rows
   dp_bf16* residual_out;    // [T, N] bf16
   float eps;
-  dp_u32* done;             // blocks of this launch that have stored their tile (0 between launches)
-};
-template <int T, int N>
-__device__ __forceinline__ void dp_gemm_norm_tail(const dp_bf16* h, const dp_gemm_norm& nm) {
-  __shared__ dp_u32 last;
-  dp_fence_device();  // this thread's stores of h are visible to the grid before the block is counted
-  __syncthreads();
-  if (threadIdx.x == 0) last = dp_arrive_device(nm.done) == gridDim.x - 1 ? 1u : 0u;
-  __syncthreads();
-  if (!last) return;
-  dp_fence_device();  // every other block's stores of h, seen by this thread
-  if (threadIdx.x == 0) *nm.done = 0u;  // every block has arrived: ready for the next launch
-  constexpr int kVecs = N / 8;
-  const int group = (int)threadIdx.x / DP_GROUP, lane = (int)threadIdx.x % DP_GROUP;
-  for (int t = group; t < T; t += DP_GEMM_GROUPS) {
-    const dp_bf16* hr = h + (dp_u64)t * N;
-    const dp_bf16* rr = nm.residual + (dp_u64)t * N;
-    dp_bf16* ro = nm.residual_out + (dp_u64)t * N;
-    dp_bf16* o = nm.out + (dp_u64)t * N;
-    float sumsq = 0.0f;
-    for (int v = lane; v < kVecs; v += DP_GROUP) {
-      float xv[8], b[8];
-      dp_unpack8_bf16(dp_load16_coherent(hr + 8 * v), xv);
-      dp_unpack8_bf16(dp_load16_coherent(rr + 8 * v), b);
+  dp_u32* done;
+  __device__ __forceinline__ void operator()(const void* out_h) const {
+    static_assert(N % 8 == 0, "gemm: the fused norm reads 16-byte rows");
+    const dp_bf16* h = (const dp_bf16*)out_h;
+    constexpr int kVecs = N / 8;
+    const int group = (int)threadIdx.x / DP_GROUP, lane = (int)threadIdx.x % DP_GROUP;
+    for (int t = group; t < T; t += DP_GEMM_GROUPS) {
+      const dp_bf16* hr = h + (dp_u64)t * N;
+      const dp_bf16* rr = residual + (dp_u64)t * N;
+      dp_bf16* ro = residual_out + (dp_u64)t * N;
+      dp_bf16* o = out + (dp_u64)t * N;
+      float sumsq = 0.0f;
+      for (int v = lane; v < kVecs; v += DP_GROUP) {
+        float xv[8], b[8];
+        dp_unpack8_bf16(dp_load16_coherent(hr + 8 * v), xv);
+        dp_unpack8_bf16(dp_load16_coherent(rr + 8 * v), b);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) xv[k] = dp_round_bf16(xv[k] + b[k]);
-      dp_store16(ro + 8 * v, dp_pack8_bf16(xv));
+        for (int k = 0; k < 8; ++k) xv[k] = dp_round_bf16(xv[k] + b[k]);
+        dp_store16(ro + 8 * v, dp_pack8_bf16(xv));
 #pragma unroll
-      for (int k = 0; k < 8; ++k) sumsq += xv[k] * xv[k];
-    }
-    const float scale = dp_rsqrtf(dp_group_sum(sumsq) * (1.0f / (float)N) + nm.eps);
-    for (int v = lane; v < kVecs; v += DP_GROUP) {
-      float xv[8], w[8], y[8];
-      dp_unpack8_bf16(dp_load16_coherent(ro + 8 * v), xv);  // this lane's own stores above
-      dp_unpack8_bf16(dp_load16(nm.weight + 8 * v), w);
+        for (int k = 0; k < 8; ++k) sumsq += xv[k] * xv[k];
+      }
+      const float scale = dp_rsqrtf(dp_group_sum(sumsq) * (1.0f / (float)N) + eps);
+      for (int v = lane; v < kVecs; v += DP_GROUP) {
+        float xv[8], w[8], y[8];
+        dp_unpack8_bf16(dp_load16_coherent(ro + 8 * v), xv);  // this lane's own stores above
+        dp_unpack8_bf16(dp_load16(weight + 8 * v), w);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) y[k] = dp_round_bf16(xv[k] * scale) * w[k];
-      dp_store16(o + 8 * v, dp_pack8_bf16(y));
+        for (int k = 0; k < 8; ++k) y[k] = dp_round_bf16(xv[k] * scale) * w[k];
+        dp_store16(o + 8 * v, dp_pack8_bf16(y));
+      }
     }
   }
-}
+};
 
 // ---------------------------------------------------------------------------------------------------
 // The GEMM op: up to six weight matrices that read the same input, stacked in one launch (the KDA
@@ -1047,18 +1063,16 @@ __device__ __forceinline__ void dp_gemm_norm_tail(const dp_bf16* h, const dp_gem
 // kQ8 (bit s: weight s is e4m3 with fp32 128 x 128 block scales s_s, dp_fp8_row) selects the weights'
 // storage per segment; dp_gemm is the all-bf16 form.
 template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S, int kQ8,
-          int kAdd = 0, int kEarly = 0, int kNorm = 0>
+          int kAdd = 0, int kEarly = 0, typename Tail = dp_gemm_no_tail>
 __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x,  // [T, K] bf16
                                                  void* __restrict__ out,  // [T, Ntot] bf16 (fp32 if kOutF32)
                                                  const void* const (&ws)[6],   // [N_s, K] bf16 or e4m3
                                                  const float* const (&ss)[6],  // e4m3: [ceil(N_s/128), ceil(K/128)]
                                                  const dp_bf16* __restrict__ add = nullptr,  // kAdd: [T, Ntot] bf16
-                                                 const dp_gemm_norm* norm = nullptr) {       // kNorm
+                                                 const Tail& tail = Tail{}) {  // run by the grid's last block
   typedef dp_gemm_geometry<K, MT, S> G;
   constexpr int kNtot = N0 + N1 + N2 + N3 + N4 + N5;
   static_assert(N0 > 0, "gemm: segment 0 must have rows");
-  static_assert(kNorm == 0 || (kOutF32 == 0 && kAdd == 0 && kNtot == N0 && kNtot % 8 == 0),
-                "gemm: the fused norm takes one bf16 weight's output, 16-byte rows");
   __shared__ float partial[DP_GEMM_GROUPS * G::kSlotRows * T];  // [8, 16*MT, T] fp32 split-K partials
   __shared__ float result[G::kRows * T];                        // [RB, T] fp32 dot products of this block
 
@@ -1086,7 +1100,8 @@ __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x, 
     }
   }
   if (!found) {  // a grid larger than the tiles: whole block leaves together
-    if constexpr (kNorm != 0) dp_gemm_norm_tail<T, kNtot>((const dp_bf16*)out, *norm);
+    if constexpr (Tail::kActive)
+      if (dp_gemm_last_block(tail.done)) tail(out);
     return;
   }
   const int row0 = b * G::kRows;
@@ -1130,7 +1145,8 @@ __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x, 
       ((dp_bf16*)out)[o] = dp_f32_to_bf16(result[i]);
     }
   }
-  if constexpr (kNorm != 0) dp_gemm_norm_tail<T, kNtot>((const dp_bf16*)out, *norm);
+  if constexpr (Tail::kActive)
+    if (dp_gemm_last_block(tail.done)) tail(out);
 }
 
 template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S>
@@ -1171,8 +1187,9 @@ __device__ __forceinline__ void dp_gemm_norm_q8(const dp_bf16* __restrict__ x, v
                                                 dp_bf16* normed, dp_bf16* residual_out, float eps, dp_u32* done) {
   const void* const ws[6] = {w0, nullptr, nullptr, nullptr, nullptr, nullptr};
   const float* const ss[6] = {s0, nullptr, nullptr, nullptr, nullptr, nullptr};
-  const dp_gemm_norm nm{residual, norm_weight, normed, residual_out, eps, done};
-  dp_gemm_segments<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, kQ8, 0, kEarly, 1>(x, out, ws, ss, nullptr, &nm);
+  static_assert(kOutF32 == 0 && N1 == 0, "gemm: the fused norm takes one weight's bf16 output");
+  const dp_gemm_norm_tail<T, N0> nm{residual, norm_weight, normed, residual_out, eps, done};
+  dp_gemm_segments<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, kQ8, 0, kEarly>(x, out, ws, ss, nullptr, nm);
 }
 
 // The GEMM plus a bf16 addend of the output's shape: out = bf16(bf16(x W^T) + add), the sum of two bf16

@@ -34,9 +34,11 @@
 // the input, every chosen id is a valid expert. The used experts are then marked and ranked by a block
 // scan; with one row they are that row's choices, ranked by the group itself (no scan, no barrier:
 // 7.1 -> 6.5 us on the H200, bench/NOTES.md).
+// kCoherent 1: the logits were stored by other blocks of the same launch (the router GEMM's fused
+// routing, dp_moe_route_tail): read them through L2.
 #define DP_MOE_ROUTE_THREADS 256
 
-template <int T, int E, int KT, int kRenorm>
+template <int T, int E, int KT, int kRenorm, int kCoherent = 0>
 __device__ __forceinline__ void dp_moe_route(
     const float* __restrict__ logits,     // [T, E] fp32 router logits
     const float* __restrict__ bias,       // [E] fp32 e_score_correction_bias (selection only)
@@ -69,7 +71,7 @@ __device__ __forceinline__ void dp_moe_route(
     for (int i = 0; i < kPer; ++i) {
       const int e = lane + DP_GROUP * i;
       if (e < E) {
-        sc[i] = dp_sigmoid(logits[(dp_u64)t * E + e]);
+        sc[i] = dp_sigmoid(kCoherent ? dp_load_f32_coherent(logits + (dp_u64)t * E + e) : logits[(dp_u64)t * E + e]);
         sel[i] = sc[i] + bias[e];
         if (!(sel[i] == sel[i])) sel[i] = neg_inf;  // NaN
       } else {
@@ -179,6 +181,38 @@ __device__ __forceinline__ void dp_moe_route(
     expert_slots[i] = slot;
   }
   (void)U;
+}
+
+// The routing fused into the router GEMM (gemm TK > 0): the GEMM's last block (dp_gemm_last_block)
+// routes the complete [T, E] fp32 logits, as the separate moe_route launch would (same outputs bit for
+// bit: the same code, the logits read through L2). One launch less per MoE layer: the routing's launch
+// and its wait for the router become this block's tail.
+template <int T, int E, int KT, int kRenorm>
+struct dp_moe_route_tail {
+  static constexpr bool kActive = true;
+  const float* bias;
+  dp_i32* topk_ids;
+  float* topk_weights;
+  dp_i32* experts;
+  dp_i32* expert_slots;
+  dp_u32* done;
+  __device__ __forceinline__ void operator()(const void* logits) const {
+    dp_moe_route<T, E, KT, kRenorm, 1>((const float*)logits, bias, topk_ids, topk_weights, experts, expert_slots);
+  }
+};
+// The router GEMM (one weight [E, K], fp32 logits; bf16 or e4m3 as for dp_gemm_q8) with the routing
+// fused. The grid's blocks are 256 threads, the routing's block size.
+template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S, int kQ8,
+          int KT, int kRenorm, int kEarly = 0>
+__device__ __forceinline__ void dp_gemm_route(const dp_bf16* __restrict__ x, void* __restrict__ out, const void* w0,
+                                              const float* s0, const float* bias, dp_i32* topk_ids, float* topk_weights,
+                                              dp_i32* experts, dp_i32* expert_slots, dp_u32* done) {
+  static_assert(kOutF32 == 1 && N1 == 0, "gemm: the fused routing takes one weight's fp32 logits");
+  static_assert(DP_GEMM_THREADS == DP_MOE_ROUTE_THREADS, "gemm: the routing runs on one GEMM block");
+  const void* const ws[6] = {w0, nullptr, nullptr, nullptr, nullptr, nullptr};
+  const float* const ss[6] = {s0, nullptr, nullptr, nullptr, nullptr, nullptr};
+  const dp_moe_route_tail<T, N0, KT, kRenorm> rt{bias, topk_ids, topk_weights, experts, expert_slots, done};
+  dp_gemm_segments<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, kQ8, 0, kEarly>(x, out, ws, ss, nullptr, rt);
 }
 
 // ---------------------------------------------------------------------------------------------------

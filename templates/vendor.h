@@ -16,7 +16,7 @@
 //                dp_block_sum<kThreads>()
 //   numbers      dp_bf16_to_f32(), dp_f32_to_bf16() (round to nearest even), dp_expf/logf/rsqrtf
 //   memory       dp_load16() (one 16-byte load), dp_store16(), dp_prefetch_l2()
-//   cross-rank   dp_load16_coherent(), dp_fence_system(), dp_load_acquire_system(),
+//   cross-rank   dp_load16_coherent(), dp_load_f32_coherent(), dp_fence_system(), dp_load_acquire_system(),
 //                dp_store_release_system(), dp_cas_system(), dp_or_system(), dp_timer_ns() (the in-kernel
 //                all-reduce's mailboxes; allreduce.h says why each is needed)
 //   grid         dp_fence_device(), dp_arrive_device() (the last block of a grid finds out that it is the
@@ -281,6 +281,7 @@ __device__ __forceinline__ void dp_or_system(dp_u32* p, dp_u32 bits) {
 // A 16-byte load of data another agent stored, made visible by a dp_fence_system() of this thread
 // before it (on gfx9 that fence invalidates the CU's L1, so a plain load then reads L2 / memory).
 __device__ __forceinline__ dp_u32x4 dp_load16_coherent(const void* p) { return *(const dp_u32x4*)p; }
+__device__ __forceinline__ float dp_load_f32_coherent(const float* p) { return *p; }
 // Nanoseconds of a constant-rate clock shared by the device: s_memrealtime counts the 100 MHz
 // reference clock on gfx9 (gfx90a, gfx942), whatever the shader clock does.
 __device__ __forceinline__ dp_u64 dp_timer_ns() { return __builtin_amdgcn_s_memrealtime() * 10ull; }
@@ -311,6 +312,11 @@ __device__ __forceinline__ dp_u32x4 dp_load16_coherent(const void* p) {
   dp_u32x4 v;
   asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p)
                : "memory");
+  return v;
+}
+__device__ __forceinline__ float dp_load_f32_coherent(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
   return v;
 }
 // %globaltimer: nanoseconds, the same clock on every SM (updated about every microsecond).

@@ -134,7 +134,10 @@ LaunchShape launch_shape(const KernelInstance& k) {
   return op.launch(full_params(op, k.params));
 }
 
-std::string op_header(const KernelInstance& k) { return spec_of(k, {}).header; }
+std::string op_header(const KernelInstance& k) {
+  const OpSpec& op = spec_of(k, {});
+  return op.header_for ? op.header_for(full_params(op, k.params)) : op.header;
+}
 
 std::string generate_source(const KernelInstance& k) {
   const OpSpec& op = spec_of(k, {});
@@ -159,7 +162,7 @@ std::string generate_source(const KernelInstance& k) {
   s += fmt::format("// launch: block {} threads, grid {} blocks{}; parameter block {} bytes\n", launch.block[0], grid,
                    launch.grid_is_default ? " by default" : "", sig.bytes);
   s += "#include \"vendor.h\"\n";
-  s += fmt::format("#include \"{}\"\n\n", op.header);
+  s += fmt::format("#include \"{}\"\n\n", op.header_for ? op.header_for(full) : op.header);
   s += fmt::format("extern \"C\" __global__ {}({}) void {}(\n", op.bounds_for ? op.bounds_for(full) : op.bounds,
                    op.block_threads(full), name);
   for (size_t i = 0; i < sig.params.size(); ++i) {

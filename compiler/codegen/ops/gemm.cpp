@@ -82,7 +82,10 @@ std::vector<OpSpec> gemm_ops() {
            {"AD", "ad", 0, 1, "1: add a bf16 addend of the output's shape (bf16 output)", true},
            {"NM", "nm", 0, 1,
             "1: the residual add + RMSNorm of the output fused (post-attention norm; one weight, bf16 output)",
-            true}},
+            true},
+           {"TK", "tk", 0, 32, "top-k of the MoE routing fused after the router logits (0: none; one weight, fp32)",
+            true},
+           {"TR", "tr", 0, 1, "1: the fused routing renormalises its top-k weights", true}},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"K"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"K"});
@@ -94,6 +97,17 @@ std::vector<OpSpec> gemm_ops() {
                      "addend; got F = {}, AD = {}, NB = {}", who, p.at("F"), p.at("AD"), p.at("NB"));
               check_multiple_of_8(p, who, {"NA"});
             }
+            if (p.at("TK")) {
+              if (!p.at("F") || p.at("AD") || p.at("NM") || p.at("NB"))
+                fail(Errc::input, "{}: parameter TK = {} (fused routing) takes one weight with fp32 logits and no "
+                     "addend or norm; got F = {}, AD = {}, NM = {}, NB = {}", who, p.at("TK"), p.at("F"), p.at("AD"),
+                     p.at("NM"), p.at("NB"));
+              if (p.at("TK") > p.at("NA") || p.at("NA") > 1024)
+                fail(Errc::input, "{}: parameters TK = {} and NA = {}: the routing takes the top-k of at most 1024 "
+                     "experts, k <= experts", who, p.at("TK"), p.at("NA"));
+            }
+            if (p.at("TR") && !p.at("TK"))
+              fail(Errc::input, "{}: parameter TR = 1 without a fused routing (TK = 0)", who);
             for (int i = 0; i < 6; ++i)
               if (((p.at("Q8") >> i) & 1) && p.at(kGemmSegKeys[i]) == 0)
                 fail(Errc::input, "{}: parameter Q8 = {} marks weight {} as e4m3, but {} = 0 (absent)", who,
@@ -107,7 +121,11 @@ std::vector<OpSpec> gemm_ops() {
             const GemmGeometry g = gemm_geometry(p.at("W"), p.at("K"), gemm_ntot(p));
             std::vector<int64_t> a{p.at("W"),  p.at("K"),  p.at("NA"), p.at("NB"), p.at("NC"), p.at("ND"),
                                    p.at("NE"), p.at("NF"), p.at("F"),  g.mt,       g.s};
-            if (p.at("Q8") || p.at("AD") || p.at("NM")) a.push_back(p.at("Q8"));
+            if (p.at("Q8") || p.at("AD") || p.at("NM") || p.at("TK")) a.push_back(p.at("Q8"));
+            if (p.at("TK")) {  // dp_gemm_route's KT, kRenorm
+              a.push_back(p.at("TK"));
+              a.push_back(p.at("TR"));
+            }
             if (gemm_early(p)) a.push_back(1);  // dp_gemm_q8's kEarly
             return a;
           },
@@ -147,6 +165,20 @@ std::vector<OpSpec> gemm_ops() {
               a.push_back({"done", KernelParam::Kind::pointer, "dp_u32*", "[1] u32",
                            "blocks done (zero before the launch; left zero)"});
             }
+            if (p.at("TK")) {
+              const int64_t W = p.at("W"), E = p.at("NA"), K = p.at("TK"), U = std::min(E, W * K);
+              a.push_back({"bias", KernelParam::Kind::pointer, "const float*", shape({E}, "fp32"),
+                           "e_score_correction_bias (selection only)"});
+              a.push_back({"topk_ids", KernelParam::Kind::pointer, "dp_i32*", shape({W, K}, "i32"), "chosen experts"});
+              a.push_back({"topk_weights", KernelParam::Kind::pointer, "float*", shape({W, K}, "fp32"),
+                           "their weights (renormalised when TR, unscaled)"});
+              a.push_back({"experts", KernelParam::Kind::pointer, "dp_i32*", shape({1 + U}, "i32"),
+                           "count, then the used experts ascending"});
+              a.push_back({"expert_slots", KernelParam::Kind::pointer, "dp_i32*", shape({U, W}, "i32"),
+                           "top-k position of each used expert per row, or -1"});
+              a.push_back({"done", KernelParam::Kind::pointer, "dp_u32*", "[1] u32",
+                           "blocks done (zero before the launch; left zero)"});
+            }
             return a;
           },
           [](const Params& p) {
@@ -159,8 +191,14 @@ std::vector<OpSpec> gemm_ops() {
           "DP_KERNEL_BOUNDS",  // replaced by gemv_bounds (below)
           [](const Params& p) {
             DeviceCall c;
-            if (!p.at("Q8") && !p.at("AD") && !p.at("NM")) return c;  // dp_gemm over the bf16 weights given
-            c.fn = p.at("NM") ? "dp_gemm_norm_q8" : p.at("AD") ? "dp_gemm_add" : "dp_gemm_q8";
+            if (!p.at("Q8") && !p.at("AD") && !p.at("NM") && !p.at("TK")) return c;  // dp_gemm, bf16 weights
+            c.fn = p.at("TK") ? "dp_gemm_route" : p.at("NM") ? "dp_gemm_norm_q8" : p.at("AD") ? "dp_gemm_add" : "dp_gemm_q8";
+            if (p.at("TK")) {
+              c.args = {"x",    "out",      "w0",           (p.at("Q8") & 1) ? "w0_scale" : "nullptr",
+                        "bias", "topk_ids", "topk_weights", "experts",
+                        "expert_slots", "done"};
+              return c;
+            }
             if (p.at("NM")) {
               c.args = {"x", "out", "w0", (p.at("Q8") & 1) ? "w0_scale" : "nullptr",
                         "residual", "norm_weight", "normed", "residual_out", "eps", "done"};
@@ -180,6 +218,7 @@ std::vector<OpSpec> gemm_ops() {
   for (OpSpec& op : ops) {
     op.bounds_for = gemv_bounds;
     op.early_weights = gemm_early;
+    op.header_for = [](const Params& p) { return p.at("TK") ? "moe.h" : "gemm.h"; };
   }
   return ops;
 }

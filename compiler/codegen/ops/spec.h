@@ -64,6 +64,9 @@ struct OpSpec {
   std::function<DeviceCall(const Params&)> call = {};
   // When set, the launch-bounds macro by instance instead of `bounds` (set after the initializer).
   std::function<const char*(const Params&)> bounds_for = {};
+  // When set, the header by instance instead of `header` (an op whose fused forms live in another
+  // family's header: gemm's fused routing is in moe.h).
+  std::function<const char*(const Params&)> header_for = {};
   // When set and true for an instance: its entry point only triggers its dependents, and the device
   // function waits for the previous kernel itself, after its first weight loads (vendor.h).
   std::function<bool(const Params&)> early_weights = {};

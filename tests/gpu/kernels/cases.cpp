@@ -183,7 +183,8 @@ std::vector<Case> all_cases() {
 }
 
 std::vector<codegen::KernelInstance> CaseKernels::all() const {
-  std::vector<codegen::KernelInstance> v{rmsnorm,  in_proj, kda,      o_proj,   o_proj_norm, router, route, moe_up,
+  std::vector<codegen::KernelInstance> v{rmsnorm,  in_proj, kda,      o_proj,   o_proj_norm, router, route,
+                                         router_route, moe_up,
                                          moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine, mixed,
                                          mla_in,   q_norm,  q_b,      lat_down, lat_norm, lat_up, attnres[0], attnres[1],
                                          attnres[2], attnres_k3};
@@ -220,6 +221,9 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
   k.o_proj_norm.params["NM"] = 1;
   k.router = gemm(H, {m.experts}, true);
   k.route = {"moe_route", {{"W", T}, {"E", m.experts}, {"K", m.top_k}, {"RN", 1}}, target};
+  k.router_route = k.router;
+  k.router_route.params["TK"] = m.top_k;
+  k.router_route.params["TR"] = 1;
   const int64_t act = m.situ ? 1 : 0;
   k.moe_up = {"moe_up",
               {{"W", T}, {"D", H}, {"I", m.inter}, {"E", m.experts}, {"K", m.top_k}, {"S", m.shared}, {"ACT", act}},
@@ -284,6 +288,7 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
     CaseKernels l;
     l.router = k.router;
     l.route = k.route;
+    l.router_route = k.router_route;
     l.lat_down = gemm(H, {D}, false);
     l.moe_up = {"moe_up",
                 {{"W", T}, {"D", D}, {"I", m.inter}, {"E", m.experts}, {"K", m.top_k}, {"S", 0}, {"ACT", act},

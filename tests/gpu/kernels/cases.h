@@ -95,6 +95,7 @@ struct CaseKernels {
   codegen::KernelInstance o_proj_norm;  // the same with the post-attention norm fused (NM 1)
   codegen::KernelInstance router;       // gemm, fp32 out: [E, H]
   codegen::KernelInstance route;        // moe_route
+  codegen::KernelInstance router_route; // the router gemm with the routing fused (TK, TR)
   codegen::KernelInstance moe_up;       // moe_up (routed + shared)
   codegen::KernelInstance moe_down;     // moe_down (routed + shared)
   codegen::KernelInstance mlp_up;       // dense gate/up

@@ -970,6 +970,38 @@ Routed check_routing(Ctx& ctx, const Case& c, const CaseKernels& k, Rng& rng, co
     }
   }
   ctx.report.zero(c.name(), "moe_route expert table", table_bad);
+
+  // The router with the routing fused (gemm TK): the same logits and routing bit for bit, twice over
+  // one block counter (zeroed once, as the runtime's workspace), which each launch leaves at zero.
+  if (!k.router_route.op.empty()) {
+    DevBuf done = device_copy(std::vector<uint32_t>(64, 0u));
+    for (int launch = 0; launch < 2; ++launch) {
+      DevBuf fl(T * E * 4), ids(T * KT * 4), tw(T * KT * 4), ex((1 + U) * 4), sl(U * T * 4);
+      for (DevBuf* b : {&fl, &ids, &tw, &ex, &sl}) b->poison();
+      ctx.kernels.launch(k.router_route, {{"x", dx},
+                                          {"out", fl},
+                                          {"w0", dwr},
+                                          {"bias", dbias},
+                                          {"topk_ids", ids},
+                                          {"topk_weights", tw},
+                                          {"experts", ex},
+                                          {"expert_slots", sl},
+                                          {"done", done}});
+      int64_t differ = 0;
+      auto count = [&](const DevBuf& a, const DevBuf& b) {
+        const std::vector<uint8_t> x = a.download<uint8_t>(), y = b.download<uint8_t>();
+        for (size_t i = 0; i < x.size(); ++i) differ += x[i] != y[i];
+      };
+      count(fl, logits);
+      count(ids, R.ids);
+      count(tw, R.tw);
+      count(ex, R.experts);
+      count(sl, R.eslots);
+      const std::string tag = fmt::format("router + routing fused (launch {})", launch + 1);
+      ctx.report.zero(c.name(), tag + ": bytes unlike the separate kernels'", differ);
+      ctx.report.zero(c.name(), tag + ": block counter left nonzero", done.download<uint32_t>(0, 1)[0] != 0);
+    }
+  }
   R.w_want = std::move(w_want);
   R.used_v = used_v;
   R.ok = !bad_ids && !table_bad;

@@ -124,6 +124,46 @@ TEST(GemmOp, FusedNormRefusesWhatItCannotNormalise) {
   expect_error([&] { kernel_name(gemm_norm(4, 2304, 260)); }, Errc::input, {"NA = 260 is not a multiple of 8"});
 }
 
+TEST(GemmOp, FusedRoutingForm) {
+  // The router with the routing fused: its logits, then moe_route's outputs and the block counter; the
+  // device function is moe.h's.
+  const KernelInstance k = gemm_route(4, 2304, 256, 8);
+  EXPECT_EQ(kernel_name(k), "gemm_w4_k2304_na256_f1_tk8_tr1");
+  EXPECT_EQ(op_header(k), "moe.h");
+  EXPECT_EQ(op_header(gemm(4, 2304, {256}, true)), "gemm.h");
+  const KernelSignature s = kernel_signature(k);
+  std::vector<std::string> names;
+  for (const KernelParam& p : s.params) names.push_back(p.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"x", "out", "w0", "bias", "topk_ids", "topk_weights", "experts",
+                                             "expert_slots", "done"}));
+  EXPECT_EQ(s.params[1].shape, "[4, 256] fp32");
+  EXPECT_EQ(s.params[4].shape, "[4, 8] i32");
+  EXPECT_EQ(s.params[6].shape, "[33] i32");     // 1 + min(E, W*K)
+  EXPECT_EQ(s.params[7].shape, "[32, 4] i32");  // [U, W]
+  EXPECT_EQ(launch_shape(k).grid[0], launch_shape(gemm(4, 2304, {256}, true)).grid[0]);
+  const std::string g = generate_source(k);
+  EXPECT_NE(g.find("#include \"moe.h\""), std::string::npos) << g;
+  EXPECT_NE(g.find("dp_gemm_route<4, 2304, 256, 0, 0, 0, 0, 0, 1, 1, 8, 0, 8, 1>(x, out, w0, nullptr, bias, "
+                   "topk_ids, topk_weights, experts, expert_slots, done);"),
+            std::string::npos)
+      << g;
+}
+
+TEST(GemmOp, FusedRoutingRefusesWhatItCannotRoute) {
+  using test::expect_error;
+  auto with = [](KernelInstance i, const char* key, int64_t v) {
+    i.params[key] = v;
+    return i;
+  };
+  expect_error([&] { kernel_name(with(gemm_route(4, 2304, 256, 8), "F", 0)); }, Errc::input,
+               {"parameter TK = 8 (fused routing) takes one weight with fp32 logits", "F = 0"});
+  expect_error([&] { kernel_name(with(gemm_route(4, 2304, 256, 8), "NB", 16)); }, Errc::input, {"NB = 16"});
+  expect_error([&] { kernel_name(gemm_route(4, 2304, 4, 8)); }, Errc::input, {"TK = 8 and NA = 4"});
+  expect_error([&] { kernel_name(gemm_route(4, 2304, 2048, 8)); }, Errc::input, {"at most 1024 experts"});
+  expect_error([&] { kernel_name(with(gemm(4, 2304, {256}, true), "TR", 1)); }, Errc::input,
+               {"TR = 1 without a fused routing"});
+}
+
 TEST(GemmOp, TwoBlocksPerSmUpToEightRows) {
   // Up to 8 activation rows (one tensor-core column tile) the entry caps registers at 128 so that two
   // blocks share an SM (144-block grids on 132 SMs ran a second wave at one block per SM); from 9 rows
@@ -147,6 +187,8 @@ std::vector<KernelInstance> compile_set(const std::string& t) {
       gemm(16, 2304, {4096, 4096, 4096, 128, 128, 32}, false, t),
       gemm(16, 4096, {2304}, false, t),
       gemm_norm(2, 256, 256, t),
+      gemm_route(1, 256, 16, 4, t),
+      gemm_route(16, 2304, 256, 8, t),
       gemm_norm(8, 4096, 2304, t),
       [&] {
         KernelInstance f = gemm_norm(1, 4096, 2304, t);  // e4m3, the early-weights form

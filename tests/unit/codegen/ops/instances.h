@@ -22,6 +22,13 @@ inline KernelInstance gemm_norm(int64_t w, int64_t k, int64_t n, std::string tar
   i.params["NM"] = 1;
   return i;
 }
+// The router gemm (fp32 logits) with the MoE routing fused (TK top-k, TR renormalise).
+inline KernelInstance gemm_route(int64_t w, int64_t k, int64_t e, int64_t topk, std::string target = "sm_90a") {
+  KernelInstance i = gemm(w, k, {e}, true, std::move(target));
+  i.params["TK"] = topk;
+  i.params["TR"] = 1;
+  return i;
+}
 inline KernelInstance kda(int64_t w, int64_t q, int64_t nh, int64_t gr = 128, bool k3 = false,
                           std::string target = "sm_90a") {
   return {"kda_step",

@@ -86,6 +86,7 @@ TEST(PdlOrderCompile, NoKernelTouchesGlobalMemoryBeforeItsDependencyWait) {
       gemm(1, 2304, {256}, /*f32=*/true),
       gemm_norm(8, 4096, 2304),
       q8(gemm_norm(8, 4096, 2304)),
+      gemm_route(1, 2304, 256, 8),
       route(1, 256, 8),
       mlp_up(1, 2304, 9216),
       q8(mlp_up(1, 2304, 9216)),
@@ -135,7 +136,8 @@ TEST(PdlOrderCompile, TheEarlyWeightsGemmLoadsOnlyWeightsBeforeItsWait) {
   }
 }
 
-// The fused norm's hand-off between blocks (gemm NM 1, dp_gemm_norm_tail), in PTX order: the dependency
+// The hand-off between blocks of the fused tails (gemm NM 1, dp_gemm_norm_tail; TK, dp_moe_route_tail), in
+// PTX order: the dependency
 // wait; every thread's release fence after its stores of the projection and a barrier before the one
 // block-counting atomic; after it a barrier, the acquire fence, then the coherent (L2) loads of the other
 // blocks' rows. "" when so, else the first step missing.
@@ -151,10 +153,11 @@ std::string norm_handoff_violation(const std::string& ptx) {
   return next == std::size(steps) ? "" : steps[next];
 }
 
-TEST(PdlOrderCompile, TheFusedNormCountsItsBlockAfterItsStoresAndReadsTheRowsCoherently) {
+TEST(PdlOrderCompile, TheFusedTailsCountTheBlockAfterItsStoresAndReadTheOutputCoherently) {
   DP_SKIP_WITHOUT(backend::Vendor::nvidia);
-  const std::vector<KernelInstance> set = {gemm_norm(1, 4096, 2304), gemm_norm(8, 4096, 2304),
-                                           q8(gemm_norm(1, 4096, 2304)), q8(gemm_norm(8, 9216, 2304))};
+  const std::vector<KernelInstance> set = {gemm_norm(1, 4096, 2304),     gemm_norm(8, 4096, 2304),
+                                           q8(gemm_norm(1, 4096, 2304)), q8(gemm_norm(8, 9216, 2304)),
+                                           gemm_route(1, 2304, 256, 8),  gemm_route(8, 2304, 256, 8)};
   const backend::CompileReport report = compile_with_ptx(set);
   ASSERT_EQ(report.kernels.size(), set.size());
   for (const backend::CompiledKernel& k : report.kernels) {
