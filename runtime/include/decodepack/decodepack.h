@@ -443,7 +443,7 @@ DP_API dp_status* dp_session_verify_weights(dp_session* session);
  * where the driver reports them, registers, threads per block); resolves every prefetch table into a
  * device range table ({u64 address, u64 bytes} per weight range: 16-byte aligned addresses, lengths
  * capped by the bundle's bytes and by the tensor's extent computed from its shape and strides); and
- * allocates the step workspace (largest width) and the error flag word. Requires finalized weights.
+ * allocates the step workspace (largest width, zeroed) and the error flag word. Requires finalized weights.
  * Call it before the host profiles memory or captures CUDA graphs: nothing is loaded or allocated
  * later, so launches can be captured. Host-only sessions: DP_ERR_NO_DEVICE. */
 DP_API dp_status* dp_session_load_kernels(dp_session* session);
