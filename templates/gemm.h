@@ -1100,8 +1100,10 @@ __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x, 
     }
   }
   if (!found) {  // a grid larger than the tiles: whole block leaves together
-    if constexpr (Tail::kActive)
+    if constexpr (Tail::kActive) {
+      if constexpr (kEarly != 0) dp_grid_dependency_wait();  // the tail reads the previous kernel's data
       if (dp_gemm_last_block(tail.done)) tail(out);
+    }
     return;
   }
   const int row0 = b * G::kRows;

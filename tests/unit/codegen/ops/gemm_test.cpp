@@ -79,6 +79,12 @@ TEST(GemmOp, Source) {
   EXPECT_NE(g.find("DP_GRID_DEPENDENCY_ENTRY();"), std::string::npos) << g;
 }
 
+// `i` with parameter `key` set to `v`.
+KernelInstance with(KernelInstance i, const char* key, int64_t v) {
+  i.params[key] = v;
+  return i;
+}
+
 TEST(GemmOp, FusedNormForm) {
   // The o-projection with the post-attention norm: one weight, then the norm's parameters and the
   // block counter.
@@ -113,15 +119,11 @@ TEST(GemmOp, FusedNormForm) {
 
 TEST(GemmOp, FusedNormRefusesWhatItCannotNormalise) {
   using test::expect_error;
-  auto with = [](KernelInstance i, const char* key, int64_t v) {
-    i.params[key] = v;
-    return i;
-  };
-  expect_error([&] { kernel_name(with(gemm_norm(4, 2304, 256), "NB", 8)); }, Errc::input,
+  expect_error([] { kernel_name(with(gemm_norm(4, 2304, 256), "NB", 8)); }, Errc::input,
                {"parameter NM = 1 (fused norm) takes one weight", "NB = 8"});
-  expect_error([&] { kernel_name(with(gemm_norm(4, 2304, 256), "F", 1)); }, Errc::input, {"F = 1"});
-  expect_error([&] { kernel_name(with(gemm_norm(4, 2304, 256), "AD", 1)); }, Errc::input, {"AD = 1"});
-  expect_error([&] { kernel_name(gemm_norm(4, 2304, 260)); }, Errc::input, {"NA = 260 is not a multiple of 8"});
+  expect_error([] { kernel_name(with(gemm_norm(4, 2304, 256), "F", 1)); }, Errc::input, {"F = 1"});
+  expect_error([] { kernel_name(with(gemm_norm(4, 2304, 256), "AD", 1)); }, Errc::input, {"AD = 1"});
+  expect_error([] { kernel_name(gemm_norm(4, 2304, 260)); }, Errc::input, {"NA = 260 is not a multiple of 8"});
 }
 
 TEST(GemmOp, FusedRoutingForm) {
@@ -151,16 +153,12 @@ TEST(GemmOp, FusedRoutingForm) {
 
 TEST(GemmOp, FusedRoutingRefusesWhatItCannotRoute) {
   using test::expect_error;
-  auto with = [](KernelInstance i, const char* key, int64_t v) {
-    i.params[key] = v;
-    return i;
-  };
-  expect_error([&] { kernel_name(with(gemm_route(4, 2304, 256, 8), "F", 0)); }, Errc::input,
+  expect_error([] { kernel_name(with(gemm_route(4, 2304, 256, 8), "F", 0)); }, Errc::input,
                {"parameter TK = 8 (fused routing) takes one weight with fp32 logits", "F = 0"});
-  expect_error([&] { kernel_name(with(gemm_route(4, 2304, 256, 8), "NB", 16)); }, Errc::input, {"NB = 16"});
-  expect_error([&] { kernel_name(gemm_route(4, 2304, 4, 8)); }, Errc::input, {"TK = 8 and NA = 4"});
-  expect_error([&] { kernel_name(gemm_route(4, 2304, 2048, 8)); }, Errc::input, {"at most 1024 experts"});
-  expect_error([&] { kernel_name(with(gemm(4, 2304, {256}, true), "TR", 1)); }, Errc::input,
+  expect_error([] { kernel_name(with(gemm_route(4, 2304, 256, 8), "NB", 16)); }, Errc::input, {"NB = 16"});
+  expect_error([] { kernel_name(gemm_route(4, 2304, 4, 8)); }, Errc::input, {"TK = 8 and NA = 4"});
+  expect_error([] { kernel_name(gemm_route(4, 2304, 2048, 8)); }, Errc::input, {"at most 1024 experts"});
+  expect_error([] { kernel_name(with(gemm(4, 2304, {256}, true), "TR", 1)); }, Errc::input,
                {"TR = 1 without a fused routing"});
 }
 
