@@ -515,7 +515,21 @@ __device__ __forceinline__ void dp_mlp_up_q8(const dp_bf16* __restrict__ x, cons
 // against the rows that chose the expert, each item's products scaled by their rows' weights as they
 // are added up. Otherwise (T = 1, AMD): the lane-FMA loop, at most 4 rows at a time.
 // Expert storage as for dp_moe_up_impl: bf16, e4m3 (kQ8) or MXFP4 (kQ4, routed only, SI == 0).
-template <int T, int D, int I, int E, int KT, int SI, int M, int kQ8, int kQ4 = 0>
+// kSplit G > 0 (NVIDIA tensor-core path; the compiler gives it to the MXFP4 experts): a grid of G
+// blocks shares the work of all ceil(D/M) tiles evenly, instead of one block per tile. Tile t's K-units
+// (its items' chunks end to end) follow tile t-1's; block b takes units [b*total/G, (b+1)*total/G), so
+// every block streams the same bytes and a tile's units may span up to kSlots blocks. A block sums each
+// tile it touches over its range (its 8 groups split the range end to end, as one row does), stores the
+// [M, T] fp32 sum in the tile's slot of `partials` (slot = block - first block of the tile) and counts
+// itself in on the tile's word of `done` (zero between launches); the tile's last block adds the slots
+// in order and writes the tile's rows: deterministic. The 3584-row MXFP4 latent sum (224 tiles) ran one
+// block per tile on 132 SMs of two blocks each, 40 SMs with one (bench/NOTES.md, 2026-12-03).
+template <int D, int M, int G>
+struct dp_moe_split {
+  static constexpr int kTiles = (D + M - 1) / M;
+  static constexpr int kSlots = (G + kTiles - 1) / kTiles + 1;  // most blocks one tile's units can span
+};
+template <int T, int D, int I, int E, int KT, int SI, int M, int kQ8, int kQ4 = 0, int kSplit = 0>
 __device__ __forceinline__ void dp_moe_down_impl(
     const dp_bf16* __restrict__ h,             // [T, KT, I] bf16 from dp_moe_up
     const dp_bf16* __restrict__ hs,            // [T, SI] bf16 from dp_moe_up (null if SI == 0)
@@ -526,7 +540,10 @@ __device__ __forceinline__ void dp_moe_down_impl(
     const float* __restrict__ topk_weights,    // [T, KT] fp32 from dp_moe_route
     dp_bf16* __restrict__ out,                 // [T, D] bf16: the FFN output (next layer's hidden)
     float routed_scaling,
-    dp_u32 stride_w2, dp_u32 stride_w2_scale) {  // elements between experts of w2 (dense: D*I) and of its scales
+    dp_u32 stride_w2, dp_u32 stride_w2_scale,  // elements between experts of w2 (dense: D*I) and of its scales
+    float* partials = nullptr,                 // kSplit: [ceil(D/M), kSlots, M, T] fp32 (workspace)
+    dp_u32* done = nullptr,                    // kSplit: [ceil(D/M)] u32, zero between launches
+    int tile_of_block = -1) {                  // the tile this block computes (-1: blockIdx.x)
   static_assert(I % 8 == 0 && SI % 8 == 0 && D % 8 == 0, "moe_down: widths must be multiples of 8");
   static_assert(kQ4 == 0 || (SI == 0 && kQ8 == 0), "moe_down: MXFP4 experts have no shared expert and no e4m3");
   constexpr int kShared = SI > 0 ? 1 : 0;
@@ -535,13 +552,23 @@ __device__ __forceinline__ void dp_moe_down_impl(
   constexpr bool kMma = (T >= 2 || kQ8 != 0 || kQ4 != 0) && M == 16;
 #else
   constexpr bool kMma = false;
+  if constexpr (kSplit > 0) {
+    // The split is the tensor cores' (NVIDIA); the lane-FMA loop's G blocks take whole tiles in turn.
+    for (int tile = (int)blockIdx.x; tile < dp_moe_split<D, M, kSplit>::kTiles; tile += kSplit) {
+      dp_moe_down_impl<T, D, I, E, KT, SI, M, kQ8, kQ4>(h, hs, w2, w2_scale, shared_down, shared_down_scale, experts,
+                                                        expert_slots, topk_weights, out, routed_scaling, stride_w2,
+                                                        stride_w2_scale, nullptr, nullptr, tile);
+      __syncthreads();  // the next tile reuses the shared partial sums
+    }
+    return;
+  }
 #endif
   // Rows of the weights one group multiplies at a time (the lane-FMA loop keeps MF x T accumulators).
   constexpr int MF = kMma ? M : (M < 4 ? M : 4);
   static_assert(M % MF == 0, "moe_down: M must be a multiple of the rows per pass");
   __shared__ float partial[DP_GEMM_GROUPS * M * T];  // [8, M, T] fp32 group sums
   const int group = (int)threadIdx.x / DP_GROUP, lane = (int)threadIdx.x % DP_GROUP;
-  const int row0 = (int)blockIdx.x * M;
+  int row0 = (tile_of_block < 0 ? (int)blockIdx.x : tile_of_block) * M;  // the tile's first row (kSplit: per tile)
   const int items = kShared + experts[0];
 
   // Item `item`'s weight row m of this block, its activation row t (null: row t does not use it) and
@@ -587,7 +614,7 @@ __device__ __forceinline__ void dp_moe_down_impl(
       for (int nt = 0; nt < NT; ++nt) tmp[0][nt][0] = tmp[0][nt][1] = tmp[0][nt][2] = tmp[0][nt][3] = 0.0f;
       auto wrow = [&](int m) { return weight_row(item, m); };
       auto xrow = [&](int t) { return t < T ? act_row(item, t, nullptr) : nullptr; };
-      if constexpr (T == 1) {
+      if constexpr (T == 1 || kSplit > 0) {  // a range of the item's units
         if (kShared && item == 0)
           dp_mma_rows_range<SI, 1, NT>(wrow, xrow, u0, u_end, tmp);
         else
@@ -609,6 +636,65 @@ __device__ __forceinline__ void dp_moe_down_impl(
           acc[nt][k + 2] += c * tmp[0][nt][k + 2];
         }
     };
+    if constexpr (kSplit > 0) {
+      static_assert(kSplit > 0 && M == 16, "moe_down: the split grid is the tensor-core path's");
+      typedef dp_moe_split<D, M, kSplit> Split;
+      typedef decltype(weight_row(0, 0)) Row;
+      constexpr int uS = kShared ? dp_mma_units<SI, Row>() : 0, uI = dp_mma_units<I, Row>();
+      const dp_u64 per = (dp_u64)(kShared * uS + (items - kShared) * uI);  // units of one tile
+      const dp_u64 total = per * Split::kTiles;
+      const dp_u64 lo = (dp_u64)blockIdx.x * total / kSplit, hi = ((dp_u64)blockIdx.x + 1) * total / kSplit;
+      // The block holding unit u: the largest b with b*total/G <= u.
+      auto block_of = [&](dp_u64 u) { return (int)(((u + 1) * kSplit + total - 1) / total) - 1; };
+      __shared__ dp_u32 last;
+      for (dp_u64 tile = per ? lo / per : 0; lo < hi && tile * per < hi; ++tile) {
+        row0 = (int)tile * M;
+        const int a = (int)((lo > tile * per ? lo : tile * per) - tile * per);
+        const int b = (int)((hi < (tile + 1) * per ? hi : (tile + 1) * per) - tile * per);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        // This group's part of the block's range of the tile, the items' units end to end.
+        const int glo = a + group * (b - a) / DP_GEMM_GROUPS, ghi = a + (group + 1) * (b - a) / DP_GEMM_GROUPS;
+        for (int item = (kShared && glo < uS) ? 0 : kShared + (glo - kShared * uS) / uI; item < items; ++item) {
+          const int off = (kShared && item == 0) ? 0 : kShared * uS + (item - kShared) * uI;
+          if (off >= ghi) break;
+          const int n = (kShared && item == 0) ? uS : uI;
+          add_item(item, glo > off ? glo - off : 0, ghi - off < n ? ghi - off : n);
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int m = g + 8 * (k / 2), t = 8 * nt + 2 * q + (k % 2);
+            if (t < T) partial[(group * M + m) * T + t] = acc[nt][k];
+          }
+        __syncthreads();
+        const int first = block_of(tile * per), slots = block_of((tile + 1) * per - 1) - first + 1;
+        float* mine = partials + ((dp_u64)tile * Split::kSlots + ((int)blockIdx.x - first)) * M * T;
+        for (int i = (int)threadIdx.x; i < M * T; i += DP_GEMM_THREADS) {
+          float sum = 0.0f;
+#pragma unroll
+          for (int gg = 0; gg < DP_GEMM_GROUPS; ++gg) sum += partial[gg * M * T + i];
+          mine[i] = sum;
+        }
+        dp_fence_device();  // this block's slot is visible before it is counted
+        __syncthreads();
+        if (threadIdx.x == 0) last = dp_arrive_device(done + tile) == (dp_u32)(slots - 1) ? 1u : 0u;
+        __syncthreads();
+        if (last) {
+          dp_fence_device();
+          if (threadIdx.x == 0) done[tile] = 0u;
+          const float* tp = partials + (dp_u64)tile * Split::kSlots * M * T;
+          for (int i = (int)threadIdx.x; i < M * T; i += DP_GEMM_THREADS) {
+            const int m = i / T, t = i % T;
+            float sum = 0.0f;
+            for (int sl = 0; sl < slots; ++sl) sum += dp_load_f32_coherent(tp + (dp_u64)sl * M * T + i);
+            if (row0 + m < D) out[(dp_u64)t * D + row0 + m] = dp_f32_to_bf16(sum);
+          }
+        }
+        __syncthreads();  // partial[] and `last` are reused by the next tile
+      }
+    } else {  // one block per tile
     if constexpr (T == 1) {
       // One row: the items' K-units (dp_mma_units: blocks or chunks) laid end to end, the shared
       // expert's first, and cut into 8 equal ranges, one per group; a group's range may end inside an
@@ -637,6 +723,7 @@ __device__ __forceinline__ void dp_moe_down_impl(
         const int m = g + 8 * (k / 2), t = 8 * nt + 2 * q + (k % 2);
         if (t < T) partial[(group * M + m) * T + t] = acc[nt][k];
       }
+    }  // one block per tile
 #endif
   } else {
     for (int m0 = 0; m0 < M; m0 += MF) {
@@ -676,6 +763,7 @@ __device__ __forceinline__ void dp_moe_down_impl(
       }
     }
   }
+  if constexpr (kSplit > 0 && kMma) return;  // the split grid wrote every tile it finished
   __syncthreads();
   for (int i = (int)threadIdx.x; i < M * T; i += DP_GEMM_THREADS) {
     const int m = i / T, t = i % T;
@@ -717,4 +805,16 @@ __device__ __forceinline__ void dp_moe_down_q4(const dp_bf16* __restrict__ h, co
                                                float routed_scaling, dp_u32 stride_w2, dp_u32 stride_w2_scale) {
   dp_moe_down_impl<T, D, I, E, KT, SI, M, 0, 1>(h, nullptr, w2, w2_scale, nullptr, nullptr, experts, expert_slots,
                                                 topk_weights, out, routed_scaling, stride_w2, stride_w2_scale);
+}
+// The same over a grid of G blocks that share every tile's work evenly (dp_moe_split; kSplit = G).
+template <int T, int D, int I, int E, int KT, int SI, int M, int G>
+__device__ __forceinline__ void dp_moe_down_q4_split(const dp_bf16* __restrict__ h, const dp_u8* w2,
+                                                     const dp_u8* w2_scale, const dp_i32* __restrict__ experts,
+                                                     const dp_i32* __restrict__ expert_slots,
+                                                     const float* __restrict__ topk_weights, dp_bf16* __restrict__ out,
+                                                     float routed_scaling, dp_u32 stride_w2, dp_u32 stride_w2_scale,
+                                                     float* partials, dp_u32* done) {
+  dp_moe_down_impl<T, D, I, E, KT, SI, M, 0, 1, G>(h, nullptr, w2, w2_scale, nullptr, nullptr, experts, expert_slots,
+                                                   topk_weights, out, routed_scaling, stride_w2, stride_w2_scale,
+                                                   partials, done);
 }

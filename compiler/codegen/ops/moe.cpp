@@ -101,6 +101,13 @@ std::vector<ArgSpec> moe_up_q4_args(const Params& p) {
   return a;
 }
 
+// moe_down's split grid (SK blocks): the most blocks one tile's units can span (templates/moe.h
+// dp_moe_split::kSlots), the partial-sum slots of each tile.
+int64_t moe_down_split_slots(const Params& p) {
+  const int64_t m = moe_down_rows(p), tiles = (p.at("D") + m - 1) / m;
+  return (p.at("SK") + tiles - 1) / tiles + 1;
+}
+
 std::vector<ArgSpec> moe_down_q4_args(const Params& p) {
   const int64_t W = p.at("W"), D = p.at("D"), I = p.at("I"), E = p.at("E"), K = p.at("K"), U = moe_max_used(p);
   return {
@@ -272,16 +279,21 @@ std::vector<OpSpec> moe_ops() {
            {"K", "k", 1, 32, "experts per token (top-k)"},
            {"S", "s", 0, 1 << 20, "shared expert width (this rank's shard); 0: none"},
            q8_param("1: every expert matrix (routed and shared) e4m3 with 128 x 128 block scales"),
-           q4_param()},
+           q4_param(),
+           {"SK", "sk", 0, 4096,
+            "MXFP4: blocks that share every tile's work evenly (the split grid; 0: one block per tile)", true}},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"D", "I", "S"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"I", "S"});
             check_q4(p, who, "I");
             check_topk(p, who);
+            if (p.at("SK") && !p.at("Q4"))
+              fail(Errc::input, "{}: parameter SK = {} (the split grid) is the MXFP4 form's (Q4 = 1)", who, p.at("SK"));
           },
           [](const Params& p) {
-            return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"),
-                                        moe_down_rows(p)};
+            std::vector<int64_t> a{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"), moe_down_rows(p)};
+            if (p.at("SK")) a.push_back(p.at("SK"));  // dp_moe_down_q4_split's G
+            return a;
           },
           [](const Params& p) {
             const int64_t W = p.at("W"), D = p.at("D"), I = p.at("I"), E = p.at("E"), K = p.at("K"), S = p.at("S");
@@ -289,7 +301,18 @@ std::vector<OpSpec> moe_ops() {
             const bool q8 = p.at("Q8") != 0;
             const char* wt = q8 ? "const dp_u8*" : "const dp_bf16*";
             const char* dt = q8 ? "e4m3" : "bf16";
-            if (p.at("Q4")) return moe_down_q4_args(p);
+            if (p.at("Q4")) {
+              std::vector<ArgSpec> a = moe_down_q4_args(p);
+              if (p.at("SK")) {
+                const int64_t m = moe_down_rows(p), tiles = (D + m - 1) / m;
+                a.push_back({"partials", KernelParam::Kind::pointer, "float*",
+                             shape({tiles, moe_down_split_slots(p), m, W}, "fp32"),
+                             "each tile's sums from the blocks that share it (scratch)"});
+                a.push_back({"done", KernelParam::Kind::pointer, "dp_u32*", shape({tiles}, "u32"),
+                             "per tile: blocks done (zero before the launch; left zero)"});
+              }
+              return a;
+            }
             std::vector<ArgSpec> a{
                 {"h", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, K, I}, "bf16"), "from moe_up"},
                 {"hs", KernelParam::Kind::pointer, "const dp_bf16*", shape({W, S}, "bf16"),
@@ -324,13 +347,14 @@ std::vector<OpSpec> moe_ops() {
           [](const Params& p) {
             LaunchShape s;
             const int64_t m = moe_down_rows(p);
-            s.grid[0] = static_cast<uint32_t>((p.at("D") + m - 1) / m);
+            s.grid[0] = static_cast<uint32_t>(p.at("SK") ? p.at("SK") : (p.at("D") + m - 1) / m);
             s.block[0] = kGemmThreads;
             return s;
           },
           [](const Params&) { return kGemmThreads; },
           "DP_KERNEL_BOUNDS",  // replaced by gemv_bounds (below)
           [](const Params& p) {
+            if (p.at("SK")) return DeviceCall{"dp_moe_down_q4_split", {}};
             return p.at("Q4") ? DeviceCall{"dp_moe_down_q4", {}} : q8_call(p, "dp_moe_down_q8");
           },
       },

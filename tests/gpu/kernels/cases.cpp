@@ -186,7 +186,8 @@ std::vector<codegen::KernelInstance> CaseKernels::all() const {
   std::vector<codegen::KernelInstance> v{rmsnorm,  in_proj, kda,      o_proj,   o_proj_norm, router, route,
                                          router_route, moe_up,
                                          moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine, mixed,
-                                         mla_in,   q_norm,  q_b,      lat_down, lat_norm, lat_up, attnres[0], attnres[1],
+                                         mla_in,   q_norm,  q_b,      lat_down, lat_norm, lat_up, moe_down_split,
+                                         attnres[0], attnres[1],
                                          attnres[2], attnres_k3};
   std::erase_if(v, [](const codegen::KernelInstance& k) { return k.op.empty(); });
   return v;
@@ -302,6 +303,8 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
     l.mlp_down = gemm(m.shared, {H}, false);
     l.lat_up = gemm(D, {H}, false);
     l.lat_up.params["AD"] = 1;
+    l.moe_down_split = l.moe_down;
+    l.moe_down_split.params["SK"] = 264;
     return l;
   }
   return k;

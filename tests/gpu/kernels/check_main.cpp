@@ -1373,6 +1373,37 @@ void check_latent_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t se
                  ctx.time ? fmt::format("{:.1f} us, {:.0f} GB/s on {} experts' packed bytes", down_ms * 1e3,
                                         down_bytes / (down_ms * 1e-3) * 1e-9, R.used_v.size())
                           : std::string());
+  // The split grid (SK): the same sum from blocks that share the tiles, against the same reference;
+  // repeated over one set of tile counters (zeroed once), which every launch must leave at zero.
+  if (!k.moe_down_split.op.empty()) {
+    const int64_t G = k.moe_down_split.params.at("SK"), tiles = (D + 15) / 16, slots = (G + tiles - 1) / tiles + 1;
+    DevBuf parts(tiles * slots * 16 * T * 4), cnt = device_copy(std::vector<uint32_t>(tiles, 0u));
+    parts.poison();
+    DevBuf sum2(T * D * 2);
+    sum2.poison();
+    const float split_ms = ctx.kernels.launch(k.moe_down_split,
+                                              {{"h", h},
+                                               {"w2", w2},
+                                               {"w2_scale", s2},
+                                               {"experts", R.experts},
+                                               {"expert_slots", R.eslots},
+                                               {"topk_weights", R.tw},
+                                               {"out", sum2},
+                                               {"routed_scaling", static_cast<float>(m.routed_scaling)},
+                                               {"stride_w2", Arg(static_cast<uint32_t>(stride_w2))},
+                                               {"stride_w2_scale", Arg(static_cast<uint32_t>(stride_s2))},
+                                               {"partials", parts},
+                                               {"done", cnt}},
+                                              repeat);
+    ctx.report.add(c.name(), fmt::format("moe_down mxfp4 split over {} blocks", G), rel(bf16_out(sum2), sums_both[0]),
+                   kBf16Tol,
+                   ctx.time ? fmt::format("{:.1f} us, {:.0f} GB/s on {} experts' packed bytes", split_ms * 1e3,
+                                          down_bytes / (split_ms * 1e-3) * 1e-9, R.used_v.size())
+                            : std::string());
+    int64_t left = 0;
+    for (uint32_t v : cnt.download<uint32_t>()) left += v != 0;
+    ctx.report.zero(c.name(), "moe_down split: tile counters left nonzero", left);
+  }
 
   // ---- RMSNorm of the latent sum (no residual: residual_out is a copy of the input) ----
   auto nw = rand_bf16(D, rng, 0.5, 1.5);

@@ -98,6 +98,35 @@ TEST(Mxfp4Ops, ExpertSignaturesAndCalls) {
             std::string::npos);
 }
 
+// The split grid (SK): G blocks share every tile's units; each tile's sums meet in `partials` (up to
+// ceil(G / tiles) + 1 slots a tile) and its last block writes the rows.
+KernelInstance split(KernelInstance k, int64_t g) {
+  k.params["SK"] = g;
+  return k;
+}
+
+TEST(Mxfp4Ops, DownSplitGridSignatureAndCall) {
+  const KernelInstance k = split(q4(moe_down(8, 3584, 3072, 896, 16, 0)), 264);
+  EXPECT_EQ(kernel_name(k), "moe_down_w8_d3584_i3072_e896_k16_s0_q41_sk264");
+  const KernelSignature s = kernel_signature(k);
+  EXPECT_EQ(names(s), (std::vector<std::string>{"h", "w2", "w2_scale", "experts", "expert_slots", "topk_weights",
+                                                "out", "routed_scaling", "stride_w2", "stride_w2_scale", "partials",
+                                                "done"}));
+  EXPECT_EQ(s.params[10].shape, "[224, 3, 16, 8] fp32");  // 224 tiles, ceil(264 / 224) + 1 slots
+  EXPECT_EQ(s.params[11].shape, "[224] u32");
+  EXPECT_EQ(launch_shape(k).grid[0], 264u);
+  EXPECT_NE(generate_source(k).find("dp_moe_down_q4_split<8, 3584, 3072, 896, 16, 0, 16, 264>(h, w2, w2_scale, "
+                                    "experts, expert_slots, topk_weights, out, routed_scaling, stride_w2, "
+                                    "stride_w2_scale, partials, done);"),
+            std::string::npos)
+      << generate_source(k);
+  // Few tiles, many blocks: a tile's units spread over up to ceil(264 / 8) + 1 blocks.
+  EXPECT_EQ(kernel_signature(split(q4(moe_down(1, 128, 128, 16, 4, 0)), 264)).params[10].shape,
+            "[8, 34, 16, 1] fp32");
+  test::expect_error([] { kernel_name(split(moe_down(1, 2304, 1024, 256, 8, 1024), 264)); }, Errc::input,
+               {"parameter SK = 264 (the split grid) is the MXFP4 form's"});
+}
+
 TEST(Mxfp4Ops, GemmAddendSignatureAndCall) {
   const KernelInstance k = ad(gemm(4, 3584, {7168}));
   const KernelSignature s = kernel_signature(k);
@@ -120,6 +149,8 @@ std::vector<KernelInstance> compile_set(const std::string& t) {
       q4(moe_down(1, 128, 128, 16, 4, 0, t)),
       q4(moe_down(8, 3584, 3072, 896, 16, 0, t)),
       q4(moe_down(16, 136, 160, 16, 4, 0, t)),  // I with a partial chunk
+      split(q4(moe_down(1, 3584, 3072, 896, 16, 0, t)), 264),
+      split(q4(moe_down(8, 128, 128, 16, 4, 0, t)), 264),
       ad(gemm(1, 128, {256}, false, t)),
       ad(gemm(8, 3584, {7168}, false, t)),
   };
