@@ -994,7 +994,7 @@ __device__ __forceinline__ bool dp_gemm_last_block(dp_u32* done) {
 }
 // A tail: kActive, the counter `done`, and operator()(out), which every thread of the last block runs.
 struct dp_gemm_no_tail {
-  static constexpr bool kActive = false;
+  enum { kActive = 0 };  // an enum, not a static member: no device global in every kernel
   dp_u32* done = nullptr;
   __device__ __forceinline__ void operator()(const void*) const {}
 };
@@ -1008,7 +1008,7 @@ struct dp_gemm_no_tail {
 // become this block's tail (bench/NOTES.md has the prediction and what was measured).
 template <int T, int N>
 struct dp_gemm_norm_tail {
-  static constexpr bool kActive = true;
+  enum { kActive = 1 };
   const dp_bf16* residual;  // [T, N] bf16 (may alias residual_out)
   const dp_bf16* weight;    // [N] bf16
   dp_bf16* out;             // [T, N] bf16 normalised rows
@@ -1099,13 +1099,14 @@ __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x, 
       }
     }
   }
-  if (!found) {  // a grid larger than the tiles: whole block leaves together
-    if constexpr (Tail::kActive) {
+  if constexpr (Tail::kActive) {
+    if (!found) {  // a grid larger than the tiles: the block still counts, and may be the last
       if constexpr (kEarly != 0) dp_grid_dependency_wait();  // the tail reads the previous kernel's data
       if (dp_gemm_last_block(tail.done)) tail(out);
+      return;
     }
-    return;
   }
+  if (!found) return;  // a grid larger than the tiles: whole block leaves together
   const int row0 = b * G::kRows;
 
   // Rows past the matrix re-read row 0 and are dropped.

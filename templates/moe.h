@@ -189,7 +189,7 @@ __device__ __forceinline__ void dp_moe_route(
 // and its wait for the router become this block's tail.
 template <int T, int E, int KT, int kRenorm>
 struct dp_moe_route_tail {
-  static constexpr bool kActive = true;
+  enum { kActive = 1 };
   const float* bias;
   dp_i32* topk_ids;
   float* topk_weights;
