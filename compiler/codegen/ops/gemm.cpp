@@ -216,7 +216,9 @@ std::vector<OpSpec> gemm_ops() {
       },
   };
   for (OpSpec& op : ops) {
-    op.bounds_for = gemv_bounds;
+    // The fused routing keeps moe_route's scores in registers (2 x E/32 per lane): one block per SM,
+    // as moe_route has, so that they fit (Kimi-K3's 896 experts spilled 968 bytes at 128 registers).
+    op.bounds_for = [](const Params& p) { return p.at("TK") ? "DP_KERNEL_BOUNDS" : gemv_bounds(p); };
     op.early_weights = gemm_early;
     op.header_for = [](const Params& p) { return p.at("TK") ? "moe.h" : "gemm.h"; };
   }

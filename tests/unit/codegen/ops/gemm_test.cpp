@@ -144,6 +144,8 @@ TEST(GemmOp, FusedRoutingForm) {
   EXPECT_EQ(s.params[7].shape, "[32, 4] i32");  // [U, W]
   EXPECT_EQ(launch_shape(k).grid[0], launch_shape(gemm(4, 2304, {256}, true)).grid[0]);
   const std::string g = generate_source(k);
+  // One block per SM (the routing's scores in registers), where the plain router takes two.
+  EXPECT_NE(g.find("__global__ DP_KERNEL_BOUNDS(256) void gemm_w4_k2304_na256_f1_tk8_tr1("), std::string::npos) << g;
   EXPECT_NE(g.find("#include \"moe.h\""), std::string::npos) << g;
   EXPECT_NE(g.find("dp_gemm_route<4, 2304, 256, 0, 0, 0, 0, 0, 1, 1, 8, 0, 8, 1>(x, out, w0, nullptr, bias, "
                    "topk_ids, topk_weights, experts, expert_slots, done);"),
@@ -187,6 +189,8 @@ std::vector<KernelInstance> compile_set(const std::string& t) {
       gemm_norm(2, 256, 256, t),
       gemm_route(1, 256, 16, 4, t),
       gemm_route(16, 2304, 256, 8, t),
+      gemm_route(1, 7168, 896, 16, t),  // Kimi-K3's router: 896 experts, top-16
+      gemm_route(8, 7168, 896, 16, t),
       gemm_norm(8, 4096, 2304, t),
       [&] {
         KernelInstance f = gemm_norm(1, 4096, 2304, t);  // e4m3, the early-weights form
