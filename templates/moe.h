@@ -643,11 +643,15 @@ __device__ __forceinline__ void dp_moe_down_impl(
       constexpr int uS = kShared ? dp_mma_units<SI, Row>() : 0, uI = dp_mma_units<I, Row>();
       const dp_u64 per = (dp_u64)(kShared * uS + (items - kShared) * uI);  // units of one tile
       const dp_u64 total = per * Split::kTiles;
-      const dp_u64 lo = (dp_u64)blockIdx.x * total / kSplit, hi = ((dp_u64)blockIdx.x + 1) * total / kSplit;
-      // The block holding unit u: the largest b with b*total/G <= u.
-      auto block_of = [&](dp_u64 u) { return (int)(((u + 1) * kSplit + total - 1) / total) - 1; };
+      // Blocks that get units: all G, or one per unit when there are fewer units than blocks (a block
+      // with an empty range would be counted among a tile's blocks but never arrive).
+      const dp_u64 blocks = total < (dp_u64)kSplit ? total : (dp_u64)kSplit;
+      if ((dp_u64)blockIdx.x >= blocks) return;  // the whole block
+      const dp_u64 lo = (dp_u64)blockIdx.x * total / blocks, hi = ((dp_u64)blockIdx.x + 1) * total / blocks;
+      // The block holding unit u: the largest b with b*total/blocks <= u.
+      auto block_of = [&](dp_u64 u) { return (int)(((u + 1) * blocks + total - 1) / total) - 1; };
       __shared__ dp_u32 last;
-      for (dp_u64 tile = per ? lo / per : 0; lo < hi && tile * per < hi; ++tile) {
+      for (dp_u64 tile = lo / per; tile * per < hi; ++tile) {  // every block has a unit: per > 0, lo < hi
         row0 = (int)tile * M;
         const int a = (int)((lo > tile * per ? lo : tile * per) - tile * per);
         const int b = (int)((hi < (tile + 1) * per ? hi : (tile + 1) * per) - tile * per);
