@@ -1324,17 +1324,20 @@ void check_latent_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t se
   // ---- moe_down (Q4): the scaled latent sum ----
   DevBuf sum(T * D * 2);
   sum.poison();
-  const float down_ms = ctx.kernels.launch(k.moe_down, {{"h", h},
-                                                        {"w2", w2},
-                                                        {"w2_scale", s2},
-                                                        {"experts", R.experts},
-                                                        {"expert_slots", R.eslots},
-                                                        {"topk_weights", R.tw},
-                                                        {"out", sum},
-                                                        {"routed_scaling", static_cast<float>(m.routed_scaling)},
-                                                        {"stride_w2", Arg(static_cast<uint32_t>(stride_w2))},
-                                                        {"stride_w2_scale", Arg(static_cast<uint32_t>(stride_s2))}},
-                                           repeat);
+  // moe_down's arguments writing the sum to `out` (the split form adds its workspace).
+  auto down_args = [&](const DevBuf& out) {
+    return std::map<std::string, Arg>{{"h", h},
+                                      {"w2", w2},
+                                      {"w2_scale", s2},
+                                      {"experts", R.experts},
+                                      {"expert_slots", R.eslots},
+                                      {"topk_weights", R.tw},
+                                      {"out", out},
+                                      {"routed_scaling", static_cast<float>(m.routed_scaling)},
+                                      {"stride_w2", Arg(static_cast<uint32_t>(stride_w2))},
+                                      {"stride_w2_scale", Arg(static_cast<uint32_t>(stride_s2))}};
+  };
+  const float down_ms = ctx.kernels.launch(k.moe_down, down_args(sum), repeat);
   // The scaled latent sum from (h, weights) pairs: the GPU's h with its weights, and the reference
   // chain's; each expert dequantised once.
   using HW = std::pair<const std::vector<double>*, const std::vector<double>*>;
@@ -1381,20 +1384,10 @@ void check_latent_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t se
     parts.poison();
     DevBuf sum2(T * D * 2);
     sum2.poison();
-    const float split_ms = ctx.kernels.launch(k.moe_down_split,
-                                              {{"h", h},
-                                               {"w2", w2},
-                                               {"w2_scale", s2},
-                                               {"experts", R.experts},
-                                               {"expert_slots", R.eslots},
-                                               {"topk_weights", R.tw},
-                                               {"out", sum2},
-                                               {"routed_scaling", static_cast<float>(m.routed_scaling)},
-                                               {"stride_w2", Arg(static_cast<uint32_t>(stride_w2))},
-                                               {"stride_w2_scale", Arg(static_cast<uint32_t>(stride_s2))},
-                                               {"partials", parts},
-                                               {"done", cnt}},
-                                              repeat);
+    std::map<std::string, Arg> split_args = down_args(sum2);
+    split_args.emplace("partials", parts);
+    split_args.emplace("done", cnt);
+    const float split_ms = ctx.kernels.launch(k.moe_down_split, split_args, repeat);
     ctx.report.add(c.name(), fmt::format("moe_down mxfp4 split over {} blocks", G), rel(bf16_out(sum2), sums_both[0]),
                    kBf16Tol,
                    ctx.time ? fmt::format("{:.1f} us, {:.0f} GB/s on {} experts' packed bytes", split_ms * 1e3,
