@@ -195,7 +195,7 @@ __device__ __forceinline__ dp_u32 dp_pack2_bf16(float lo, float hi) {
 }
 #endif
 
-template <int W, int Q, int N, int L, int R, int BS, int NS>
+template <int W, int Q, int N, int L, int R, int BS, int NS, int TS = 0>
 __device__ __forceinline__ void dp_mla_attn(const dp_bf16* __restrict__ q_abs,       // [W*Q, N, L+R] bf16
                                             const dp_bf16* __restrict__ cache,       // [blocks, cache_stride] bf16
                                             const dp_i32* __restrict__ block_table,  // [W, stride_bt] i32
@@ -227,7 +227,19 @@ __device__ __forceinline__ void dp_mla_attn(const dp_bf16* __restrict__ q_abs,  
   constexpr int kCols = L / 8;            // latent columns per warp in P C
   constexpr int kNT = kCols / 8;          // 8-column tiles per warp
   constexpr int kPStride = 24;            // bf16 per P row (conflict-free fragment reads)
-  __shared__ __align__(16) dp_bf16 tiles[2][DP_MLA_TILE * kStride];  // [2, 16, L+R+8] bf16 staged cache rows
+  // Staged cache rows, [kBufs, 16, L+R+8] bf16: two buffers in static shared memory (TS = 0), or TS in
+  // the launch's dynamic shared memory (TS x 16 x (L+R+8) x 2 bytes), so that TS - 1 tiles are in flight
+  // while one is computed.
+  constexpr int kBufs = TS > 0 ? TS : 2;
+  static_assert(TS == 0 || TS >= 2, "mla_attn: TS is 0 (two static buffers) or at least 2");
+  __shared__ __align__(16) dp_bf16 tiles_static[2][DP_MLA_TILE * kStride];  // TS = 0 only (else unreferenced)
+  dp_bf16 (*tiles)[DP_MLA_TILE * kStride];
+  if constexpr (TS == 0) {
+    tiles = tiles_static;
+  } else {
+    extern __shared__ __align__(16) dp_bf16 dp_mla_tiles_dynamic[];
+    tiles = reinterpret_cast<dp_bf16 (*)[DP_MLA_TILE * kStride]>(dp_mla_tiles_dynamic);
+  }
   __shared__ float sred[4 * DP_MLA_ROWS * DP_MLA_TILE];          // [4, 16, 16] fp32 score partials
   __shared__ __align__(16) dp_bf16 ps[DP_MLA_ROWS * kPStride];   // [16, 24] bf16 probabilities
   __shared__ float alpha_s[DP_MLA_ROWS];                         // [16] rescale of each row's o this tile
@@ -260,8 +272,8 @@ __device__ __forceinline__ void dp_mla_attn(const dp_bf16* __restrict__ q_abs,  
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
 
-  // The cache rows go to shared memory by cp.async, double-buffered: the next tile is in flight while
-  // this one is computed. Splits start at multiples of the tile (chunk above), so with BS a multiple
+  // The cache rows go to shared memory by cp.async into kBufs buffers: the next kBufs - 1 tiles are in
+  // flight while this one is computed. Splits start at multiples of the tile (chunk above), so with BS a multiple
   // of 16 a tile lies in one cache block: one block-table entry, and every thread copies the same
   // 16-byte pieces of each tile (tokens past the slice are zero-filled: 0 * p stays 0 in P C).
   static_assert(BS % DP_MLA_TILE == 0, "mla_attn: the cache block size must be a multiple of 16");
@@ -283,14 +295,31 @@ __device__ __forceinline__ void dp_mla_attn(const dp_bf16* __restrict__ q_abs,  
     }
     asm volatile("cp.async.commit_group;");
   };
-  if (begin < end) issue_tile(begin, 0);
+  // Every iteration commits exactly one group (empty past the slice's end), so when tile i is waited for,
+  // the kBufs - 2 groups after it may still be in flight.
+  if constexpr (TS == 0) {
+    if (begin < end) issue_tile(begin, 0);
+  } else {
+#pragma unroll
+    for (int s = 0; s < kBufs - 1; ++s) {
+      if (begin + DP_MLA_TILE * s < end) issue_tile(begin + DP_MLA_TILE * s, s);
+      else asm volatile("cp.async.commit_group;");
+    }
+  }
   int buf = 0;
-  for (int p0 = begin; p0 < end; p0 += DP_MLA_TILE, buf ^= 1) {
+  for (int p0 = begin; p0 < end; p0 += DP_MLA_TILE, buf = kBufs == 2 ? buf ^ 1 : (buf + 1 == kBufs ? 0 : buf + 1)) {
     const int ntok = end - p0 < DP_MLA_TILE ? end - p0 : DP_MLA_TILE;
     const dp_bf16* tile = tiles[buf];
-    asm volatile("cp.async.wait_group 0;" ::: "memory");  // this thread's pieces of this tile landed
-    __syncthreads();  // every piece is visible, and the previous tile (the other buffer) is no longer read
-    if (p0 + DP_MLA_TILE < end) issue_tile(p0 + DP_MLA_TILE, buf ^ 1);
+    asm volatile("cp.async.wait_group %0;" ::"n"(kBufs - 2) : "memory");  // this thread's pieces of this tile landed
+    __syncthreads();  // every piece is visible, and the tile before it (its buffer is refilled next) is no longer read
+    if constexpr (TS == 0) {
+      if (p0 + DP_MLA_TILE < end) issue_tile(p0 + DP_MLA_TILE, buf ^ 1);
+    } else {
+      const int ahead = p0 + DP_MLA_TILE * (kBufs - 1);
+      const int into = buf == 0 ? kBufs - 1 : buf - 1;  // (buf + kBufs - 1) % kBufs: the tile before's buffer
+      if (ahead < end) issue_tile(ahead, into);
+      else asm volatile("cp.async.commit_group;");
+    }
     {  // partial scores of rows g, g+8 x tokens 8*nh + 2*qd (+1) over this warp's K-quarter
       float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const dp_bf16* crow = tile + (8 * nh + g) * kStride + 2 * qd;

@@ -230,6 +230,7 @@ BuildResult build_bundle(const BuildOptions& o) {
                           kp.offset, kp.size, kp.shape, kp.nullable});
     for (int a = 0; a < 3; ++a) e.grid[a] = ck.launch.grid[a], e.block[a] = ck.launch.block[a];
     e.shared_bytes = ck.usage.shared_bytes;
+    e.dynamic_shared_bytes = ck.launch.dynamic_shared_bytes;
     e.registers = ck.usage.registers;
     e.stack_bytes = ck.usage.stack_bytes;
     e.spill_bytes = ck.usage.spill_bytes;
@@ -247,7 +248,7 @@ BuildResult build_bundle(const BuildOptions& o) {
             [](const format::KernelEntry& a, const format::KernelEntry& b) { return a.key < b.key; });
   std::sort(man.files.begin(), man.files.end(),
             [](const format::FileEntry& a, const format::FileEntry& b) { return a.path < b.path; });
-  man.format_version.minor = format::written_minor(man);  // again: the kernels can raise it (attnres, 1.7)
+  man.format_version.minor = format::written_minor(man);  // again: the kernels can raise it (attnres 1.7, dynamic shared memory 1.9)
   try {
     format::validate(man, "manifest");
   } catch (const format::FormatError& e) {

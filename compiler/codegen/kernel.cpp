@@ -131,7 +131,9 @@ KernelSignature kernel_signature(const KernelInstance& k) {
 
 LaunchShape launch_shape(const KernelInstance& k) {
   const OpSpec& op = spec_of(k, {});
-  return op.launch(full_params(op, k.params));
+  LaunchShape s = op.launch(full_params(op, k.params));
+  if (op.dynamic_shared) s.dynamic_shared_bytes = op.dynamic_shared(full_params(op, k.params), k.target);
+  return s;
 }
 
 std::string op_header(const KernelInstance& k) {

@@ -49,6 +49,7 @@ CudaLoadError load_cuda_api(CudaApi& api) {
       {slot(a.ModuleUnload), "cuModuleUnload"},
       {slot(a.ModuleGetFunction), "cuModuleGetFunction"},
       {slot(a.FuncGetAttribute), "cuFuncGetAttribute"},
+      {slot(a.FuncSetAttribute), "cuFuncSetAttribute"},
       {slot(a.FuncGetParamInfo), "cuFuncGetParamInfo", nullptr, false},
       {slot(a.LaunchKernel), "cuLaunchKernel"},
       {slot(a.LaunchKernelEx), "cuLaunchKernelEx"},

@@ -77,6 +77,7 @@ inline constexpr int CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0;
 inline constexpr int CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1;
 inline constexpr int CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3;
 inline constexpr int CU_FUNC_ATTRIBUTE_NUM_REGS = 4;
+inline constexpr int CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8;
 
 // Flags and modes
 inline constexpr unsigned CU_STREAM_NON_BLOCKING = 0x1;
@@ -160,6 +161,7 @@ struct CudaApi {
   R (*ModuleUnload)(CUmodule) = nullptr;
   R (*ModuleGetFunction)(CUfunction*, CUmodule, const char*) = nullptr;
   R (*FuncGetAttribute)(int*, int, CUfunction) = nullptr;
+  R (*FuncSetAttribute)(CUfunction, int, int) = nullptr;
   R (*FuncGetParamInfo)(CUfunction, size_t, size_t*, size_t*) = nullptr;  // optional: CUDA 12.4
   R (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                     void**, void**) = nullptr;

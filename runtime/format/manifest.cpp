@@ -181,6 +181,8 @@ void validate_programs(const Manifest& m, const std::set<int64_t>& widths, Bad&&
 }  // namespace
 
 int written_minor(const Manifest& m) {
+  for (const KernelEntry& k : m.kernels)
+    if (k.dynamic_shared_bytes > 0) return 9;
   for (const ProgramEntry& p : m.programs)
     for (const ProgramStepEntry& st : p.steps)
       if (!st.collective.empty()) return 8;
@@ -258,7 +260,7 @@ Manifest from_json(const Json& j, const std::string& where) {
   for (size_t i = 0; i < top.array("kernels").size(); ++i) {
     Obj k = top.at("kernels", i);
     k.only({"key", "name", "op", "role", "target", "width", "q", "file", "sha256", "param_bytes", "params", "grid",
-            "block", "shared_bytes", "registers", "stack_bytes", "spill_bytes"});
+            "block", "shared_bytes", "dynamic_shared_bytes", "registers", "stack_bytes", "spill_bytes"});
     KernelEntry e;
     e.key = k.str("key");
     e.name = k.str("name");
@@ -279,6 +281,8 @@ Manifest from_json(const Json& j, const std::string& where) {
     k.dim3("grid", e.grid);
     k.dim3("block", e.block);
     e.shared_bytes = k.num<uint32_t>("shared_bytes", 0, kMaxKernelResource);
+    if (k.has("dynamic_shared_bytes"))  // since 1.9, present only when not 0
+      e.dynamic_shared_bytes = k.num<uint32_t>("dynamic_shared_bytes", 1, kMaxKernelResource);
     e.registers = k.num<uint32_t>("registers", 0, kMaxKernelResource);
     e.stack_bytes = k.num<uint32_t>("stack_bytes", 0, kMaxKernelResource);
     e.spill_bytes = k.num<uint32_t>("spill_bytes", 0, kMaxKernelResource);
@@ -401,6 +405,7 @@ Json to_json(const Manifest& m) {
                             {"grid", {k.grid[0], k.grid[1], k.grid[2]}}, {"block", {k.block[0], k.block[1], k.block[2]}},
                             {"shared_bytes", k.shared_bytes}, {"registers", k.registers},
                             {"stack_bytes", k.stack_bytes}, {"spill_bytes", k.spill_bytes}});
+    if (k.dynamic_shared_bytes > 0) j["kernels"].back()["dynamic_shared_bytes"] = k.dynamic_shared_bytes;
   }
   if (m.format_version.minor >= 1) {
     j["indexer"] = {{"heads", m.indexer.heads}, {"head_dim", m.indexer.head_dim}, {"top_k", m.indexer.top_k},
@@ -498,6 +503,9 @@ void validate(const Manifest& m, const std::string& where) {
                       k.width == 0 ? "with width 0 (an LM head serves one width)"
                                    : fmt::format("in a {}.{} manifest (since 1.5)", m.format_version.major,
                                                  m.format_version.minor)));
+    if (k.dynamic_shared_bytes > 0 && m.format_version.minor < 9)
+      bad(fmt::format("kernels[{}] ({}): dynamic_shared_bytes {} in a {}.{} manifest (since 1.9)", i, k.key,
+                      k.dynamic_shared_bytes, m.format_version.major, m.format_version.minor));
     if (k.role == "indexer" && (m.indexer.heads == 0 || m.format_version.minor < 2))
       bad(fmt::format("kernels[{}] ({}): role indexer in a {}.{} manifest {}", i, k.key, m.format_version.major,
                       m.format_version.minor, m.indexer.heads == 0 ? "whose model has no indexer" : "(since 1.2)"));

@@ -29,11 +29,13 @@ inline constexpr int kFormatMajor = 1;
 // 1.4 the prefetch point attention_oproj, 1.5 kernels of role lm_head (manifests/bundle-format.md §2.6),
 // 1.6 the program source `tp` (tensor-parallel all-reduce steps), 1.7 K3 block attention residuals
 // (the program source `layer`, the cache kind `attn_res`, attnres final-norm kernels), 1.8 collective
-// program steps (`nccl_allreduce`: the NCCL all-reduce path, with the deploy's `allreduce`). A writer
+// program steps (`nccl_allreduce`: the NCCL all-reduce path, with the deploy's `allreduce`), 1.9 kernels
+// that take dynamic shared memory (`dynamic_shared_bytes`, launched with that much; above 48 KiB the
+// runtime opts the function in first). A writer
 // records the lowest minor whose features the bundle uses, never below 1.5 (kMinWrittenMinor): a bundle
 // without `tp` sources stays 1.5, byte for byte what 1.5 writers made, one without K3 attention residuals
-// stays at most 1.6, and one without NCCL widths at most 1.7.
-inline constexpr int kFormatMinor = 8;
+// stays at most 1.6, one without NCCL widths at most 1.7, and one without dynamic shared memory at most 1.8.
+inline constexpr int kFormatMinor = 9;
 inline constexpr int kMinWrittenMinor = 5;
 inline constexpr const char* kManifestFile = "manifest.json";
 
@@ -114,6 +116,7 @@ struct KernelEntry {
   uint32_t grid[3] = {1, 1, 1};
   uint32_t block[3] = {1, 1, 1};
   uint32_t shared_bytes = 0;
+  uint32_t dynamic_shared_bytes = 0;  // since 1.9: launched with this much dynamic shared memory (0: none)
   uint32_t registers = 0;
   uint32_t stack_bytes = 0;
   uint32_t spill_bytes = 0;
@@ -228,7 +231,8 @@ std::string canonical_bytes(const Manifest& m);
 // expert groups, kernel digests equal to their files[] entries. Throws FormatError(schema).
 void validate(const Manifest& m, const std::string& where);
 
-// The minor version a writer records for `m`: 8 when a program has a collective step, else 7 when it
+// The minor version a writer records for `m`: 9 when a kernel takes dynamic shared memory, else 8 when a
+// program has a collective step, else 7 when it
 // uses K3 block attention residuals (a program source `layer`, a cache kind `attn_res` or an `attnres`
 // kernel), else 6 when a program binds a `tp` source, else kMinWrittenMinor.
 int written_minor(const Manifest& m);

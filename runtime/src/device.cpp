@@ -49,6 +49,12 @@ class CudaDevice final : public Device {
     return ok();
   }
 
+  Status allow_dynamic_shared(void* fn, uint32_t bytes, const std::string& what) override {
+    return check(api_->FuncSetAttribute(static_cast<CUfunction>(fn), CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                        static_cast<int>(bytes)),
+                 "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)", what);
+  }
+
   Status function_info(void* fn, const std::string& what, FunctionInfo* out) override {
     CUfunction f = static_cast<CUfunction>(fn);
     DP_RETURN_IF_ERROR(check(api_->FuncGetAttribute(&out->registers, CU_FUNC_ATTRIBUTE_NUM_REGS, f),

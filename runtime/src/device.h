@@ -52,6 +52,9 @@ class Device {
   virtual void unload_module(void* module) = 0;
   virtual Status function(void* module, const std::string& name, const std::string& what, void** fn) = 0;
   virtual Status function_info(void* fn, const std::string& what, FunctionInfo* out) = 0;
+  // Lets `fn` launch with up to `bytes` of dynamic shared memory (CUDA: beyond the default 48 KiB a
+  // function must opt in before its first launch).
+  virtual Status allow_dynamic_shared(void* fn, uint32_t bytes, const std::string& what) = 0;
 
   virtual Status alloc(size_t bytes, const std::string& what, uint64_t* out) = 0;
   virtual void free(uint64_t ptr) = 0;

@@ -137,6 +137,7 @@ Status dp_session::indexer_launch(const char* op, uint32_t grid_x, uint32_t grid
   l.grid[0] = grid_x;
   l.grid[1] = grid_y;
   std::copy(k.entry->block, k.entry->block + 3, l.block);
+  l.dynamic_shared = k.entry->dynamic_shared_bytes;
   l.stream = stream;
   l.params = block;
   l.param_bytes = k.block.size();

@@ -435,6 +435,7 @@ Status dp_session::load_kernel(const format::KernelEntry& k, int32_t layer, Load
     DP_RETURN_IF_ERROR(device->function(module, k.name, what, &fn));
     FunctionInfo info;
     DP_RETURN_IF_ERROR(device->function_info(fn, what, &info));
+    if (k.dynamic_shared_bytes > 0) DP_RETURN_IF_ERROR(device->allow_dynamic_shared(fn, k.dynamic_shared_bytes, what));
     const int threads = static_cast<int>(k.block[0] * k.block[1] * k.block[2]);
     if (info.max_threads < threads)
       return error(DP_ERR_DEVICE_LIMITS, "{}: the driver launches this code object with at most {} threads per block ({} "
@@ -1059,6 +1060,7 @@ Status launch_packed(Device& device, const LoadedKernel& k, dp_stream stream, bo
   l.function = k.function;
   std::copy(k.entry->grid, k.entry->grid + 3, l.grid);
   std::copy(k.entry->block, k.entry->block + 3, l.block);
+  l.dynamic_shared = k.entry->dynamic_shared_bytes;
   l.stream = stream;
   l.params = block;
   l.param_bytes = k.block.size();
@@ -1267,6 +1269,7 @@ Status dp_session::fire_prefetch(const std::function<bool(const ArmedPrefetch&)>
     l.function = t.kernel.function;
     l.grid[0] = static_cast<uint32_t>(t.entry->grid);
     std::copy(t.kernel.entry->block, t.kernel.entry->block + 3, l.block);
+    l.dynamic_shared = t.kernel.entry->dynamic_shared_bytes;
     l.stream = side_stream;
     l.params = const_cast<uint8_t*>(t.kernel.block.data());
     l.param_bytes = t.kernel.block.size();

@@ -108,6 +108,13 @@ Status check_device(const dp_bundle& b, const dp_device_desc& d, int32_t ordinal
     if (d.max_shared_per_block > 0 && k.shared_bytes > static_cast<uint64_t>(d.max_shared_per_block))
       return error(DP_ERR_DEVICE_LIMITS, "kernel {}: {} bytes of static shared memory per block, {} allows {}", k.key,
                    k.shared_bytes, who, d.max_shared_per_block);
+    // Dynamic shared memory comes on top of the static; beyond the default limit the function opts in.
+    const uint64_t shared = uint64_t{k.shared_bytes} + k.dynamic_shared_bytes;
+    const int64_t shared_limit = d.max_shared_per_block_optin > 0 ? d.max_shared_per_block_optin : d.max_shared_per_block;
+    if (k.dynamic_shared_bytes > 0 && shared_limit > 0 && shared > static_cast<uint64_t>(shared_limit))
+      return error(DP_ERR_DEVICE_LIMITS, "kernel {}: {} bytes of shared memory per block ({} static + {} dynamic), {} "
+                   "allows {}{}", k.key, shared, k.shared_bytes, k.dynamic_shared_bytes, who, shared_limit,
+                   d.max_shared_per_block_optin > 0 ? " with opt-in" : "");
   }
   for (const format::PrefetchEntry& p : m.prefetch)
     if (d.max_grid_dim[0] > 0 && p.grid > d.max_grid_dim[0])

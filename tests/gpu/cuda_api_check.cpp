@@ -35,7 +35,8 @@ constexpr int dev_attrs[] = {
     cu::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
 };
 constexpr int func_attrs[] = {cu::CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, cu::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
-                              cu::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, cu::CU_FUNC_ATTRIBUTE_NUM_REGS};
+                              cu::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, cu::CU_FUNC_ATTRIBUTE_NUM_REGS,
+                              cu::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES};
 constexpr size_t config_size = sizeof(cu::CUlaunchConfig), attr_size = sizeof(cu::CUlaunchAttribute),
                  value_size = sizeof(cu::CUlaunchAttributeValue);
 constexpr size_t off_stream = offsetof(cu::CUlaunchConfig, hStream), off_attrs = offsetof(cu::CUlaunchConfig, attrs),
@@ -82,6 +83,7 @@ static_assert(mine::func_attrs[0] == CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK);
 static_assert(mine::func_attrs[1] == CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES);
 static_assert(mine::func_attrs[2] == CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES);
 static_assert(mine::func_attrs[3] == CU_FUNC_ATTRIBUTE_NUM_REGS);
+static_assert(mine::func_attrs[4] == CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES);
 static_assert(mine::ipc_lazy_peer == CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
 static_assert(mine::ipc_handle_size == sizeof(CUipcMemHandle));
 static_assert(mine::config_size == sizeof(CUlaunchConfig));

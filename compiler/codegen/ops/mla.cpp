@@ -15,10 +15,20 @@ int64_t mla_row_blocks(int64_t q, int64_t n) { return (q * n + kMlaRows - 1) / k
 int64_t mla_combine_cols(int64_t /*t*/) { return 32; }
 constexpr int64_t kMlaAbsorbCols = 128;  // latent columns per mla_prep absorb block
 
+// mla_attn's shared memory on NVIDIA (templates/mla.h, tensor-core path): each staged tile is 16 cache
+// rows of L+R+8 bf16; the static rest is the score partials [4, 16, 16] fp32, the probabilities
+// [16, 24] bf16 and the row rescales [16] fp32 (plus the two tiles when TS = 0).
+int64_t mla_attn_tile_bytes(const Params& p) { return 16 * (p.at("L") + p.at("R") + 8) * 2; }
+int64_t mla_attn_static_bytes(const Params& p) {
+  return 4 * 16 * 16 * 4 + 16 * 24 * 2 + 16 * 4 + (p.at("TS") ? 0 : 2 * mla_attn_tile_bytes(p));
+}
+int64_t mla_attn_dynamic_bytes(const Params& p) { return p.at("TS") * mla_attn_tile_bytes(p); }
+constexpr int64_t kMaxSharedOptIn = 227 * 1024;  // sm_90's per-block limit with opt-in
+
 }  // namespace
 
 std::vector<OpSpec> mla_ops() {
-  return {
+  std::vector<OpSpec> ops{
       {
           // MLA: kv_a_layernorm + latent-cache write, absorbed query q_nope . W_UK_T (+ q_pe).
           "mla_prep",
@@ -100,8 +110,16 @@ std::vector<OpSpec> mla_ops() {
            {"L", "l", 64, 1024, "kv_lora_rank, a multiple of 64"},
            {"R", "r", 0, 1024, "qk_rope_head_dim"},
            {"BS", "bs", 1, 1 << 16, "cache block size (tokens)"},
-           {"NS", "ns", 1, 256, "KV splits per request"}},
+           {"NS", "ns", 1, 256, "KV splits per request"},
+           {"TS", "ts", 0, 16, "NVIDIA: cache tiles staged per block in dynamic shared memory (TS - 1 in flight); "
+            "0: two in static shared memory", true}},
           [](const Params& p, const std::string& who) {
+            if (p.at("TS") == 1)
+              fail(Errc::input, "{}: TS = 1 stages no tile ahead: 0 (two static buffers) or 2 to 16", who);
+            if (p.at("TS") > 0 && mla_attn_dynamic_bytes(p) + mla_attn_static_bytes(p) > kMaxSharedOptIn)
+              fail(Errc::input, "{}: TS = {} tiles of {} bytes and {} bytes of static shared memory exceed the {} "
+                   "bytes an sm_90 block may opt in to", who, p.at("TS"), mla_attn_dynamic_bytes(p) / p.at("TS"),
+                   mla_attn_static_bytes(p), kMaxSharedOptIn);
             if (p.at("L") % 64 != 0 || (p.at("L") + p.at("R")) % 8 != 0)
               fail(Errc::input, "{}: L = {} must be a multiple of 64 and L + R = {} a multiple of 8", who, p.at("L"),
                    p.at("L") + p.at("R"));
@@ -116,7 +134,9 @@ std::vector<OpSpec> mla_ops() {
                    "multiple of 16; at most {})", who, kr, 2 * (48 * 1024 / 4 - 32) / 40 / 16 * 16);
           },
           [](const Params& p) {
-            return std::vector<int64_t>{p.at("W"), p.at("Q"), p.at("N"), p.at("L"), p.at("R"), p.at("BS"), p.at("NS")};
+            std::vector<int64_t> a{p.at("W"), p.at("Q"), p.at("N"), p.at("L"), p.at("R"), p.at("BS"), p.at("NS")};
+            if (p.at("TS")) a.push_back(p.at("TS"));
+            return a;
           },
           [](const Params& p) {
             const int64_t W = p.at("W"), Q = p.at("Q"), N = p.at("N"), L = p.at("L"), NS = p.at("NS");
@@ -207,6 +227,12 @@ std::vector<OpSpec> mla_ops() {
           "DP_KERNEL_BOUNDS",
       },
   };
+  for (OpSpec& op : ops)
+    if (std::string_view(op.name) == "mla_attn")
+      op.dynamic_shared = [](const Params& p, const std::string& target) {
+        return target.rfind("sm_", 0) == 0 ? static_cast<uint32_t>(mla_attn_dynamic_bytes(p)) : uint32_t{0};
+      };
+  return ops;
 }
 
 }  // namespace dp::codegen::ops

@@ -70,6 +70,9 @@ struct OpSpec {
   // When set and true for an instance: its entry point only triggers its dependents, and the device
   // function waits for the previous kernel itself, after its first weight loads (vendor.h).
   std::function<bool(const Params&)> early_weights = {};
+  // When set: the dynamic shared memory an instance is launched with on `target` (launch_shape; 0 where
+  // the target's code does not use it).
+  std::function<uint32_t(const Params&, const std::string& target)> dynamic_shared = {};
 };
 
 // The families, one per templates/ header.

@@ -133,7 +133,7 @@ extern "C" {
  * (manifests/bundle-format.md). A bundle outside that range is refused with DP_ERR_FORMAT_VERSION before
  * any other field is read, the message giving both versions and the supported range. */
 #define DP_BUNDLE_FORMAT_MAJOR 1
-#define DP_BUNDLE_FORMAT_MINOR 8
+#define DP_BUNDLE_FORMAT_MINOR 9
 
 /* The loaded library's version as MAJOR * 10000 + MINOR * 100 + PATCH. This signature never changes. */
 DP_API uint32_t dp_version(void);

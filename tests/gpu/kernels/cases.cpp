@@ -185,7 +185,7 @@ std::vector<Case> all_cases() {
 std::vector<codegen::KernelInstance> CaseKernels::all() const {
   std::vector<codegen::KernelInstance> v{rmsnorm,  in_proj, kda,      o_proj,   o_proj_norm, router, route,
                                          router_route, moe_up,
-                                         moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine, mixed,
+                                         moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine, mla_attn_staged, mixed,
                                          mla_in,   q_norm,  q_b,      lat_down, lat_norm, lat_up, moe_down_split,
                                          attnres[0], attnres[1],
                                          attnres[2], attnres_k3};
@@ -252,6 +252,8 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
                  {"BS", m.block_size},
                  {"NS", m.splits}},
                 target};
+  k.mla_attn_staged = k.mla_attn;
+  k.mla_attn_staged.params["TS"] = 4;
   k.mla_combine = {"mla_combine",
                    {{"W", c.width},
                     {"Q", c.q},

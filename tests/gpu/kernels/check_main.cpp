@@ -172,6 +172,8 @@ class Kernels {
       if (!known) fail(Errc::internal, "{}: no parameter named {}", codegen::kernel_name(k), name);
     }
     const codegen::LaunchShape s = codegen::launch_shape(k);
+    if (s.dynamic_shared_bytes > 0)  // beyond 48 KiB the function opts in first, as the runtime does at load
+      CU(cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(s.dynamic_shared_bytes)));
     CUevent start, stop;
     CU(cuEventCreate(&start, CU_EVENT_DEFAULT));
     CU(cuEventCreate(&stop, CU_EVENT_DEFAULT));
@@ -1806,6 +1808,32 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   if (front)
     ctx.report.add(c.name(), "mla q-LoRA chain (from x)", rel(out_gpu, reference(front->from_x).out), kBf16Tol,
                    "gemm, rmsnorm, gemm q_b, prep, attn, combine + gate");
+  if (!k.mla_attn_staged.op.empty()) {
+    // The staged attention (TS tiles in dynamic shared memory) does the same arithmetic in the same order:
+    // the same partials, bit for bit, and so the same output.
+    DevBuf part_o2(W * NS * Q * N * L * 4), part_ml2(W * NS * Q * N * 2 * 4), out2(T * N * V * 2);
+    for (DevBuf* b : {&part_o2, &part_ml2, &out2}) b->poison();
+    const float t_staged = ctx.kernels.launch(k.mla_attn_staged, {{"q_abs", q_abs},
+                                                                  {"cache", d_cache},
+                                                                  {"block_table", d_bt},
+                                                                  {"stride_bt", Arg(static_cast<uint32_t>(MB))},
+                                                                  {"seq_lens", d_lens},
+                                                                  {"part_o", part_o2},
+                                                                  {"part_ml", part_ml2},
+                                                                  {"scale", scale},
+                                                                  {"cache_stride", cache_stride_arg}});
+    cargs.insert_or_assign("part_o", Arg(part_o2));
+    cargs.insert_or_assign("part_ml", Arg(part_ml2));
+    cargs.insert_or_assign("out", Arg(out2));
+    ctx.kernels.launch(k.mla_combine, cargs);
+    const std::vector<double> out_staged = bf16_out(out2);
+    ctx.report.add(c.name(), "mla attn staged (TS 4) + combine out", rel(out_staged, out_ref), kBf16Tol,
+                   ctx.time ? fmt::format("attn {:.1f} us (two static buffers: {:.1f} us)", t_staged * 1e3, t_attn * 1e3)
+                            : std::string("dynamic shared memory"));
+    int64_t differ = 0;
+    for (size_t i = 0; i < out_staged.size(); ++i) differ += out_staged[i] != out_gpu[i];
+    ctx.report.zero(c.name(), "mla attn staged = two buffers", differ, "output values that differ");
+  }
 }
 
 }  // namespace

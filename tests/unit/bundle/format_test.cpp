@@ -87,18 +87,18 @@ TEST(BundleFormat, VersionGateAcceptsOwnMajorAndOlderMinors) {
 
 TEST(BundleFormat, VersionGateRefusesNewerMinorAndOtherMajors) {
   expect_format_error([] { format::check_version({1, 99}, "m.json"); }, FormatError::Kind::version,
-                      {"m.json", "version 1.99", "format 1.8", "supported: 1.0 to 1.8", "upgrade decodepack"});
+                      {"m.json", "version 1.99", "format 1.9", "supported: 1.0 to 1.9", "upgrade decodepack"});
   expect_format_error([] { format::check_version({2, 0}, "m.json"); }, FormatError::Kind::version,
-                      {"m.json", "version 2.0", "format 1.8", "supported: 1.0 to 1.8"});
+                      {"m.json", "version 2.0", "format 1.9", "supported: 1.0 to 1.9"});
   expect_format_error([] { format::check_version({0, 3}, "m.json"); }, FormatError::Kind::version,
-                      {"version 0.3", "supported: 1.0 to 1.8", "rebuild the bundle"});
+                      {"version 0.3", "supported: 1.0 to 1.9", "rebuild the bundle"});
 
   for (auto [major, minor] : {std::pair{1, 99}, std::pair{2, 0}}) {
     SCOPED_TRACE(major * 100 + minor);
     Json j = fixture_json();
     j["format_version"] = {{"major", major}, {"minor", minor}};
     expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::version,
-                        {fmt::format("version {}.{}", major, minor), "supported: 1.0 to 1.8"});
+                        {fmt::format("version {}.{}", major, minor), "supported: 1.0 to 1.9"});
   }
 }
 
@@ -135,14 +135,14 @@ TEST(BundleFormat, WritersRecordTheLowestMinorTheBundleNeeds) {
     x.programs[0].steps.push_back(nccl);
     EXPECT_EQ(format::written_minor(x), 8);
   }
-  EXPECT_EQ(format::kFormatMinor, 8);
+  EXPECT_EQ(format::kFormatMinor, 9);
 }
 
 TEST(BundleFormat, VersionIsCheckedBeforeAnyOtherField) {
   // A 2.0 manifest may look like anything else; the reader must say "version", not "missing field".
   Json j = {{"format", "decodepack-bundle"}, {"format_version", {{"major", 2}, {"minor", 0}}}, {"v2", true}};
   expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::version,
-                      {"version 2.0", "supported: 1.0 to 1.8"});
+                      {"version 2.0", "supported: 1.0 to 1.9"});
   j["format"] = "something-else";
   expect_format_error([&] { format::from_json(j, "m.json"); }, FormatError::Kind::schema,
                       {"field format is \"something-else\", expected \"decodepack-bundle\""});
@@ -155,7 +155,7 @@ TEST(BundleFormat, BundleOpenRefusesANewerMinorAsInput) {
   j["format_version"]["minor"] = 99;
   std::ofstream(t / "b/manifest.json", std::ios::trunc) << j.dump() << "\n";
   test::expect_error([&] { Bundle::open(t / "b"); }, Errc::input,
-                     {"manifest.json", "version 1.99", "format 1.8", "supported: 1.0 to 1.8"});
+                     {"manifest.json", "version 1.99", "format 1.9", "supported: 1.0 to 1.9"});
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -395,6 +395,37 @@ TEST_F(BrokenManifest, LmHeadKernelsNeedFormat15AndAWidth) {
   for (format::KernelEntry& k : no_width.kernels)
     if (k.role == "lm_head") k.width = 0;
   expect_invalid(no_width, {"role lm_head with width 0"});
+}
+
+// Kernels that take dynamic shared memory (`dynamic_shared_bytes`) exist since 1.9; the field is written
+// only when not 0, so every other kernel keeps its bytes, and the writer records 1.9 only for a bundle
+// that has one.
+TEST_F(BrokenManifest, DynamicSharedMemoryNeedsFormat19) {
+  EXPECT_LT(format::written_minor(m_), 9);
+  EXPECT_FALSE(format::to_json(m_)["kernels"][3].contains("dynamic_shared_bytes"));
+  Manifest ok = m_;
+  ok.kernels[3].dynamic_shared_bytes = 75776;
+  EXPECT_EQ(format::written_minor(ok), 9);
+  ok.format_version.minor = 9;
+  EXPECT_NO_THROW(format::validate(ok, "m.json"));
+  const Json j = format::to_json(ok);
+  EXPECT_EQ(j["kernels"][3]["dynamic_shared_bytes"], 75776);
+  const Manifest again = format::from_json(j, "m.json");
+  EXPECT_EQ(again.kernels[3].dynamic_shared_bytes, 75776u);
+  EXPECT_EQ(again.kernels[2].dynamic_shared_bytes, 0u);
+  EXPECT_EQ(format::to_json(again), j);
+
+  Manifest old = ok;
+  old.format_version.minor = 8;
+  expect_invalid(old, {"m.json", "kernels[3] (rmsnorm_w1_h256.sm_90a)", "dynamic_shared_bytes 75776",
+                       "1.8 manifest (since 1.9)"});
+  // Written, the field is never 0; a reader refuses 0 and values beyond its bound.
+  for (const Json& bad : {Json(0), Json(uint64_t{1} << 30), Json("4096")}) {
+    Json k = j;
+    k["kernels"][3]["dynamic_shared_bytes"] = bad;
+    expect_format_error([&] { format::from_json(k, "m.json"); }, FormatError::Kind::schema,
+                        {"kernels[3].dynamic_shared_bytes"});
+  }
 }
 
 // from_json's type and range checks name the field path, the actual and the expected value.

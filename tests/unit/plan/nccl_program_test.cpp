@@ -166,7 +166,7 @@ std::string program_problems(format::Manifest m) {
 TEST(NcclManifest, CollectiveStepsAreFormat18AndRoundTrip) {
   format::Manifest m = manifest_with(nccl_step(), Json::array({1}));
   EXPECT_EQ(format::written_minor(m), 8);
-  EXPECT_EQ(format::kFormatMinor, 8);
+  EXPECT_EQ(format::kFormatMinor, 9);
   m.format_version.minor = 8;
   const Json j = format::to_json(m);
   const Json& step = j["programs"][0]["steps"][0];

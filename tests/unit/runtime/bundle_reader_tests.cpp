@@ -224,7 +224,7 @@ TEST_F(BundleReaderTest, NewerFormatVersionIsRefusedFirst) {
   m.replace(m.find("\"kernels\":"), 10, "\"kernelz\":");
   write_text(d / "manifest.json", m);
   expect_format_error([&] { BundleReader::open(d); }, FormatError::Kind::version,
-                      {"1.99", "format 1.8", "supported: 1.0 to 1.8", "upgrade decodepack"});
+                      {"1.99", "format 1.9", "supported: 1.0 to 1.9", "upgrade decodepack"});
 }
 
 TEST_F(BundleReaderTest, ManifestThatIsNotJson) {

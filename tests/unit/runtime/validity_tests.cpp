@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <nlohmann/json.hpp>
+
 #include "runtime_test_util.h"
 
 namespace dp::rttest {
@@ -156,6 +158,33 @@ TEST_F(ValidityTest, KernelResourcesAgainstDeviceLimits) {
   d.max_registers_per_block = 65536;
   d.max_shared_per_block = 49152;
   DP_EXPECT_OK(dp_bundle_query_validity(tiny_, &d, 0));
+}
+
+// A kernel with dynamic shared memory (format 1.9) needs static + dynamic within the device's limit with
+// opt-in (the limit without opt-in where the opt-in one is not described). The tiny bundle's manifest
+// is edited to give its sm_90a kernels 150 KiB each.
+TEST_F(ValidityTest, DynamicSharedMemoryAgainstTheOptInLimit) {
+  const fs::path dir = fs::temp_directory_path() / ("dp-validity-dsm-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::copy(bundles().tiny_dir, dir, fs::copy_options::recursive);
+  nlohmann::json m = nlohmann::json::parse(read_text(dir / "manifest.json"));
+  m["format_version"]["minor"] = 9;
+  for (nlohmann::json& k : m["kernels"])
+    if (k["target"] == "sm_90a") k["dynamic_shared_bytes"] = 150 * 1024;
+  write_text(dir / "manifest.json", m.dump());
+  dp_bundle* b = nullptr;
+  ASSERT_TRUE(outcome(dp_bundle_open(dir.c_str(), nullptr, &b)).ok());
+  dp_device_desc d = device("sm_90");
+  d.max_shared_per_block = 49152;
+  d.max_shared_per_block_optin = 232448;  // the H200's
+  DP_EXPECT_OK(dp_bundle_query_validity(b, &d, 0));
+  d.max_shared_per_block_optin = 101376;  // an sm_86 part's
+  DP_EXPECT_STATUS(dp_bundle_query_validity(b, &d, 0), DP_ERR_DEVICE_LIMITS, ".sm_90a", "bytes of shared memory per block (",
+                   " static + 153600 dynamic)", "allows 101376 with opt-in");
+  d.max_shared_per_block_optin = 0;  // not described: the limit without opt-in applies
+  DP_EXPECT_STATUS(dp_bundle_query_validity(b, &d, 0), DP_ERR_DEVICE_LIMITS, "allows 49152");
+  dp_bundle_close(b);
+  fs::remove_all(dir);
 }
 
 TEST_F(ValidityTest, RanksAndTensorParallelSize) {

@@ -68,6 +68,33 @@ TEST(MlaOps, LaunchShapesAndSource) {
   EXPECT_NE(prep_src.find("dp_mla_prep<8, 2, 32, 512, 64, 128, 128, 64>("), std::string::npos) << prep_src;
 }
 
+// TS stages the cache tiles in the launch's dynamic shared memory on NVIDIA (TS x 16 rows of L+R+8 bf16);
+// the AMD code does not stage, and launches without any. TS = 0 is left out of the name and of the
+// template arguments, so those kernels keep their code.
+KernelInstance staged(KernelInstance k, int64_t ts) {
+  k.params["TS"] = ts;
+  return k;
+}
+
+TEST(MlaOps, StagedAttentionTakesDynamicSharedMemoryOnNvidiaOnly) {
+  const KernelInstance k = staged(mla_attn(1, 1, 32, 64), 4);
+  EXPECT_EQ(kernel_name(k), "mla_attn_w1_q1_n32_l512_r64_bs64_ns64_ts4");
+  EXPECT_EQ(launch_shape(k).dynamic_shared_bytes, 4u * 16u * (512u + 64u + 8u) * 2u);
+  EXPECT_EQ(launch_shape(staged(mla_attn(1, 1, 32, 64, "gfx942"), 4)).dynamic_shared_bytes, 0u);
+  EXPECT_EQ(launch_shape(mla_attn(1, 1, 32, 64)).dynamic_shared_bytes, 0u);
+  EXPECT_EQ(launch_shape(staged(mla_attn(1, 1, 32, 64), 0)).dynamic_shared_bytes, 0u);
+  EXPECT_EQ(kernel_name(staged(mla_attn(1, 1, 32, 64), 0)), "mla_attn_w1_q1_n32_l512_r64_bs64_ns64");
+  const std::string src = generate_source(k);
+  EXPECT_NE(src.find("dp_mla_attn<1, 1, 32, 512, 64, 64, 64, 4>("), std::string::npos) << src;
+  EXPECT_NE(generate_source(mla_attn(1, 1, 32, 64)).find("dp_mla_attn<1, 1, 32, 512, 64, 64, 64>("), std::string::npos);
+  // 12 tiles (224256 bytes) and the 4928 static bytes fit sm_90's 232448; 13 do not. One stage is no stage.
+  EXPECT_EQ(launch_shape(staged(mla_attn(1, 1, 32, 64), 12)).dynamic_shared_bytes, 224256u);
+  test::expect_error([&] { kernel_name(staged(mla_attn(1, 1, 32, 64), 13)); }, Errc::input,
+                     {"TS = 13 tiles of 18688 bytes", "4928 bytes of static shared memory", "exceed the 232448"});
+  test::expect_error([&] { kernel_name(staged(mla_attn(1, 1, 32, 64), 1)); }, Errc::input,
+                     {"TS = 1 stages no tile ahead"});
+}
+
 // Kimi-Linear (32 heads), tiny (2 heads) and K3 (96 heads with the output gate).
 std::vector<KernelInstance> compile_set(const std::string& t) {
   return {
@@ -78,6 +105,8 @@ std::vector<KernelInstance> compile_set(const std::string& t) {
       mla_attn(8, 2, 32, 16, t),
       mla_combine(8, 2, 32, 0, t),
       mla_combine(4, 1, 96, 1, t),
+      staged(mla_attn(1, 1, 32, 64, t), 4),
+      staged(mla_attn(8, 1, 32, 16, t), 6),
   };
 }
 
