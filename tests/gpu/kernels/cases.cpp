@@ -1,5 +1,7 @@
 #include "cases.h"
 
+#include <cstdlib>
+
 #include <fmt/format.h>
 
 namespace dp::gpucheck {
@@ -253,7 +255,9 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
                  {"NS", m.splits}},
                 target};
   k.mla_attn_staged = k.mla_attn;
-  k.mla_attn_staged.params["TS"] = 4;
+  // DP_CHECK_MLA_TS picks another depth (dp_kernel_build and dp_kernel_check must see the same value).
+  const char* ts = std::getenv("DP_CHECK_MLA_TS");
+  k.mla_attn_staged.params["TS"] = ts && *ts ? std::atoi(ts) : 4;
   k.mla_combine = {"mla_combine",
                    {{"W", c.width},
                     {"Q", c.q},

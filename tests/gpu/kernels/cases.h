@@ -103,7 +103,7 @@ struct CaseKernels {
   codegen::KernelInstance mla_prep;     // kv_a_layernorm + cache write + absorbed query
   codegen::KernelInstance mla_attn;     // split-KV attention partials
   codegen::KernelInstance mla_combine;  // merge + W_UV (+ K3 gate)
-  codegen::KernelInstance mla_attn_staged;  // mla_attn with TS 4: three tiles in flight, in dynamic shared memory
+  codegen::KernelInstance mla_attn_staged;  // mla_attn with TS 4 (DP_CHECK_MLA_TS): tiles in dynamic shared memory
   // q-LoRA models only (op "" otherwise).
   codegen::KernelInstance mla_in;       // gemm: q_a | kv_a_proj_with_mqa | g_proj over x
   codegen::KernelInstance q_norm;       // rmsnorm of the q_a columns of mla_in's rows (S = row width)

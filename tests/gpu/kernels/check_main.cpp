@@ -1809,7 +1809,7 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
     ctx.report.add(c.name(), "mla q-LoRA chain (from x)", rel(out_gpu, reference(front->from_x).out), kBf16Tol,
                    "gemm, rmsnorm, gemm q_b, prep, attn, combine + gate");
   if (!k.mla_attn_staged.op.empty()) {
-    // The staged attention (TS tiles in dynamic shared memory) does the same arithmetic in the same order:
+    // The staged attention (TS tiles in dynamic shared memory, 4 unless DP_CHECK_MLA_TS says otherwise) does the same arithmetic in the same order:
     // the same partials, bit for bit, and so the same output.
     DevBuf part_o2(W * NS * Q * N * L * 4), part_ml2(W * NS * Q * N * 2 * 4), out2(T * N * V * 2);
     for (DevBuf* b : {&part_o2, &part_ml2, &out2}) b->poison();
@@ -1827,7 +1827,7 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
     cargs.insert_or_assign("out", Arg(out2));
     ctx.kernels.launch(k.mla_combine, cargs);
     const std::vector<double> out_staged = bf16_out(out2);
-    ctx.report.add(c.name(), "mla attn staged (TS 4) + combine out", rel(out_staged, out_ref), kBf16Tol,
+    ctx.report.add(c.name(), fmt::format("mla attn staged (TS {}) + combine out", k.mla_attn_staged.params.at("TS")), rel(out_staged, out_ref), kBf16Tol,
                    ctx.time ? fmt::format("attn {:.1f} us (two static buffers: {:.1f} us)", t_staged * 1e3, t_attn * 1e3)
                             : std::string("dynamic shared memory"));
     int64_t differ = 0;
