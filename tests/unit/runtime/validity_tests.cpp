@@ -157,6 +157,7 @@ TEST_F(ValidityTest, KernelResourcesAgainstDeviceLimits) {
   d.max_grid_dim[1] = d.max_grid_dim[2] = 65535;
   d.max_registers_per_block = 65536;
   d.max_shared_per_block = 49152;
+  d.max_shared_per_block_optin = 232448;
   DP_EXPECT_OK(dp_bundle_query_validity(tiny_, &d, 0));
 }
 
