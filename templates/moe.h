@@ -515,7 +515,7 @@ __device__ __forceinline__ void dp_mlp_up_q8(const dp_bf16* __restrict__ x, cons
 // against the rows that chose the expert, each item's products scaled by their rows' weights as they
 // are added up. Otherwise (T = 1, AMD): the lane-FMA loop, at most 4 rows at a time.
 // Expert storage as for dp_moe_up_impl: bf16, e4m3 (kQ8) or MXFP4 (kQ4, routed only, SI == 0).
-// kSplit G > 0 (NVIDIA tensor-core path; the compiler gives it to the MXFP4 experts): a grid of G
+// kSplit G > 0 (NVIDIA tensor-core path; bf16 from two rows, e4m3 and MXFP4 at any row count): a grid of G
 // blocks shares the work of all ceil(D/M) tiles evenly, instead of one block per tile. Tile t's K-units
 // (its items' chunks end to end) follow tile t-1's; block b takes units [b*total/G, (b+1)*total/G), so
 // every block streams the same bytes and a tile's units may span up to kSlots blocks. A block sums each
@@ -810,7 +810,34 @@ __device__ __forceinline__ void dp_moe_down_q4(const dp_bf16* __restrict__ h, co
   dp_moe_down_impl<T, D, I, E, KT, SI, M, 0, 1>(h, nullptr, w2, w2_scale, nullptr, nullptr, experts, expert_slots,
                                                 topk_weights, out, routed_scaling, stride_w2, stride_w2_scale);
 }
-// The same over a grid of G blocks that share every tile's work evenly (dp_moe_split; kSplit = G).
+// The bf16 and e4m3 forms over a grid of G blocks that share every tile's work evenly (dp_moe_split;
+// kSplit = G; bf16 from two rows, where the tensor cores take the tiles).
+template <int T, int D, int I, int E, int KT, int SI, int M, int G>
+__device__ __forceinline__ void dp_moe_down_split(const dp_bf16* __restrict__ h, const dp_bf16* __restrict__ hs,
+                                                  const dp_bf16* w2, const dp_bf16* shared_down,
+                                                  const dp_i32* __restrict__ experts,
+                                                  const dp_i32* __restrict__ expert_slots,
+                                                  const float* __restrict__ topk_weights, dp_bf16* __restrict__ out,
+                                                  float routed_scaling, dp_u32 stride_w2, float* partials,
+                                                  dp_u32* done) {
+  static_assert(T >= 2, "moe_down: the bf16 split grid needs the tensor-core path (two rows or more)");
+  dp_moe_down_impl<T, D, I, E, KT, SI, M, 0, 0, G>(h, hs, w2, nullptr, shared_down, nullptr, experts, expert_slots,
+                                                   topk_weights, out, routed_scaling, stride_w2, 0, partials, done);
+}
+template <int T, int D, int I, int E, int KT, int SI, int M, int G>
+__device__ __forceinline__ void dp_moe_down_q8_split(const dp_bf16* __restrict__ h, const dp_bf16* __restrict__ hs,
+                                                     const dp_u8* w2, const float* w2_scale, const dp_u8* shared_down,
+                                                     const float* shared_down_scale,
+                                                     const dp_i32* __restrict__ experts,
+                                                     const dp_i32* __restrict__ expert_slots,
+                                                     const float* __restrict__ topk_weights, dp_bf16* __restrict__ out,
+                                                     float routed_scaling, dp_u32 stride_w2, dp_u32 stride_w2_scale,
+                                                     float* partials, dp_u32* done) {
+  dp_moe_down_impl<T, D, I, E, KT, SI, M, 1, 0, G>(h, hs, w2, w2_scale, shared_down, shared_down_scale, experts,
+                                                   expert_slots, topk_weights, out, routed_scaling, stride_w2,
+                                                   stride_w2_scale, partials, done);
+}
+// The MXFP4 form over a grid of G blocks that share every tile's work evenly (dp_moe_split; kSplit = G).
 template <int T, int D, int I, int E, int KT, int SI, int M, int G>
 __device__ __forceinline__ void dp_moe_down_q4_split(const dp_bf16* __restrict__ h, const dp_u8* w2,
                                                      const dp_u8* w2_scale, const dp_i32* __restrict__ experts,

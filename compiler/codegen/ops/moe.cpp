@@ -281,18 +281,20 @@ std::vector<OpSpec> moe_ops() {
            q8_param("1: every expert matrix (routed and shared) e4m3 with 128 x 128 block scales"),
            q4_param(),
            {"SK", "sk", 0, 4096,
-            "MXFP4: blocks that share every tile's work evenly (the split grid; 0: one block per tile)", true}},
+            "blocks that share every tile's work evenly (the split grid; 0: one block per tile); not bf16 at "
+            "one row", true}},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"D", "I", "S"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"I", "S"});
             check_q4(p, who, "I");
             check_topk(p, who);
-            if (p.at("SK") && !p.at("Q4"))
-              fail(Errc::input, "{}: parameter SK = {} (the split grid) is the MXFP4 form's (Q4 = 1)", who, p.at("SK"));
+            if (p.at("SK") && moe_down_rows(p) != kTileRows)
+              fail(Errc::input, "{}: parameter SK = {} (the split grid) needs the tensor-core tiles: bf16 experts at "
+                   "one row (W = 1) take the lane-FMA loop", who, p.at("SK"));
           },
           [](const Params& p) {
             std::vector<int64_t> a{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"), moe_down_rows(p)};
-            if (p.at("SK")) a.push_back(p.at("SK"));  // dp_moe_down_q4_split's G
+            if (p.at("SK")) a.push_back(p.at("SK"));  // the split forms' G
             return a;
           },
           [](const Params& p) {
@@ -301,16 +303,18 @@ std::vector<OpSpec> moe_ops() {
             const bool q8 = p.at("Q8") != 0;
             const char* wt = q8 ? "const dp_u8*" : "const dp_bf16*";
             const char* dt = q8 ? "e4m3" : "bf16";
+            auto split_args = [&](std::vector<ArgSpec>& a) {
+              if (!p.at("SK")) return;
+              const int64_t m = moe_down_rows(p), tiles = (D + m - 1) / m;
+              a.push_back({"partials", KernelParam::Kind::pointer, "float*",
+                           shape({tiles, moe_down_split_slots(p), m, W}, "fp32"),
+                           "each tile's sums from the blocks that share it (scratch)"});
+              a.push_back({"done", KernelParam::Kind::pointer, "dp_u32*", shape({tiles}, "u32"),
+                           "per tile: blocks done (zero before the launch; left zero)"});
+            };
             if (p.at("Q4")) {
               std::vector<ArgSpec> a = moe_down_q4_args(p);
-              if (p.at("SK")) {
-                const int64_t m = moe_down_rows(p), tiles = (D + m - 1) / m;
-                a.push_back({"partials", KernelParam::Kind::pointer, "float*",
-                             shape({tiles, moe_down_split_slots(p), m, W}, "fp32"),
-                             "each tile's sums from the blocks that share it (scratch)"});
-                a.push_back({"done", KernelParam::Kind::pointer, "dp_u32*", shape({tiles}, "u32"),
-                             "per tile: blocks done (zero before the launch; left zero)"});
-              }
+              split_args(a);
               return a;
             }
             std::vector<ArgSpec> a{
@@ -342,6 +346,7 @@ std::vector<OpSpec> moe_ops() {
               a.push_back({"stride_w2_scale", KernelParam::Kind::u32, "dp_u32", "",
                            fmt::format("elements between experts of w2_scale, at least {}",
                                        ((D + kFp8Block - 1) / kFp8Block) * ((I + kFp8Block - 1) / kFp8Block))});
+            split_args(a);
             return a;
           },
           [](const Params& p) {
@@ -354,7 +359,9 @@ std::vector<OpSpec> moe_ops() {
           [](const Params&) { return kGemmThreads; },
           "DP_KERNEL_BOUNDS",  // replaced by gemv_bounds (below)
           [](const Params& p) {
-            if (p.at("SK")) return DeviceCall{"dp_moe_down_q4_split", {}};
+            if (p.at("SK"))
+              return DeviceCall{p.at("Q4") ? "dp_moe_down_q4_split" : p.at("Q8") ? "dp_moe_down_q8_split"
+                                                                            : "dp_moe_down_split", {}};
             return p.at("Q4") ? DeviceCall{"dp_moe_down_q4", {}} : q8_call(p, "dp_moe_down_q8");
           },
       },

@@ -293,6 +293,12 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
     k.mixed = gemm(H, {P, 80, 208}, false);
     k.mixed.params["Q8"] = 0b101;
   }
+  // moe_down over the split grid (SK 264) beside the one-block-per-tile form: e4m3 at every row count,
+  // bf16 from two rows (one bf16 row is the lane-FMA loop).
+  if (c.fp8 || T >= 2) {
+    k.moe_down_split = k.moe_down;
+    k.moe_down_split.params["SK"] = 264;
+  }
   if (c.mxfp4) {
     const int64_t D = m.latent;
     CaseKernels l;

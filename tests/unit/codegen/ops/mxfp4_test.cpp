@@ -123,8 +123,38 @@ TEST(Mxfp4Ops, DownSplitGridSignatureAndCall) {
   // Few tiles, many blocks: a tile's units spread over up to ceil(264 / 8) + 1 blocks.
   EXPECT_EQ(kernel_signature(split(q4(moe_down(1, 128, 128, 16, 4, 0)), 264)).params[10].shape,
             "[8, 34, 16, 1] fp32");
+  // bf16 experts at one row take the lane-FMA loop (4 rows a block): no split grid there.
   test::expect_error([] { kernel_name(split(moe_down(1, 2304, 1024, 256, 8, 1024), 264)); }, Errc::input,
-               {"parameter SK = 264 (the split grid) is the MXFP4 form's"});
+               {"parameter SK = 264 (the split grid) needs the tensor-core tiles", "W = 1"});
+}
+
+// The bf16 (from two rows) and e4m3 forms take the same split grid, with the shared expert's units first.
+TEST(Mxfp4Ops, DownSplitGridOfTheBf16AndE4m3Experts) {
+  const KernelInstance bf = split(moe_down(8, 2304, 1024, 256, 8, 1024), 264);
+  EXPECT_EQ(kernel_name(bf), "moe_down_w8_d2304_i1024_e256_k8_s1024_sk264");
+  const KernelSignature sb = kernel_signature(bf);
+  EXPECT_EQ(names(sb), (std::vector<std::string>{"h", "hs", "w2", "shared_down", "experts", "expert_slots",
+                                                 "topk_weights", "out", "routed_scaling", "stride_w2", "partials",
+                                                 "done"}));
+  EXPECT_EQ(sb.params[10].shape, "[144, 3, 16, 8] fp32");  // 144 tiles, ceil(264 / 144) + 1 slots
+  EXPECT_EQ(launch_shape(bf).grid[0], 264u);
+  EXPECT_NE(generate_source(bf).find("dp_moe_down_split<8, 2304, 1024, 256, 8, 1024, 16, 264>(h, hs, w2, "
+                                     "shared_down, experts, expert_slots, topk_weights, out, routed_scaling, "
+                                     "stride_w2, partials, done);"),
+            std::string::npos)
+      << generate_source(bf);
+  const KernelInstance f8 = split(q8(moe_down(1, 2304, 1024, 256, 8, 1024)), 264);
+  EXPECT_EQ(kernel_name(f8), "moe_down_w1_d2304_i1024_e256_k8_s1024_q81_sk264");
+  const KernelSignature s8 = kernel_signature(f8);
+  EXPECT_EQ(s8.params.back().name, "done");
+  EXPECT_EQ(s8.params[s8.params.size() - 2].shape, "[144, 3, 16, 1] fp32");
+  EXPECT_NE(generate_source(f8).find("dp_moe_down_q8_split<1, 2304, 1024, 256, 8, 1024, 16, 264>(h, hs, w2, "
+                                     "w2_scale, shared_down, shared_down_scale, experts, expert_slots, topk_weights, "
+                                     "out, routed_scaling, stride_w2, stride_w2_scale, partials, done);"),
+            std::string::npos)
+      << generate_source(f8);
+  // The forms without SK keep their names and calls.
+  EXPECT_EQ(kernel_name(q8(moe_down(1, 2304, 1024, 256, 8, 1024))), "moe_down_w1_d2304_i1024_e256_k8_s1024_q81");
 }
 
 TEST(Mxfp4Ops, GemmAddendSignatureAndCall) {
@@ -151,6 +181,9 @@ std::vector<KernelInstance> compile_set(const std::string& t) {
       q4(moe_down(16, 136, 160, 16, 4, 0, t)),  // I with a partial chunk
       split(q4(moe_down(1, 3584, 3072, 896, 16, 0, t)), 264),
       split(q4(moe_down(8, 128, 128, 16, 4, 0, t)), 264),
+      split(moe_down(8, 2304, 1024, 256, 8, 1024, t), 264),      // bf16, from two rows
+      split(q8(moe_down(1, 2304, 1024, 256, 8, 1024, t)), 264),  // e4m3 at one row and at 8
+      split(q8(moe_down(8, 2304, 1024, 256, 8, 1024, t)), 264),
       ad(gemm(1, 128, {256}, false, t)),
       ad(gemm(8, 3584, {7168}, false, t)),
   };
