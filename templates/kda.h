@@ -35,6 +35,14 @@
 // v = lane + 32*(g % (D/32)) of rows [ks*D/4, (ks+1)*D/4), ks = g / (D/32). The state is read once,
 // carried through the Q draft positions and written once per position.
 //
+// VS > 1 (value splits, Q = 1): VS blocks per (head, request), grid (NH*VS, W), each owning D/VS state
+// columns (the delta rule is column by column) with 4*VS k-slices of D/(4*VS) rows; every block computes
+// the whole q, k and forget gate. The gated RMSNorm needs the whole head's o: each block stores its
+// columns' o and sigmoid(g) and its sum of o^2 in the workspace and counts itself in on the head's word
+// of `done`; the last block of the head normalises the D values (the splits' sums added in order, so
+// that VS = 4 gives the VS = 1 kernel's output bits) and writes the q and k conv states, which every
+// block read before it arrived. At one request the 32 heads of Kimi-Linear filled 32 of 132 SMs.
+//
 // Rounding follows vLLM's storage points where it costs nothing: conv outputs, f = W_fb f_a,
 // g = W_gb g_a and the recurrent output o are rounded to bf16 before use (torch writes them as bf16
 // tensors); everything else stays fp32 (L2 norms, gates, the state update, the gated norm).
@@ -53,7 +61,8 @@ struct dp_kda_geometry {
   static constexpr int kKRows = D / 4;           // state rows per thread
 };
 
-template <int W, int Q, int NH, int D, int CK, int FR, int GR, int kSafeGate, int kOnormF32, int kALogByRank = 0>
+template <int W, int Q, int NH, int D, int CK, int FR, int GR, int kSafeGate, int kOnormF32, int kALogByRank = 0,
+          int VS = 1>
 __device__ __forceinline__ void dp_kda_step(
     const dp_bf16* __restrict__ proj,        // [W*Q, NP] bf16: q | k | v | f_a | g_a (or g) | b
     const dp_bf16* __restrict__ w_fb,        // [P, FR] bf16 f_b_proj
@@ -77,8 +86,17 @@ __device__ __forceinline__ void dp_kda_step(
     float onorm_eps,                         // gated RMSNorm epsilon (1e-5)
     dp_u32 state_stride,                     // fp32 elements between state slots (dense: NH*D*D)
     dp_u32 conv_stride,                      // elements between conv-state slots (dense: (CK-1)*P)
-    dp_u32 rank = 0) {                       // kALogByRank: the tensor-parallel rank
+    dp_u32 rank = 0,                         // kALogByRank: the tensor-parallel rank
+    float* o_part = nullptr,                 // VS > 1: [W, NH, D] fp32 o (bf16 values) of every block's columns
+    float* g_part = nullptr,                 // VS > 1: [W, NH, D] fp32 sigmoid of the output gate
+    float* ss_part = nullptr,                // VS > 1: [W, NH, VS] fp32 each block's sum of o^2
+    dp_u32* done = nullptr) {                // VS > 1: [W, NH] u32 blocks done, zero between launches
   typedef dp_kda_geometry<D> G;
+  static_assert(VS == 1 || ((VS == 2 || VS == 4) && Q == 1 && (D / VS) % DP_GROUP == 0),
+                "kda: value splits are 2 or 4 blocks of whole groups of columns, one row per request");
+  constexpr int CB = D / VS;      // state columns of this block
+  constexpr int KS = 4 * VS;      // k-slices
+  constexpr int KR = D / KS;      // state rows per thread
   constexpr int P = NH * D;
   constexpr int kGW = GR > 0 ? GR : P;
   constexpr int NP = 3 * P + FR + kGW + NH;
@@ -93,29 +111,34 @@ __device__ __forceinline__ void dp_kda_step(
   __shared__ float vs[D];            // [D] conv'd v
   __shared__ float dec[D];           // [D] exp(alpha): per-key-channel decay
   __shared__ float gs[D];            // [D] output gate logits (bf16 values)
-  __shared__ float red[4][D];        // [4, D] k-slice partials of S^T k
-  __shared__ float red2[4][D];       // [4, D] k-slice partials of S^T q
+  __shared__ float red[KS][CB];      // [KS, CB] k-slice partials of S^T k
+  __shared__ float red2[KS][CB];     // [KS, CB] k-slice partials of S^T q
   __shared__ float sums[3][G::kThreads / DP_GROUP];  // per-group partial sums of q^2, k^2, o^2
   __shared__ float gate_in[FR + GR];  // [FR + GR] f_a and g_a of the current row (fp32 copies)
   __shared__ float beta_s;
 
-  const int j = (int)blockIdx.x;   // head
+  const int j = VS == 1 ? (int)blockIdx.x : (int)blockIdx.x / VS;  // head
+  const int v0 = VS == 1 ? 0 : ((int)blockIdx.x % VS) * CB;          // this block's first state column
   const int r = (int)blockIdx.y;   // request
   const int tid = (int)threadIdx.x;
   const int group = tid / DP_GROUP, lane = tid % DP_GROUP;
   const int role = tid / D;        // phase A: 0 q channel, 1 k channel + forget gate, 2 v channel, 3 output gate
   const int c = tid % D;           // channel within the head for phase A
   const int ch = j * D + c;        // channel within the rank's P
-  const int vcol = lane + DP_GROUP * (group % G::kVGroups);  // state column of this thread
-  const int kslice = group / G::kVGroups;                     // 0..3: state rows [kslice*D/4, ...)
+  // State column of this thread and its k-slice (rows [kslice*KR, (kslice+1)*KR)); col: within the block.
+  const int vcol = VS == 1 ? lane + DP_GROUP * (group % G::kVGroups) : v0 + tid % CB;
+  const int col = vcol - v0;
+  const int kslice = VS == 1 ? group / G::kVGroups : tid / CB;
+  // Phase A threads that have work: q and k channels, and the v and gate channels of this block's columns.
+  const bool mine = VS == 1 || role < 2 || (c >= v0 && c < v0 + CB);
 
   const dp_i32 first = slots[r * Q];
   const dp_i32 acc = (Q > 1 && num_accepted) ? num_accepted[r] : 1;
   const dp_i32 read_slot = (acc >= 1 && acc <= Q) ? slots[r * Q + acc - 1] : 0;
   if (first == 0 || read_slot == 0) {
     // Padded request (NULL_BLOCK_ID): no state read or written, zero output rows.
-    if (tid < D)
-      for (int i = 0; i < Q; ++i) out[(dp_u64)(r * Q + i) * P + j * D + tid] = dp_f32_to_bf16(0.0f);
+    if (tid < CB)
+      for (int i = 0; i < Q; ++i) out[(dp_u64)(r * Q + i) * P + j * D + v0 + tid] = dp_f32_to_bf16(0.0f);
     return;
   }
 
@@ -123,7 +146,7 @@ __device__ __forceinline__ void dp_kda_step(
   float hist[CH > 0 ? CH : 1];
   float taps[CK];
   dp_bf16* conv_state = role == 0 ? conv_q : role == 1 ? conv_k : conv_v;
-  if (role < 3) {
+  if (role < 3 && mine) {
     const float* cw = (role == 0 ? conv_wq : role == 1 ? conv_wk : conv_wv) + (dp_u64)ch * CK;
 #pragma unroll
     for (int i = 0; i < CK; ++i) taps[i] = cw[i];
@@ -134,11 +157,11 @@ __device__ __forceinline__ void dp_kda_step(
   const float a_exp = dp_expf(kALogByRank ? a_log[(dp_u64)rank * NH + j] : a_log[j]);
 
   // The head's state, D/4 rows of one column per thread.
-  float s[G::kKRows];  // [D/4] fp32: S[kslice*D/4 + kk][vcol]
+  float s[KR];  // [KR] fp32: S[kslice*KR + kk][vcol]
   {
     const float* src = state + (dp_u64)read_slot * state_stride + (dp_u64)j * D * D;
 #pragma unroll
-    for (int kk = 0; kk < G::kKRows; ++kk) s[kk] = src[(kslice * G::kKRows + kk) * D + vcol];
+    for (int kk = 0; kk < KR; ++kk) s[kk] = src[(kslice * KR + kk) * D + vcol];
   }
 
   for (int i = 0; i < Q; ++i) {
@@ -152,7 +175,7 @@ __device__ __forceinline__ void dp_kda_step(
 
     // ---- Phase A: conv + SiLU (q, k, v), forget gate (k threads), output gate, beta ----
     float sq = 0.0f;
-    if (role < 3) {
+    if (role < 3 && mine) {
       const float xn = dp_bf16_to_f32(row[role * P + ch]);
       float y = taps[CK - 1] * xn;
 #pragma unroll
@@ -161,7 +184,7 @@ __device__ __forceinline__ void dp_kda_step(
 #pragma unroll
       for (int k = 0; k + 1 < CH; ++k) hist[k] = hist[k + 1];
       if (CH > 0) hist[CH - 1] = xn;
-      if (write_slot != 0) {
+      if (write_slot != 0 && (VS == 1 || role == 2)) {  // VS > 1: q and k by the head's last block
 #pragma unroll
         for (int k = 0; k < CH; ++k)
           conv_state[(dp_u64)write_slot * conv_stride + (dp_u64)(k * P + ch)] = dp_f32_to_bf16(hist[k]);
@@ -192,7 +215,7 @@ __device__ __forceinline__ void dp_kda_step(
       }
       dec[c] = dp_expf(alpha);
     }
-    if (role == 3) {
+    if (role == 3 && mine) {
       float g;
       if (GR > 0) {
         const dp_bf16* wr = w_gb + (dp_u64)ch * (GR > 0 ? GR : 8);
@@ -209,7 +232,7 @@ __device__ __forceinline__ void dp_kda_step(
         g = dp_bf16_to_f32(row[kGCol + ch]);
       }
       gs[c] = g;
-      if (c == 0) beta_s = dp_sigmoid(dp_bf16_to_f32(row[kBCol + j]));
+      if (c == v0) beta_s = dp_sigmoid(dp_bf16_to_f32(row[kBCol + j]));
     }
     sq = dp_group_sum(sq);  // groups never straddle roles (D is a multiple of 64)
     if (lane == 0 && role < 2) sums[role][group % G::kVGroups] = sq;
@@ -230,46 +253,84 @@ __device__ __forceinline__ void dp_kda_step(
     //   S <- diag(exp(alpha)) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q
     float p = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < G::kKRows; ++kk) {
-      const int krow = kslice * G::kKRows + kk;
+    for (int kk = 0; kk < KR; ++kk) {
+      const int krow = kslice * KR + kk;
       s[kk] *= dec[krow];
       p += s[kk] * ks[krow];
     }
-    red[kslice][vcol] = p;
+    red[kslice][col] = p;
     __syncthreads();
     float kv = 0.0f;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) kv += red[k][vcol];
+    for (int k = 0; k < KS; ++k) kv += red[k][col];
     const float u = beta * (vs[vcol] - kv * inv_k);
     float p2 = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < G::kKRows; ++kk) {
-      const int krow = kslice * G::kKRows + kk;
+    for (int kk = 0; kk < KR; ++kk) {
+      const int krow = kslice * KR + kk;
       s[kk] += ks[krow] * inv_k * u;
       p2 += s[kk] * qs[krow];
     }
-    red2[kslice][vcol] = p2;
+    red2[kslice][col] = p2;
     if (write_slot != 0) {
       float* dst = state + (dp_u64)write_slot * state_stride + (dp_u64)j * D * D;
 #pragma unroll
-      for (int kk = 0; kk < G::kKRows; ++kk) dst[(kslice * G::kKRows + kk) * D + vcol] = s[kk];
+      for (int kk = 0; kk < KR; ++kk) dst[(kslice * KR + kk) * D + vcol] = s[kk];
     }
     __syncthreads();
 
     // ---- Phase C: o = S^T q (bf16), gated RMSNorm over the head, sigmoid output gate ----
     float o2 = 0.0f;
     float o = 0.0f;
-    if (tid < D) {  // kslice 0 threads: one per column
+    if (tid < CB) {  // kslice 0 threads: one per column
       float acc_o = 0.0f;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) acc_o += red2[k][vcol];
+      for (int k = 0; k < KS; ++k) acc_o += red2[k][col];
       o = dp_round_bf16(acc_o * inv_q);
       o2 = o * o;
     }
     o2 = dp_group_sum(o2);
-    if (lane == 0 && tid < D) sums[2][group] = o2;
+    if (lane == 0 && tid < CB) sums[2][group] = o2;
     __syncthreads();
-    if (tid < D) {
+    if constexpr (VS > 1) {
+      // This block's columns and its sum of o^2 to the workspace; the head's last block normalises.
+      const dp_u64 hd = (dp_u64)r * NH + j;
+      if (tid < CB) {
+        o_part[hd * D + vcol] = o;
+        g_part[hd * D + vcol] = dp_sigmoid(gs[vcol]);
+      }
+      if (tid == 0) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int g = 0; g < CB / DP_GROUP; ++g) ss += sums[2][g];
+        ss_part[hd * VS + v0 / CB] = ss;
+      }
+      dp_fence_device();  // this block's values are visible before it is counted
+      __syncthreads();
+      __shared__ dp_u32 last;
+      if (tid == 0) last = dp_arrive_device(done + hd) == (dp_u32)(VS - 1) ? 1u : 0u;
+      __syncthreads();
+      if (last) {
+        dp_fence_device();
+        if (tid == 0) done[hd] = 0u;
+        float ss = 0.0f;
+#pragma unroll
+        for (int b = 0; b < VS; ++b) ss += dp_load_f32_coherent(ss_part + hd * VS + b);
+        const float rstd = dp_rsqrtf(ss * (1.0f / (float)D) + onorm_eps);
+        if (tid < D) {
+          const float oo = dp_load_f32_coherent(o_part + hd * D + tid);
+          const float sg = dp_load_f32_coherent(g_part + hd * D + tid);
+          const float w = kOnormF32 ? ((const float*)o_norm)[tid] : dp_bf16_to_f32(((const dp_bf16*)o_norm)[tid]);
+          out[(dp_u64)t * P + j * D + tid] = dp_f32_to_bf16(oo * rstd * w * sg);
+        }
+        // The q and k conv states: every block of the head read them before it arrived.
+        if (role < 2 && write_slot != 0) {
+#pragma unroll
+          for (int k = 0; k < CH; ++k)
+            conv_state[(dp_u64)write_slot * conv_stride + (dp_u64)(k * P + ch)] = dp_f32_to_bf16(hist[k]);
+        }
+      }
+    } else if (tid < D) {
       float ss = 0.0f;
 #pragma unroll
       for (int g = 0; g < G::kVGroups; ++g) ss += sums[2][g];

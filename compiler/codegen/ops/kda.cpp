@@ -1,6 +1,8 @@
 // kda_step (templates/kda.h): the KDA recurrent step of every head and request in one launch.
 #include "codegen/ops/spec.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "common/error.h"
@@ -24,17 +26,28 @@ std::vector<OpSpec> kda_ops() {
            {"SG", "sg", 0, 1, "1: K3 safe gate (lower_bound * sigmoid), 0: softplus gate"},
            {"ON", "on", 0, 1, "1: o_norm weight is fp32, 0: bf16"},
            {"AR", "ar", 0, 1, "1: a_log is the whole replicated A_log, head j of rank `rank` at rank*NH + j (K3 "
-            "at tensor_parallel > 1)", true}},
+            "at tensor_parallel > 1)", true},
+           {"VS", "vs", 0, 4, "value splits: 2 or 4 blocks per head and request, each owning D/VS state columns, "
+            "the head's last one normalising (Q = 1); 0: one block", true}},
           [](const Params& p, const std::string& who) {
             if (p.at("D") % 64 != 0)
               fail(Errc::input, "{}: parameter D = {} is not a multiple of 64 (valid: 64, 128, 192, 256)", who,
                    p.at("D"));
             check_multiple_of_8(p, who, {"FR", "GR"});
+            if (p.at("VS") == 1 || p.at("VS") == 3)
+              fail(Errc::input, "{}: parameter VS = {}: 0 (one block per head), 2 or 4", who, p.at("VS"));
+            if (p.at("VS") && p.at("Q") != 1)
+              fail(Errc::input, "{}: parameter VS = {} needs one row per request (Q = {}: the draft positions' conv "
+                   "states would be written before every split read them)", who, p.at("VS"), p.at("Q"));
+            if (p.at("VS") && (p.at("D") / p.at("VS")) % 32 != 0)
+              fail(Errc::input, "{}: parameter VS = {} splits D = {} into {} columns, not whole groups of 32", who,
+                   p.at("VS"), p.at("D"), p.at("D") / p.at("VS"));
           },
           [](const Params& p) {
             std::vector<int64_t> a{p.at("W"),  p.at("Q"),  p.at("NH"), p.at("D"), p.at("CV"),
                                    p.at("FR"), p.at("GR"), p.at("SG"), p.at("ON")};
-            if (p.at("AR")) a.push_back(1);  // the device template's default is 0
+            if (p.at("AR") || p.at("VS")) a.push_back(p.at("AR"));  // the device template's default is 0
+            if (p.at("VS")) a.push_back(p.at("VS"));
             return a;
           },
           [](const Params& p) {
@@ -80,17 +93,37 @@ std::vector<OpSpec> kda_ops() {
             if (p.at("AR"))
               a.push_back({"rank", KernelParam::Kind::u32, "dp_u32", "", "tensor-parallel rank: its heads' A_log entries "
                            "start at rank*NH"});
+            if (p.at("VS")) {
+              a.push_back({"o_part", KernelParam::Kind::pointer, "float*", shape({W, NH, D}, "fp32"),
+                           "every block's o columns (scratch)"});
+              a.push_back({"g_part", KernelParam::Kind::pointer, "float*", shape({W, NH, D}, "fp32"),
+                           "every block's sigmoid(g) columns (scratch)"});
+              a.push_back({"ss_part", KernelParam::Kind::pointer, "float*", shape({W, NH, p.at("VS")}, "fp32"),
+                           "every block's sum of o^2 (scratch)"});
+              a.push_back({"done", KernelParam::Kind::pointer, "dp_u32*", shape({W, NH}, "u32"),
+                           "per head and request: blocks done (zero before the launch; left zero)"});
+            }
             return a;
           },
           [](const Params& p) {
             LaunchShape s;
-            s.grid[0] = static_cast<uint32_t>(p.at("NH"));
+            s.grid[0] = static_cast<uint32_t>(p.at("NH") * std::max<int64_t>(p.at("VS"), 1));
             s.grid[1] = static_cast<uint32_t>(p.at("W"));
             s.block[0] = static_cast<uint32_t>(4 * p.at("D"));
             return s;
           },
           [](const Params& p) { return static_cast<uint32_t>(4 * p.at("D")); },
           "DP_KERNEL_BOUNDS",
+          [](const Params& p) {
+            // The split form's workspace follows `rank`, which is 0 when AR is not given.
+            if (!p.at("VS")) return DeviceCall{};
+            DeviceCall c;
+            c.args = {"proj",   "w_fb",   "w_gb",         "conv_wq",   "conv_wk",     "conv_wv",    "dt_bias",
+                      "a_log",  "o_norm", "state",        "conv_q",    "conv_k",      "conv_v",     "slots",
+                      "num_accepted", "out", "lower_bound", "onorm_eps", "state_stride", "conv_stride",
+                      p.at("AR") ? "rank" : "0u", "o_part", "g_part", "ss_part", "done"};
+            return c;
+          },
       },
   };
 }

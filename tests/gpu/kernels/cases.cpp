@@ -188,7 +188,7 @@ std::vector<Case> all_cases() {
 }
 
 std::vector<codegen::KernelInstance> CaseKernels::all() const {
-  std::vector<codegen::KernelInstance> v{rmsnorm,  in_proj, kda,      o_proj,   o_proj_norm, router, route,
+  std::vector<codegen::KernelInstance> v{rmsnorm,  in_proj, kda, kda_split, o_proj,   o_proj_norm, router, route,
                                          router_route, moe_up,
                                          moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine, mla_attn_staged, mixed,
                                          mla_in,   q_norm,  q_b,      lat_down, lat_norm, lat_up, moe_down_split,
@@ -222,6 +222,11 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
             {"ON", m.onorm_f32 ? 1 : 0}},
            target};
   if (m.a_log_rank >= 0) k.kda.params["AR"] = 1;
+  // The value-split form (4 blocks per head, one row per request), checked beside the one-block form.
+  if (c.q == 1 && m.head_dim % 128 == 0) {
+    k.kda_split = k.kda;
+    k.kda_split.params["VS"] = 4;
+  }
   k.o_proj = gemm(P, {H}, false);
   k.o_proj_norm = k.o_proj;
   k.o_proj_norm.params["NM"] = 1;

@@ -91,6 +91,7 @@ struct CaseKernels {
   codegen::KernelInstance rmsnorm;      // fused add + RMSNorm over the step's rows
   codegen::KernelInstance in_proj;      // gemm: KDA q | k | v | f_a | g_a (g) | b (FP8: q, k, v e4m3)
   codegen::KernelInstance kda;          // kda_step
+  codegen::KernelInstance kda_split;    // kda_step VS 4 (Q = 1; op "" otherwise): 4 blocks per head
   codegen::KernelInstance o_proj;       // gemm: [H, P]
   codegen::KernelInstance o_proj_norm;  // the same with the post-attention norm fused (NM 1)
   codegen::KernelInstance router;       // gemm, fp32 out: [E, H]

@@ -669,7 +669,10 @@ void check_gemm_norm(Ctx& ctx, const Case& c, const KernelInstance& k, uint64_t 
 
 // KDA step: fresh projections, weights and states; the reference walks requests and draft positions
 // exactly as compiler/reference/layer.cpp kda_mixer does (ConvSpecLayout::per_slot).
-void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
+// One kda_step form (`kernel`: k.kda, or k.kda_split with its workspace) on inputs drawn from `seed`, so
+// that both forms see the same ones; `tag` names its checks.
+void check_kda_form(Ctx& ctx, const Case& c, const codegen::KernelInstance& kernel, const std::string& tag,
+                    uint64_t seed) {
   const ModelShape& m = *c.model;
   const int64_t W = c.width, Q = c.q, T = c.rows(), NH = m.heads, D = m.head_dim, P = m.proj_size();
   const int64_t CK = m.conv, CH = CK - 1, FR = m.f_rank, GR = m.g_rank, NP = m.proj_cols();
@@ -761,7 +764,27 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
   if (GR > 0) args.emplace("w_gb", Arg(d_gb));
   if (m.a_log_rank >= 0) args.emplace("rank", Arg(static_cast<uint32_t>(m.a_log_rank)));
   if (Q > 1) args.emplace("num_accepted", Arg(d_acc));
-  const float ms = ctx.kernels.launch(k.kda, args);
+  // VS: the splits' o columns, gate columns and sums of o^2, and a counter per (request, head) that every
+  // launch leaves at zero.
+  const int64_t VS = kernel.params.count("VS") ? kernel.params.at("VS") : 0;
+  DevBuf o_part(std::max<int64_t>(W * NH * D * 4, 4)), g_part(std::max<int64_t>(W * NH * D * 4, 4)),
+      ss_part(std::max<int64_t>(W * NH * VS * 4, 4));
+  DevBuf done = device_copy(std::vector<uint32_t>(W * NH, 0u));
+  if (VS) {
+    o_part.poison();
+    g_part.poison();
+    ss_part.poison();
+    args.emplace("o_part", o_part);
+    args.emplace("g_part", g_part);
+    args.emplace("ss_part", ss_part);
+    args.emplace("done", done);
+  }
+  const float ms = ctx.kernels.launch(kernel, args);
+  if (VS) {
+    int64_t left = 0;
+    for (uint32_t v : done.download<uint32_t>()) left += v != 0;
+    ctx.report.zero(c.name(), tag + ": counters left nonzero", left);
+  }
 
   // ---- reference (per live slot: [NH, D, D] state, [CH, P] conv histories) ----
   std::map<int64_t, std::vector<double>> state = pstate.dense_double();
@@ -837,7 +860,7 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
     }
   }
 
-  ctx.report.add(c.name(), "kda_step out", rel(bf16_out(out), expect), kBf16Tol,
+  ctx.report.add(c.name(), tag + " out", rel(bf16_out(out), expect), kBf16Tol,
                  ctx.time ? fmt::format("{:.1f} us", ms * 1e3) : std::string());
   // State: written slots within 1e-4; every other live slot untouched, bit for bit.
   std::vector<double> got, want;
@@ -853,20 +876,27 @@ void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
       }
     }
   }
-  ctx.report.add(c.name(), "kda_step state (written)", rel_error(got, want), kF32Tol);
-  ctx.report.zero(c.name(), "kda_step state (others)", touched, "values changed in slots the step must not write");
+  ctx.report.add(c.name(), tag + " state (written)", rel_error(got, want), kF32Tol);
+  ctx.report.zero(c.name(), tag + " state (others)", touched, "values changed in slots the step must not write");
   int64_t conv_bad = 0;
   for (int w3 = 0; w3 < 3; ++w3)
     for (const auto& [s, v0] : pconv[w3].before) {
       const std::vector<uint16_t> g = pconv[w3].after(s);
       for (int64_t e = 0; e < conv_dense; ++e) conv_bad += to_bf16(conv[w3].at(s)[e]) != g[e];
     }
-  ctx.report.zero(c.name(), "kda_step conv states", conv_bad, "elements differing from the reference");
+  ctx.report.zero(c.name(), tag + " conv states", conv_bad, "elements differing from the reference");
   const int64_t pad_touched =
       pstate.padding_touched() + pconv[0].padding_touched() + pconv[1].padding_touched() + pconv[2].padding_touched();
-  ctx.report.zero(c.name(), "kda_step pool padding", pad_touched,
+  ctx.report.zero(c.name(), tag + " pool padding", pad_touched,
                   fmt::format("state_stride {} (dense {}), conv_stride {} (dense {}), slots {}..{}", state_stride,
                               state_dense, conv_stride, conv_dense, base + 1, num_slots - 1));
+}
+
+void check_kda(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
+  check_kda_form(ctx, c, k.kda, "kda_step", seed);
+  if (!k.kda_split.op.empty())
+    check_kda_form(ctx, c, k.kda_split, fmt::format("kda_step vs{}", k.kda_split.params.at("VS")), seed);
+
 }
 
 // The router and moe_route of a MoE step over x [T, H] (fresh router weights and bias), each checked:

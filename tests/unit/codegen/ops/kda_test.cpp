@@ -97,6 +97,47 @@ TEST(KdaOp, ReplicatedALogByRank) {
   EXPECT_NE(src.find("state_stride, conv_stride, rank);"), std::string::npos) << src;
 }
 
+// VS value splits: VS blocks per (head, request) own D/VS state columns each; the head's last block
+// normalises from the workspace. One row per request only, whole groups of 32 columns.
+KernelInstance vs(KernelInstance k, int64_t v) {
+  k.params["VS"] = v;
+  return k;
+}
+
+TEST(KdaOp, ValueSplits) {
+  const KernelInstance k = vs(kda(1, 1, 32), 4);
+  EXPECT_EQ(kernel_name(k), "kda_step_w1_q1_nh32_d128_cv4_fr128_gr128_sg0_on0_vs4");
+  const LaunchShape l = launch_shape(k);
+  EXPECT_EQ(l.grid[0], 128u);  // 32 heads x 4
+  EXPECT_EQ(l.grid[1], 1u);
+  EXPECT_EQ(l.block[0], 512u);
+  const KernelSignature sig = kernel_signature(k);
+  ASSERT_EQ(sig.params.size(), 24u);
+  EXPECT_EQ(sig.params[20].name, "o_part");
+  EXPECT_EQ(sig.params[20].shape, "[1, 32, 128] fp32");
+  EXPECT_EQ(sig.params[22].name, "ss_part");
+  EXPECT_EQ(sig.params[22].shape, "[1, 32, 4] fp32");
+  EXPECT_EQ(sig.params[23].name, "done");
+  EXPECT_EQ(sig.params[23].shape, "[1, 32] u32");
+  const std::string src = generate_source(k);
+  EXPECT_NE(src.find("dp_kda_step<1, 1, 32, 128, 4, 128, 128, 0, 0, 0, 4>(proj, w_fb, w_gb,"), std::string::npos)
+      << src;
+  EXPECT_NE(src.find("state_stride, conv_stride, 0u, o_part, g_part, ss_part, done);"), std::string::npos) << src;
+  // With the replicated A_log (K3 at tensor_parallel > 1) the rank comes first.
+  const std::string ar = generate_source(vs(kda_ar(1, 1, 12), 2));
+  EXPECT_NE(ar.find("dp_kda_step<1, 1, 12, 128, 4, 128, 0, 1, 1, 1, 2>("), std::string::npos) << ar;
+  EXPECT_NE(ar.find("conv_stride, rank, o_part, g_part, ss_part, done);"), std::string::npos) << ar;
+  // Without VS nothing changes.
+  EXPECT_EQ(launch_shape(kda(1, 1, 32)).grid[0], 32u);
+  EXPECT_EQ(kernel_signature(kda(1, 1, 32)).params.size(), 20u);
+  using test::expect_error;
+  expect_error([] { kernel_name(vs(kda(1, 2, 32), 4)); }, Errc::input, {"VS = 4 needs one row per request", "Q = 2"});
+  expect_error([] { kernel_name(vs(kda(1, 1, 32), 3)); }, Errc::input, {"VS = 3: 0 (one block per head), 2 or 4"});
+  KernelInstance small = vs(kda(1, 1, 32), 4);
+  small.params["D"] = 64;
+  expect_error([&] { kernel_name(small); }, Errc::input, {"splits D = 64 into 16 columns, not whole groups of 32"});
+}
+
 // Kimi-Linear tiny (2 heads), Kimi-Linear-48B (32 heads) and Kimi-K3 (96 heads, full-rank gate, safe gate,
 // fp32 o_norm; and a TP-8 rank's 12 heads with the replicated A_log).
 std::vector<KernelInstance> compile_set(const std::string& t) {
@@ -106,6 +147,10 @@ std::vector<KernelInstance> compile_set(const std::string& t) {
       kda(8, 2, 32, 128, false, t),
       kda(2, 1, 96, 0, true, t),
       kda_ar(8, 2, 12, t),
+      vs(kda(1, 1, 32, 128, false, t), 4),
+      vs(kda(8, 1, 32, 128, false, t), 2),
+      vs(kda(1, 1, 96, 0, true, t), 4),
+      vs(kda_ar(1, 1, 12, t), 4),
   };
 }
 
