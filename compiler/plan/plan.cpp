@@ -165,6 +165,15 @@ Plan make_plan(const Model& m, const deploy::Deploy& d, const std::string& deplo
   for (const model::LayerSpec& l : m.layers) classes.insert(layer_class(l));
   for (LayerClass c : classes)
     for (int64_t w : d.widths) plan.programs.push_back(layer_program(m, d, c, w));
+  // Counter words (program.h): when some op takes them, every program is built again with its scratch
+  // above the most any program takes, so that no program's scratch covers another's counters.
+  uint64_t counters = 0;
+  for (const LayerProgram& p : plan.programs) counters = std::max(counters, p.counter_bytes);
+  if (counters > 0) {
+    plan.programs.clear();
+    for (LayerClass c : classes)
+      for (int64_t w : d.widths) plan.programs.push_back(layer_program(m, d, c, w, counters));
+  }
   std::sort(plan.programs.begin(), plan.programs.end(), [](const LayerProgram& a, const LayerProgram& b) {
     return std::make_pair(std::string(to_string(a.cls)), a.width) < std::make_pair(std::string(to_string(b.cls)), b.width);
   });

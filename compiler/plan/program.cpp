@@ -82,13 +82,20 @@ class LayerWeightsView {
 constexpr uint64_t kNoScratch = ~uint64_t{0};
 
 // Sequential scratch: every buffer of a program gets its own 256-byte aligned range (no reuse: at the
-// decode widths the whole program's scratch is a few MB at most).
+// decode widths the whole program's scratch is a few MB at most), from `top`, which starts above the
+// counter words (layer_program's counter_reserve). Counter words are taken from offset 0 by every op
+// (program.h): `counters` is the most one op takes.
 struct Scratch {
   uint64_t top = 0;
+  uint64_t counters = 0;
   uint64_t take(uint64_t bytes) {
     const uint64_t at = top;
     top = align256(top + bytes);
     return at;
+  }
+  uint64_t counter(uint64_t bytes) {
+    counters = std::max(counters, align256(bytes));
+    return 0;
   }
 };
 
@@ -204,8 +211,12 @@ int64_t mla_splits(int64_t width, int64_t q, int64_t heads) {
 
 class Builder {
  public:
-  Builder(const Model& m, const deploy::Deploy& d, LayerClass cls, int64_t width, const model::LayerSpec& l)
-      : m_(m), d_(d), cls_(cls), w_(width), q_(d.q()), t_(width * d.q()), lw_(m, l, d.tensor_parallel) {}
+  Builder(const Model& m, const deploy::Deploy& d, LayerClass cls, int64_t width, const model::LayerSpec& l,
+          uint64_t counter_reserve)
+      : m_(m), d_(d), cls_(cls), w_(width), q_(d.q()), t_(width * d.q()), lw_(m, l, d.tensor_parallel),
+        reserve_(counter_reserve) {
+    ws_.top = counter_reserve;
+  }
 
   LayerProgram build() {
     LayerProgram p;
@@ -234,6 +245,10 @@ class Builder {
         moe();
       p.steps = std::move(steps_);
       p.workspace = ws_.top;
+      p.counter_bytes = ws_.counters;
+      if (reserve_ > 0 && ws_.counters > reserve_)
+        fail(Errc::internal, "layer program {} at width {}: {} bytes of counter words, {} reserved", to_string(cls_), w_,
+             ws_.counters, reserve_);
     } catch (const Unavailable& u) {
       p.steps.clear();
       p.workspace = 0;
@@ -722,13 +737,15 @@ class Builder {
   int64_t w_, q_, t_;
   LayerWeightsView lw_;
   Scratch ws_;
+  uint64_t reserve_ = 0;  // bytes of counter words below every program's scratch
   uint64_t x_ = 0, a_ = 0, x2_ = 0, partial_ = 0;
   std::vector<ProgramStep> steps_;
 };
 
 }  // namespace
 
-LayerProgram layer_program(const Model& m, const deploy::Deploy& d, LayerClass cls, int64_t width) {
+LayerProgram layer_program(const Model& m, const deploy::Deploy& d, LayerClass cls, int64_t width,
+                           uint64_t counter_reserve) {
   const model::LayerSpec* first = nullptr;
   for (const model::LayerSpec& l : m.layers)
     if (layer_class(l) == cls) {
@@ -736,7 +753,7 @@ LayerProgram layer_program(const Model& m, const deploy::Deploy& d, LayerClass c
       break;
     }
   if (!first) fail(Errc::internal, "layer program for class {}: the model has no layer of it", to_string(cls));
-  LayerProgram p = Builder(m, d, cls, width, *first).build();
+  LayerProgram p = Builder(m, d, cls, width, *first, counter_reserve).build();
   // Every layer of the class must hold the same weights (by key, dtype and shape) as the first.
   for (const model::LayerSpec& l : m.layers) {
     if (layer_class(l) != cls || &l == first) continue;

@@ -63,6 +63,7 @@ struct LayerProgram {
   int64_t width = 0;
   std::vector<ProgramStep> steps;  // empty when unavailable
   uint64_t workspace = 0;          // bytes of scratch the steps use (256-byte aligned parts)
+  uint64_t counter_bytes = 0;      // counter words its ops take from the start of the workspace (below)
   std::string unavailable;         // why this version builds no program for it ("" when it does)
 };
 
@@ -73,6 +74,16 @@ struct LayerProgram {
 // o-projection and the FFN's down projection write partial sums that an `allreduce` step sums over the
 // ranks before the next residual add (templates/allreduce.h), or, at the widths the deploy's
 // `allreduce` gives to NCCL, an `nccl_allreduce` collective step over the same buffers.
-LayerProgram layer_program(const model::Model& m, const deploy::Deploy& d, LayerClass cls, int64_t width);
+//
+// Counter words: ops whose last block to finish does more work count their blocks in words that must be
+// zero when they launch, and leave them at zero (templates/gemm.h dp_gemm_last_block). The runtime zeroes
+// the step workspace once, and one workspace serves every program, so no program may write scratch where
+// another keeps counters: with `counter_reserve` > 0 every program's scratch starts there and its ops'
+// counter words lie below it (from offset 0; launches on one stream run one after another, so ops share
+// them). plan() builds the programs once, and again with the largest counter_bytes reserved when some
+// program takes counter words. With counter_reserve 0 a program that takes counter words has them under its
+// own scratch: such a program is only good for sizing the reserve.
+LayerProgram layer_program(const model::Model& m, const deploy::Deploy& d, LayerClass cls, int64_t width,
+                           uint64_t counter_reserve = 0);
 
 }  // namespace dp::plan
