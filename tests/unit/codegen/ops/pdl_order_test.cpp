@@ -136,7 +136,8 @@ TEST(PdlOrderCompile, TheEarlyWeightsGemmLoadsOnlyWeightsBeforeItsWait) {
   }
 }
 
-// The hand-off between blocks of the fused tails (gemm NM 1, dp_gemm_norm_tail; TK, dp_moe_route_tail), in
+// The hand-off between blocks of the fused tails (gemm NM 1, dp_gemm_norm_tail; TK, dp_moe_route_tail; kda_step
+// VS; moe_down SK), in
 // PTX order: the dependency
 // wait; every thread's release fence after its stores of the projection and a barrier before the one
 // block-counting atomic; after it a barrier, the acquire fence, then the coherent (L2) loads of the other
@@ -155,9 +156,16 @@ std::string norm_handoff_violation(const std::string& ptx) {
 
 TEST(PdlOrderCompile, TheFusedTailsCountTheBlockAfterItsStoresAndReadTheOutputCoherently) {
   DP_SKIP_WITHOUT(backend::Vendor::nvidia);
+  // Also the other last-block hand-offs: kda_step's value splits (VS) and moe_down's split grid (SK).
+  KernelInstance kda_vs = kda(1, 1, 32);
+  kda_vs.params["VS"] = 4;
+  KernelInstance down_sk = moe_down(8, 2304, 1024, 256, 8, 1024), down_sk8 = q8(moe_down(1, 2304, 1024, 256, 8, 1024));
+  down_sk.params["SK"] = down_sk8.params["SK"] = 264;
   const std::vector<KernelInstance> set = {gemm_norm(1, 4096, 2304),     gemm_norm(8, 4096, 2304),
                                            q8(gemm_norm(1, 4096, 2304)), q8(gemm_norm(8, 9216, 2304)),
-                                           gemm_route(1, 2304, 256, 8),  gemm_route(8, 2304, 256, 8)};
+                                           gemm_route(1, 2304, 256, 8),  gemm_route(8, 2304, 256, 8),
+                                           kda_vs,                       down_sk,
+                                           down_sk8};
   const backend::CompileReport report = compile_with_ptx(set);
   ASSERT_EQ(report.kernels.size(), set.size());
   for (const backend::CompiledKernel& k : report.kernels) {
