@@ -1745,15 +1745,16 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
                                    {"cache_stride", cache_stride_arg}};
   bind_weight(pargs, "kv_b", d_kvb);
   const float t_prep = ctx.kernels.launch(k.mla_prep, pargs);
-  const float t_attn = ctx.kernels.launch(k.mla_attn, {{"q_abs", q_abs},
-                                                       {"cache", d_cache},
-                                                       {"block_table", d_bt},
-                                                       {"stride_bt", Arg(static_cast<uint32_t>(MB))},
-                                                       {"seq_lens", d_lens},
-                                                       {"part_o", part_o},
-                                                       {"part_ml", part_ml},
-                                                       {"scale", scale},
-                                                       {"cache_stride", cache_stride_arg}});
+  std::map<std::string, Arg> aargs{{"q_abs", q_abs},
+                                   {"cache", d_cache},
+                                   {"block_table", d_bt},
+                                   {"stride_bt", Arg(static_cast<uint32_t>(MB))},
+                                   {"seq_lens", d_lens},
+                                   {"part_o", part_o},
+                                   {"part_ml", part_ml},
+                                   {"scale", scale},
+                                   {"cache_stride", cache_stride_arg}};
+  const float t_attn = ctx.kernels.launch(k.mla_attn, aargs);
   std::map<std::string, Arg> cargs{{"part_o", part_o},
                                    {"part_ml", part_ml},
                                    {"seq_lens", d_lens},
@@ -1872,15 +1873,9 @@ void check_mla(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
     // the same partials, bit for bit, and so the same output.
     DevBuf part_o2(W * NS * Q * N * L * 4), part_ml2(W * NS * Q * N * 2 * 4), out2(T * N * V * 2);
     for (DevBuf* b : {&part_o2, &part_ml2, &out2}) b->poison();
-    const float t_staged = ctx.kernels.launch(k.mla_attn_staged, {{"q_abs", q_abs},
-                                                                  {"cache", d_cache},
-                                                                  {"block_table", d_bt},
-                                                                  {"stride_bt", Arg(static_cast<uint32_t>(MB))},
-                                                                  {"seq_lens", d_lens},
-                                                                  {"part_o", part_o2},
-                                                                  {"part_ml", part_ml2},
-                                                                  {"scale", scale},
-                                                                  {"cache_stride", cache_stride_arg}});
+    aargs.insert_or_assign("part_o", Arg(part_o2));
+    aargs.insert_or_assign("part_ml", Arg(part_ml2));
+    const float t_staged = ctx.kernels.launch(k.mla_attn_staged, aargs);
     cargs.insert_or_assign("part_o", Arg(part_o2));
     cargs.insert_or_assign("part_ml", Arg(part_ml2));
     cargs.insert_or_assign("out", Arg(out2));
