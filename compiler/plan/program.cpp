@@ -119,6 +119,11 @@ class StepBuilder {
   StepBuilder& kv(const char* p, const char* kind) { return put(p, From::kv, kind); }
   StepBuilder& kv_stride(const char* p, const char* kind) { return put(p, From::kv_stride, kind); }
   StepBuilder& f32(const char* p, double v) { return put(p, From::f32, "", 0, v); }
+  // A kernel parameter set after construction (a fused form's switch).
+  StepBuilder& param(const char* key, int64_t v) {
+    kernel_.params[key] = v;
+    return *this;
+  }
   StepBuilder& u32(const char* p, int64_t v) { return put(p, From::u32, "", 0, static_cast<double>(v)); }
   StepBuilder& null(const char* p) { return put(p, From::null, ""); }
   StepBuilder& tp(const char* p, const char* what) { return put(p, From::tp, what); }
@@ -202,6 +207,11 @@ class StepBuilder {
 // Split-KV partitions per request: about 256 blocks (two per SM of a 132-SM H200) at this width, at
 // most 64 splits (every split's partials are merged again by each mla_combine block of the head).
 // mla_attn's blocks take 16 query rows (draft position, head) of one request each.
+// Blocks of moe_down's split grid (SK; bf16 and e4m3 experts from 8 rows): two per SM of a 132-SM H200.
+// From 8 rows (W x q) up; the MXFP4 latent sum never takes it (slower at K3's 224 tiles).
+constexpr int64_t kSplitBlocks = 264;
+constexpr int64_t kSplitFromRows = 8;
+
 int64_t mla_splits(int64_t width, int64_t q, int64_t heads) {
   const int64_t blocks = width * ((q * heads + 15) / 16);
   int64_t ns = 1;
@@ -393,7 +403,14 @@ class Builder {
     if (q_ > 1) step.io("num_accepted", "num_accepted"); else step.null("num_accepted");
     if (kp.count("AR")) step.tp("rank", "rank");
     push(step);
-    push(gemm(P, {"self_attn.o_proj.weight"}).ws("x", o).ws("out", partial_of(a_)));
+    o_proj(P, o);
+  }
+
+  // The o-projection of the mixer output `o` ([t, k] bf16) into a_, summed over the ranks at
+  // tensor_parallel > 1. The post-attention norm stays a separate launch: fused into this gemm as its
+  // last block's tail (gemm NM 1) it measured slower on the H200 (bench/NOTES.md, 2026-12-05).
+  void o_proj(int64_t k, uint64_t o) {
+    push(gemm(k, {"self_attn.o_proj.weight"}).ws("x", o).ws("out", partial_of(a_)));
     reduce_into_ws(a_, 0);
   }
 
@@ -458,8 +475,7 @@ class Builder {
       cs.null("gate").u32("stride_g", 0);
     bind_weight(cs, "kv_b", kv_b);
     push(cs);
-    push(gemm(N * V, {"self_attn.o_proj.weight"}).ws("x", o).ws("out", partial_of(a_)));
-    reduce_into_ws(a_, 0);
+    o_proj(N * V, o);
   }
 
   void dense() {
@@ -478,6 +494,19 @@ class Builder {
     reduce_into_out();
   }
 
+  // The router logits ([t, E] fp32 at `logits`) and the routing: top-k ids and weights, the used experts
+  // and each one's slot per row. One launch: the router gemm with the routing fused (TK, TR; its last
+  // block runs moe_route over the logits), with its own block counter in the workspace.
+  void router(int64_t h, uint64_t logits, uint64_t ids, uint64_t tw, uint64_t experts, uint64_t slots) {
+    const model::MoeConfig& e = m_.moe;
+    StepBuilder g = gemm(h, {"block_sparse_moe.gate.weight"}, /*f32=*/true);
+    g.param("TK", e.top_k).param("TR", e.renormalize ? 1 : 0);
+    g.ws("x", x2_).ws("out", logits).weight("bias", "block_sparse_moe.gate.e_score_correction_bias")
+        .ws("topk_ids", ids).ws("topk_weights", tw).ws("experts", experts).ws("expert_slots", slots)
+        .ws("done", ws_.counter(4));
+    push(g);
+  }
+
   void moe() {
     const model::MoeConfig& e = m_.moe;
     const int64_t H = m_.hidden, E = e.num_experts, K = e.top_k;
@@ -489,10 +518,7 @@ class Builder {
     const uint64_t logits = ws_.take(t_ * E * 4), ids = ws_.take(t_ * K * 4), tw = ws_.take(t_ * K * 4);
     const uint64_t experts = ws_.take((1 + U) * 4), slots = ws_.take(U * t_ * 4);
     const uint64_t h = ws_.take(t_ * K * I * 2), hs = ws_.take(t_ * std::max<int64_t>(S, 1) * 2);
-    push(gemm(H, {"block_sparse_moe.gate.weight"}, /*f32=*/true).ws("x", x2_).ws("out", logits));
-    push(StepBuilder("moe_route", {{"W", t_}, {"E", E}, {"K", K}, {"RN", e.renormalize ? 1 : 0}})
-             .ws("logits", logits).weight("bias", "block_sparse_moe.gate.e_score_correction_bias")
-             .ws("topk_ids", ids).ws("topk_weights", tw).ws("experts", experts).ws("expert_slots", slots));
+    router(H, logits, ids, tw, experts, slots);
     const std::string sh = "block_sparse_moe.shared_experts.";
     const int64_t q8 = shared ? fp8_all("the MoE experts", {ex + "w1.weight", ex + "w3.weight", ex + "w2.weight",
                                                              sh + "gate_proj.weight", sh + "up_proj.weight",
@@ -531,6 +557,8 @@ class Builder {
       down.null("shared_down");
       if (q8) down.null("shared_down_scale");
     }
+    // The split grid from 8 rows: measured a win there and a loss at one row (H200, 2026-12-05).
+    if (t_ >= kSplitFromRows) split_grid(down, H);
     push(down);
     reduce_into_out();
   }
@@ -553,10 +581,7 @@ class Builder {
     const uint64_t logits = ws_.take(t_ * E * 4), ids = ws_.take(t_ * K * 4), tw = ws_.take(t_ * K * 4);
     const uint64_t experts = ws_.take((1 + U) * 4), slots = ws_.take(U * t_ * 4);
     const uint64_t h = ws_.take(t_ * K * I * 2);
-    push(gemm(H, {"block_sparse_moe.gate.weight"}, /*f32=*/true).ws("x", x2_).ws("out", logits));
-    push(StepBuilder("moe_route", {{"W", t_}, {"E", E}, {"K", K}, {"RN", e.renormalize ? 1 : 0}})
-             .ws("logits", logits).weight("bias", "block_sparse_moe.gate.e_score_correction_bias")
-             .ws("topk_ids", ids).ws("topk_weights", tw).ws("experts", experts).ws("expert_slots", slots));
+    router(H, logits, ids, tw, experts, slots);
     push(mxfp4_up(x2_, H, I, act, experts, slots, h));
     const uint64_t out = shared ? ws_.take(t_ * H * 2) : partial_of_out();  // the routed sum, or the output
     StepBuilder down = mxfp4_down(H, I, h, experts, slots, tw);
@@ -598,6 +623,12 @@ class Builder {
         .ws("experts", experts).ws("expert_slots", slots).ws("topk_weights", tw)
         .f32("routed_scaling", e.routed_scaling);
     return down;
+  }
+  // moe_down's split grid (SK): kSplitBlocks blocks share every tile's work evenly; each tile's sums meet
+  // in the workspace (up to ceil(G / tiles) + 1 slots of [16, t] fp32) with a counter per tile.
+  void split_grid(StepBuilder& down, int64_t D) {
+    const int64_t tiles = (D + 15) / 16, tile_slots = (kSplitBlocks + tiles - 1) / tiles + 1;
+    down.param("SK", kSplitBlocks).ws("partials", ws_.take(tiles * tile_slots * 16 * t_ * 4)).ws("done", ws_.counter(tiles * 4));
   }
   // The shared expert's gate/up (mlp_up over ws.x2) into hs [T, S].
   StepBuilder shared_up(int64_t S, int64_t act, uint64_t hs) {
@@ -643,10 +674,7 @@ class Builder {
     // [T, D] latent sum, then [T, H] shared expert output (the all-reduced pair at tensor_parallel > 1).
     const uint64_t sums = ws_.take(t_ * (D + (shared ? H : 0)) * 2);
     const uint64_t shared_out = sums + static_cast<uint64_t>(t_ * D * 2);
-    push(gemm(H, {"block_sparse_moe.gate.weight"}, /*f32=*/true).ws("x", x2_).ws("out", logits));
-    push(StepBuilder("moe_route", {{"W", t_}, {"E", E}, {"K", K}, {"RN", e.renormalize ? 1 : 0}})
-             .ws("logits", logits).weight("bias", "block_sparse_moe.gate.e_score_correction_bias")
-             .ws("topk_ids", ids).ws("topk_weights", tw).ws("experts", experts).ws("expert_slots", slots));
+    router(H, logits, ids, tw, experts, slots);
     push(gemm(H, {"block_sparse_moe.routed_expert_down_proj.weight"}).ws("x", x2_).ws("out", lat));
 
     if (q4) {

@@ -66,8 +66,9 @@ TEST(Fp8Programs, EveryClassReadsItsE4m3WeightsWithTheirScales) {
     EXPECT_EQ(arg(in, "w2_scale")->name, "self_attn.v_proj.weight_scale_inv");
     EXPECT_EQ(arg(in, "w3_scale"), nullptr);
     // The router stays bf16 (fp32 logits); the experts read e4m3 with expert strides for the scales.
-    EXPECT_EQ(pr.steps.at(5).name, "gemm_w4_k2304_na256_f1");
-    const ProgramStep& up = pr.steps.at(7);
+    EXPECT_EQ(pr.steps.at(3).name, "gemm_w4_k4096_na2304_q81");
+    EXPECT_EQ(pr.steps.at(5).name, "gemm_w4_k2304_na256_f1_tk8_tr1");  // with the routing fused
+    const ProgramStep& up = pr.steps.at(6);
     EXPECT_EQ(up.kernel.op, "moe_up");
     EXPECT_EQ(arg(up, "stride_w1_scale")->from, ProgramArg::From::expert_stride);
     EXPECT_EQ(arg(up, "stride_w1_scale")->name, "block_sparse_moe.experts.{e}.w1.weight_scale_inv");

@@ -67,12 +67,12 @@ TEST(Plan, ProgramsFollowTheLayerContract) {
     for (const ProgramStep& s : pr.steps) v.push_back(s.kernel.op);
     return v;
   };
+  // The router gemm runs the routing (TK): no moe_route step.
   EXPECT_EQ(ops(find(LayerClass::kda_moe, 3)),
-            (std::vector<std::string>{"rmsnorm", "gemm", "kda_step", "gemm", "rmsnorm", "gemm", "moe_route", "moe_up",
-                                      "moe_down"}));
+            (std::vector<std::string>{"rmsnorm", "gemm", "kda_step", "gemm", "rmsnorm", "gemm", "moe_up", "moe_down"}));
   EXPECT_EQ(ops(find(LayerClass::mla_moe, 3)),
             (std::vector<std::string>{"rmsnorm", "gemm", "mla_prep", "mla_attn", "mla_combine", "gemm", "rmsnorm", "gemm",
-                                      "moe_route", "moe_up", "moe_down"}));
+                                      "moe_up", "moe_down"}));
   EXPECT_EQ(ops(find(LayerClass::kda_dense, 3)),
             (std::vector<std::string>{"rmsnorm", "gemm", "kda_step", "gemm", "rmsnorm", "mlp_up", "gemm"}));
   for (const LayerProgram& pr : p.programs) {
@@ -97,6 +97,40 @@ TEST(Plan, ProgramsFollowTheLayerContract) {
           EXPECT_EQ(a.offset % 16, 0u) << s.name << " " << a.param;
         }
     }
+    // Every MoE program's router gemm runs the routing (TK) with its own block counter.
+    const ProgramStep* router = nullptr;
+    for (const ProgramStep& s : pr.steps)
+      for (const ProgramArg& a : s.args)
+        if (a.from == ProgramArg::From::weight && a.name == "block_sparse_moe.gate.weight") router = &s;
+    if (pr.cls == LayerClass::kda_dense || pr.cls == LayerClass::mla_dense) {
+      EXPECT_EQ(router, nullptr);
+      continue;
+    }
+    ASSERT_NE(router, nullptr);
+    EXPECT_EQ(router->kernel.params.at("TK"), 8);
+    EXPECT_EQ(arg(*router, "done").from, ProgramArg::From::workspace);
+    EXPECT_EQ(arg(*router, "topk_ids").from, ProgramArg::From::workspace);
+    // Counter words (program.h) lie below the scratch of every program of the plan, not only this one's:
+    // one workspace serves them all, and a counter must still be zero when its op launches.
+    EXPECT_EQ(arg(*router, "done").offset, 0u);
+    uint64_t counters = 0;
+    for (const LayerProgram& other : p.programs) counters = std::max(counters, other.counter_bytes);
+    EXPECT_GE(counters, 256u);
+    for (const LayerProgram& other : p.programs)
+      for (const ProgramStep& s : other.steps)
+        for (const ProgramArg& a : s.args)
+          if (a.from == ProgramArg::From::workspace && a.param != "done") {
+            EXPECT_GE(a.offset, counters) << to_string(other.cls) << " w" << other.width << " " << s.name << " "
+                                          << a.param << " lies on the counter words";
+          }
+    // moe_down takes the split grid (SK) from 8 rows (q 1 here), one block per tile below.
+    for (const ProgramStep& s : pr.steps)
+      if (s.kernel.op == "moe_down") {
+        EXPECT_EQ(s.kernel.params.count("SK"), pr.width >= 8 ? 1u : 0u) << s.name;
+        if (pr.width >= 8) {
+          EXPECT_EQ(arg(s, "done").offset, 0u) << s.name;
+        }
+      }
     // The routed experts are read as one stacked group with its stride (never per expert).
     for (const ProgramStep& s : pr.steps)
       if (s.kernel.op == "moe_up") {
@@ -207,12 +241,11 @@ TEST(Plan, TensorParallelProgramsRunTheRankShardAndAllReduceInsideTheLayer) {
       const std::vector<std::string> o = ops(pr);
       if (pr.cls == LayerClass::kda_moe) {
         EXPECT_EQ(o, (std::vector<std::string>{"rmsnorm", "gemm", "kda_step", "gemm", "allreduce", "rmsnorm", "gemm",
-                                               "moe_route", "moe_up", "moe_down", "allreduce"}));
+                                               "moe_up", "moe_down", "allreduce"}));
       }
       if (pr.cls == LayerClass::mla_moe) {
         EXPECT_EQ(o, (std::vector<std::string>{"rmsnorm", "gemm", "mla_prep", "mla_attn", "mla_combine", "gemm",
-                                               "allreduce", "rmsnorm", "gemm", "moe_route", "moe_up", "moe_down",
-                                               "allreduce"}));
+                                               "allreduce", "rmsnorm", "gemm", "moe_up", "moe_down", "allreduce"}));
       }
       if (pr.cls == LayerClass::kda_dense) {
         EXPECT_EQ(o, (std::vector<std::string>{"rmsnorm", "gemm", "kda_step", "gemm", "allreduce", "rmsnorm", "mlp_up",
