@@ -80,12 +80,27 @@ __device__ __forceinline__ void first_round(const uint4* w, size_t vecs, int b, 
     rd.r[k] = i < vecs ? ld_weight(w + i) : make_uint4(0, 0, 0, 0);
   }
 }
+// The block's result, written to out[b]: the folded weights and the activation it read, summed over the
+// block (every thread calls it; the trailing barrier lets the caller reuse shared memory).
+__device__ __forceinline__ void block_result(uint32_t acc, float a, float* out, int b) {
+  __shared__ float part[kThreads / 32];
+  float v = (float)(acc & 0xffu) * 1e-3f + a * 0.5f;
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float s = 0;
+    for (int k = 0; k < kThreads / 32; ++k) s += part[k];
+    out[b] = s;
+  }
+  __syncthreads();
+}
+
 // Streams the rest of the op (after the first round, when `early` holds it) and writes the block's sum
 // to out[b].
 template <int kWork>
 __device__ __forceinline__ void stream_op(const uint4* w, size_t vecs, int b, int g, const float* in, int in_n,
                                           float* out, const Round* early) {
-  __shared__ float part[kThreads / 32];
   const size_t stride = (size_t)g * kThreads, i0 = (size_t)b * kThreads + threadIdx.x;
   uint32_t acc = 0;
   size_t i = i0;
@@ -105,16 +120,7 @@ __device__ __forceinline__ void stream_op(const uint4* w, size_t vecs, int b, in
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) acc ^= fold<kWork>(r[k]);
   }
-  float v = (float)(acc & 0xffu) * 1e-3f + a * 0.5f;
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = v;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float s = 0;
-    for (int k = 0; k < kThreads / 32; ++k) s += part[k];
-    out[b] = s;
-  }
-  __syncthreads();
+  block_result(acc, a, out, b);
 }
 
 template <bool kEarly, int kWork>
@@ -161,7 +167,6 @@ __global__ void __launch_bounds__(kThreads) bulk_kernel(const uint4* w, size_t v
                                                         float* out) {
   extern __shared__ __align__(128) char ring[];  // [kStages][kChunk]
   __shared__ uint64_t full[kStages];
-  __shared__ float part[kThreads / 32];
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const size_t bytes = vecs * 16, per = ((bytes + gridDim.x - 1) / gridDim.x + 15) / 16 * 16;
   const size_t lo = per * blockIdx.x, hi = lo + per < bytes ? lo + per : bytes;
@@ -189,15 +194,7 @@ __global__ void __launch_bounds__(kThreads) bulk_kernel(const uint4* w, size_t v
     __syncthreads();
     if (threadIdx.x == 0 && c + kStages < chunks) issue(c + kStages);
   }
-  float r = (float)(acc & 0xffu) * 1e-3f + a * 0.5f;
-  for (int o = 16; o > 0; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = r;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float t = 0;
-    for (int k = 0; k < kThreads / 32; ++k) t += part[k];
-    out[blockIdx.x] = t;
-  }
+  block_result(acc, a, out, blockIdx.x);
 }
 
 struct Chain {

@@ -204,14 +204,14 @@ class StepBuilder {
   std::map<std::string, ProgramArg> args_;
 };
 
-// Split-KV partitions per request: about 256 blocks (two per SM of a 132-SM H200) at this width, at
-// most 64 splits (every split's partials are merged again by each mla_combine block of the head).
-// mla_attn's blocks take 16 query rows (draft position, head) of one request each.
-// Blocks of moe_down's split grid (SK; bf16 and e4m3 experts from 8 rows): two per SM of a 132-SM H200.
-// From 8 rows (W x q) up; the MXFP4 latent sum never takes it (slower at K3's 224 tiles).
+// moe_down's split grid (SK): its blocks (two per SM of a 132-SM H200), and the rows (W x q) from which
+// the bf16 and e4m3 forms take it. The MXFP4 latent sum never does (slower at K3's 224 tiles).
 constexpr int64_t kSplitBlocks = 264;
 constexpr int64_t kSplitFromRows = 8;
 
+// Split-KV partitions per request: about 256 blocks (two per SM of a 132-SM H200) at this width, at
+// most 64 splits (every split's partials are merged again by each mla_combine block of the head).
+// mla_attn's blocks take 16 query rows (draft position, head) of one request each.
 int64_t mla_splits(int64_t width, int64_t q, int64_t heads) {
   const int64_t blocks = width * ((q * heads + 15) / 16);
   int64_t ns = 1;
