@@ -392,6 +392,58 @@ __device__ __forceinline__ void dp_mma_rows(WRow wrow, XRow xrow, int c0, int c_
   }
 }
 
+// The activation operand of one half (h = 0, 1) of a 128-column block for the e4m3 tensor-core step:
+// lane (g, q) loads columns col = 128b + 64h + 16q .. +16 of activation row 8nt + g (xp[nt]; null:
+// zeros), with coherent loads when kCoherent (after a dependency wait in the same kernel), and pairs
+// them as the weights are (xw). `in` false (past the range or past K): zeros.
+template <int NT, int kCoherent>
+__device__ __forceinline__ void dp_load_x_half_fp8(const dp_bf16* const (&xp)[NT], int col, bool in,
+                                                   dp_u32 (&xw)[NT][8]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    dp_u32x4 x0, x1;
+    if (in && xp[nt]) {
+      x0 = kCoherent ? dp_load16_coherent(xp[nt] + col) : dp_load16(xp[nt] + col);
+      x1 = kCoherent ? dp_load16_coherent(xp[nt] + col + 8) : dp_load16(xp[nt] + col + 8);
+    } else {
+      x0.x = x0.y = x0.z = x0.w = 0u;
+      x1 = x0;
+    }
+    dp_pair_even_odd(x0.x, x0.y, xw[nt][0], xw[nt][1]);
+    dp_pair_even_odd(x0.z, x0.w, xw[nt][2], xw[nt][3]);
+    dp_pair_even_odd(x1.x, x1.y, xw[nt][4], xw[nt][5]);
+    dp_pair_even_odd(x1.z, x1.w, xw[nt][6], xw[nt][7]);
+  }
+}
+// The products of one warp's e4m3 tile with its activation tiles over one half h of a 128-column block,
+// unscaled, added to blk: wv holds the lane's weight vectors (rows g and g + 8 of each tile, columns
+// 128b + 64h + 16q for h = 0, 1), here read from a shared-memory ring, and xw the activation columns of
+// half h (dp_load_x_half_fp8); weights past K must be zero. (dp_mma_rows_fp8 below keeps its own copy of
+// these two steps: through a helper, the measured kernels' register allocation changed, and with it
+// their machine code.)
+template <int MT, int NT>
+__device__ __forceinline__ void dp_mma_half_fp8(const dp_u32x4 (&wv)[MT][2][2], const dp_u32 (&xw)[NT][8], int h,
+                                                float (&blk)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    dp_u32 a[2][8];  // rows g, g+8: 16 columns as bf16 pairs (exact values)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const dp_u32x4 v = wv[mt][r][h];
+      dp_e4m3x4_to_bf16x4(v.x, a[r][0], a[r][1]);
+      dp_e4m3x4_to_bf16x4(v.y, a[r][2], a[r][3]);
+      dp_e4m3x4_to_bf16x4(v.z, a[r][4], a[r][5]);
+      dp_e4m3x4_to_bf16x4(v.w, a[r][6], a[r][7]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        dp_mma_16816(blk[mt][nt], a[0][2 * i], a[1][2 * i], a[0][2 * i + 1], a[1][2 * i + 1], xw[nt][2 * i],
+                     xw[nt][2 * i + 1]);
+  }
+}
+
 // Tensor-core dot products of one warp over e4m3 weight rows (dp_fp8_row): MT tiles of 16 rows against
 // NT tiles of 8 activation rows over the 128-column blocks [b0, b_end) of K; like dp_mma_rows, lane
 // (g, q) supplies the same columns for both operands, here [128b + 64h + 16q, +16) for h = 0, 1 (one
@@ -510,7 +562,175 @@ __device__ __forceinline__ void dp_mma_rows_fp8(WRow wrow, XRow xrow, int b0, in
     }
   }
 }
+
+// A block's weight rows streamed through a ring of stages in shared memory (sm_90), filled by bulk
+// asynchronous copies: a stage holds kRows rows of up to kCols bytes each, one copy per row, issued by
+// warp 0. A row's bytes are padded by 64 in the ring (kRowBytes), so that rows g and g + 1, which one
+// quarter-warp reads together in the tensor-core fragment layout, lie half a 128-byte line apart: 16-byte
+// reads at the same column of 8 rows are free of bank conflicts. The first kStages stages are issued
+// before the dependency wait when kEarly (their rows must not depend on the previous kernel); each
+// stage is refilled once every warp is done with it (a block barrier). Every thread of the block calls
+// it, with the same arguments. The ring is the kernel's dynamic shared memory, kStages * kStageBytes
+// bytes (dp_ring_bytes): the launch must give at least that much.
+//   stages: how many stages the block streams, in order
+//   cols(j): bytes of every row of stage j (a multiple of 16, at most kCols)
+//   row(j, i): global address of row i of stage j (16-byte aligned)
+//   consume(j, stage): every warp, once stage j has landed (`stage`: its first row in the ring)
+template <int kRows, int kCols>
+struct dp_ring_geometry {
+  static constexpr int kRowBytes = kCols + 64;
+  static constexpr int kStageBytes = kRows * kRowBytes;
+};
+template <int kRows, int kCols, int kStages>
+__host__ __device__ constexpr int dp_ring_bytes() {
+  return kStages * dp_ring_geometry<kRows, kCols>::kStageBytes;
+}
+#if DP_HAS_BULK_COPY
+template <int kRows, int kCols, int kStages, int kEarly, typename Cols, typename Row, typename Consume>
+__device__ __forceinline__ void dp_ring_stream(int stages, Cols cols, Row row, Consume consume) {
+  typedef dp_ring_geometry<kRows, kCols> R;
+  static_assert(kCols % 16 == 0 && kStages >= 1, "ring: 16-byte rows, at least one stage");
+  extern __shared__ __align__(128) unsigned char dp_ring[];  // [kStages][kRows][kRowBytes]
+  __shared__ __align__(8) dp_u64 full[kStages];                // per stage: its bytes have landed
+  const int group = (int)threadIdx.x / DP_GROUP, lane = (int)threadIdx.x % DP_GROUP;
+  auto issue = [&](int j) {  // warp 0: stage j's copies into its slot
+    const dp_u32 n = (dp_u32)cols(j);
+    unsigned char* st = dp_ring + (j % kStages) * R::kStageBytes;
+    dp_u64* bar = &full[j % kStages];
+    if (lane == 0) dp_mbar_expect_bytes(bar, n * (dp_u32)kRows);
+    __syncwarp();
+    for (int i = lane; i < kRows; i += DP_GROUP) dp_bulk_copy_shared(st + i * R::kRowBytes, row(j, i), n, bar);
+  };
+  if (threadIdx.x == 0) {
+    for (int k = 0; k < kStages; ++k) dp_mbar_init(&full[k]);
+    dp_mbar_init_fence();
+  }
+  __syncthreads();
+  if (group == 0)
+    for (int j = 0; j < kStages && j < stages; ++j) issue(j);
+  if constexpr (kEarly != 0) dp_grid_dependency_wait();
+  for (int j = 0; j < stages; ++j) {
+    dp_mbar_wait(&full[j % kStages], (dp_u32)(j / kStages) & 1u);
+    consume(j, (const unsigned char*)dp_ring + (j % kStages) * R::kStageBytes);
+    if (j + kStages < stages) {
+      __syncthreads();  // every warp is done with stage j's slot
+      if (group == 0) issue(j + kStages);
+    }
+  }
+}
+
+// The operands of one 128-column e4m3 block that come from global memory (its activation columns and
+// the rows' block scales), loaded one block ahead of the products in the ring loops.
+template <int MT, int NT>
+struct dp_fp8_block_ops {
+  dp_u32 x[2][NT][8];  // per half: dp_load_x_half_fp8
+  float sc[MT][2];       // block scales of rows g, g + 8 of each tile
+};
+// One warp's products over one 128-column e4m3 block of a ring stage: its tile rows (16 MT from
+// `first`, the stage's row index of the warp's row 0) at byte column `col` of the stage, against the
+// block's activation columns; scaled by the rows' block scales and added to acc. `valid`: the columns
+// of the block inside the matrix (at least 128: all); the ring's bytes past them are stale, read as 0.
+template <int MT, int NT, int kRowBytes>
+__device__ __forceinline__ void dp_mma_ring_block_fp8(const unsigned char* stage, int first, int col, int valid,
+                                                      const dp_fp8_block_ops<MT, NT>& ops,
+                                                      float (&acc)[MT][NT][4]) {
+  const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
+  const unsigned char* p = stage + (first + g) * kRowBytes + col + 16 * q;
+  dp_u32x4 wv[MT][2][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (64 * h + 16 * q < valid) {
+          wv[mt][r][h] = *(const dp_u32x4*)(p + (16 * mt + 8 * r) * kRowBytes + 64 * h);
+        } else {
+          wv[mt][r][h].x = wv[mt][r][h].y = wv[mt][r][h].z = wv[mt][r][h].w = 0u;
+        }
+      }
+  float blk[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) blk[mt][nt][0] = blk[mt][nt][1] = blk[mt][nt][2] = blk[mt][nt][3] = 0.0f;
+  dp_mma_half_fp8<MT, NT>(wv, ops.x[0], 0, blk);
+  dp_mma_half_fp8<MT, NT>(wv, ops.x[1], 1, blk);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) acc[mt][nt][k] += blk[mt][nt][k] * ops.sc[mt][k / 2];
+}
 #endif
+
+// The GEMM block's e4m3 rows through the ring (dp_block_dot with kRing stages): stage j holds the
+// columns [128 S j, 128 S (j + 1)) of all the block's rows, one 128-column block per K-slice, so K-slice
+// s takes blocks s, s + S, s + 2S, ... (not a contiguous range: the sum over K is taken in another order
+// than dp_mma_rows_fp8's). The block's rows do not depend on the previous kernel, so with kEarly the
+// first stages are in flight during the wait.
+//   wrow(slot, m): dp_fp8_row of row m of the slot; xrow(t): [K] bf16 or null (a zero row)
+template <int K, int MT, int S>
+struct dp_fp8_ring_geometry {
+  typedef dp_gemm_geometry<K, MT, S> G;
+  static constexpr int kCols = DP_FP8_BLOCK * S;            // columns of a stage
+  static constexpr int kStagesK = (K + kCols - 1) / kCols;  // stages that cover K
+};
+template <int K, int MT, int S, int kRing>
+__host__ __device__ constexpr int dp_fp8_ring_bytes() {
+  typedef dp_fp8_ring_geometry<K, MT, S> F;
+  return kRing <= 0 ? 0 : dp_ring_bytes<F::G::kRows, F::kCols, (kRing < F::kStagesK ? kRing : F::kStagesK)>();
+}
+#if DP_HAS_BULK_COPY
+template <int K, int MT, int NT, int S, int kRing, int kEarly, typename WRow, typename XRow>
+__device__ __forceinline__ void dp_mma_ring_fp8(WRow wrow, XRow xrow, float (&acc)[MT][NT][4]) {
+  typedef dp_fp8_ring_geometry<K, MT, S> F;
+  typedef typename F::G G;
+  static_assert(K % 16 == 0, "fp8 weights: K must be a multiple of 16 (16-byte e4m3 vectors)");
+  constexpr int kStages = kRing < F::kStagesK ? kRing : F::kStagesK;
+  constexpr int kBlocks = (K + DP_FP8_BLOCK - 1) / DP_FP8_BLOCK;
+  constexpr int RS = G::kSlotRows;
+  const int group = (int)threadIdx.x / DP_GROUP, lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
+  const int slot = group / S, slice = group % S;
+  const float* scale[MT][2];  // block scales of rows g, g+8 of each tile
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) scale[mt][r] = wrow(slot, 16 * mt + g + 8 * r).s;
+  const dp_bf16* xp[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) xp[nt] = xrow(8 * nt + g);
+  // Block b's activation columns and scales; loaded one stage ahead (the first after the wait).
+  auto load = [&](int b, dp_fp8_block_ops<MT, NT>& o) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int col = DP_FP8_BLOCK * b + 64 * h + 16 * q;
+      dp_load_x_half_fp8<NT, kEarly>(xp, col, b < kBlocks && col < K, o.x[h]);
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) o.sc[mt][r] = b < kBlocks ? scale[mt][r][b] : 0.0f;
+  };
+  dp_fp8_block_ops<MT, NT> cur, next;
+  dp_ring_stream<G::kRows, F::kCols, kStages, kEarly>(
+      F::kStagesK, [&](int j) { return K - j * F::kCols < F::kCols ? K - j * F::kCols : F::kCols; },
+      [&](int j, int i) { return wrow(i / RS, i % RS).w + j * F::kCols; },
+      [&](int j, const unsigned char* stage) {
+        const int b = j * S + slice;
+        if (j == 0)
+          load(b, cur);
+        else
+          cur = next;
+        if (j + 1 < F::kStagesK) load(b + S, next);
+        if (b < kBlocks)
+          dp_mma_ring_block_fp8<MT, NT, dp_ring_geometry<G::kRows, F::kCols>::kRowBytes>(
+              stage, slot * RS, DP_FP8_BLOCK * slice, K - DP_FP8_BLOCK * b, cur, acc);
+      });
+}
+#endif
+#endif  // DP_VENDOR_NVIDIA
 
 // ---------------------------------------------------------------------------------------------------
 // MXFP4 weights (OCP microscaling, compressed-tensors "mxfp4-pack-quantized": Kimi-K3's routed experts).
@@ -873,7 +1093,7 @@ __host__ __device__ constexpr int dp_fma_rows() {
 // dp_mma_rows_fp4). T == 1, and AMD: the lane-FMA loop (dp_dot_rows),
 // kFmaRows rows at a time (each lane streams 16-byte vectors of whole row slices: measured faster than
 // the tensor-core tile's 64-byte row pieces when one activation row leaves nothing to multiply).
-template <int T, int K, int MT, int S, int kEarly = 0, typename WRow, typename XRow>
+template <int T, int K, int MT, int S, int kEarly = 0, int kRing = 0, typename WRow, typename XRow>
 __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
                                              float* partial,     // smem [8, 16*MT, T] fp32
                                              float* out_smem) {  // smem [RB, T] fp32
@@ -900,6 +1120,11 @@ __device__ __forceinline__ void dp_block_dot(WRow wrow, XRow xrow,
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
+#if DP_HAS_BULK_COPY
+    if constexpr (kFp8 && kRing > 0) {
+      dp_mma_ring_fp8<K, MT, NT, S, kRing, kEarly>(wrow, [&](int t) { return t < T ? xrow(t) : nullptr; }, acc);
+    } else
+#endif
     if constexpr (kFp8) {
       const int b0 = slice * kSliceBlocks;
       const int b_end = (b0 + kSliceBlocks < kBlocks) ? b0 + kSliceBlocks : kBlocks;
@@ -1063,7 +1288,7 @@ struct dp_gemm_norm_tail {
 // kQ8 (bit s: weight s is e4m3 with fp32 128 x 128 block scales s_s, dp_fp8_row) selects the weights'
 // storage per segment; dp_gemm is the all-bf16 form.
 template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S, int kQ8,
-          int kAdd = 0, int kEarly = 0, typename Tail = dp_gemm_no_tail>
+          int kAdd = 0, int kEarly = 0, int kRing = 0, typename Tail = dp_gemm_no_tail>
 __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x,  // [T, K] bf16
                                                  void* __restrict__ out,  // [T, Ntot] bf16 (fp32 if kOutF32)
                                                  const void* const (&ws)[6],   // [N_s, K] bf16 or e4m3
@@ -1115,7 +1340,7 @@ __device__ __forceinline__ void dp_gemm_segments(const dp_bf16* __restrict__ x, 
     if (!seg_fp8) dp_grid_dependency_wait();  // the bf16 segments wait before anything
   if (kQ8 != 0 && seg_fp8) {
     const dp_u8* wseg = (const dp_u8*)wseg_any;
-    dp_block_dot<T, K, MT, S, kEarly>(
+    dp_block_dot<T, K, MT, S, kEarly, kRing>(
         [&](int slot, int m) {
           const int r = row0 + slot * G::kSlotRows + m;
           return dp_fp8_matrix_row<K>(wseg, sseg, r < n_seg ? r : 0);
@@ -1171,14 +1396,14 @@ __device__ __forceinline__ void dp_gemm(const dp_bf16* __restrict__ x,  // [T, K
 // segments' first weight loads are in flight while the block waits for the previous kernel (codegen's
 // early_weights).
 template <int T, int K, int N0, int N1, int N2, int N3, int N4, int N5, int kOutF32, int MT, int S, int kQ8,
-          int kEarly = 0>
+          int kEarly = 0, int kRing = 0>
 __device__ __forceinline__ void dp_gemm_q8(const dp_bf16* __restrict__ x, void* __restrict__ out, const void* w0,
                                            const float* s0, const void* w1, const float* s1, const void* w2,
                                            const float* s2, const void* w3, const float* s3, const void* w4,
                                            const float* s4, const void* w5, const float* s5) {
   const void* const ws[6] = {w0, w1, w2, w3, w4, w5};
   const float* const ss[6] = {s0, s1, s2, s3, s4, s5};
-  dp_gemm_segments<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, kQ8, 0, kEarly>(x, out, ws, ss);
+  dp_gemm_segments<T, K, N0, N1, N2, N3, N4, N5, kOutF32, MT, S, kQ8, 0, kEarly, kRing>(x, out, ws, ss);
 }
 
 // The GEMM of one weight with the post-attention norm fused (dp_gemm_norm_tail): out is the projection,

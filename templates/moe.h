@@ -227,7 +227,7 @@ struct dp_gate_up_geometry {
   static constexpr int kFeatures = G::kSlots * kSlotFeatures;  // RB
 };
 
-template <int T, int D, int MT, int S, int kAct, typename XRow, typename WM>
+template <int T, int D, int MT, int S, int kAct, int kRing = 0, typename XRow, typename WM>
 __device__ __forceinline__ void dp_gate_up_tile(XRow xrow,  // row t of [D] bf16, or null
                                                 WM wg,      // [Irows, D] gate rows (dp_bf16_matrix, dp_fp8_matrix)
                                                 WM wu,      // [Irows, D] up rows
@@ -236,7 +236,7 @@ __device__ __forceinline__ void dp_gate_up_tile(XRow xrow,  // row t of [D] bf16
                                                 float* act_out) {                // smem [RB, T] fp32
   typedef dp_gate_up_geometry<T, D, MT, S> F;
   typedef typename F::G G;
-  dp_block_dot<T, D, MT, S>(
+  dp_block_dot<T, D, MT, S, 0, kRing>(
       [&](int slot, int m) {
         const int f = row0 + slot * F::kSlotFeatures + 8 * (m / 16) + m % 8;  // feature of row m
         return (m % 16 < 8 ? wg : wu).row(f < Irows ? f : 0);  // features past the matrix re-read row 0
@@ -302,7 +302,8 @@ __device__ __forceinline__ void dp_gate_up_warp_tile(XRow xrow, WM wg, WM wu, in
 // Expert storage: bf16; e4m3 with 128 x 128 block scales (kQ8, every matrix, routed and shared); or
 // MXFP4 (kQ4: the routed experts' packed E2M1 codes [I, D/2] bytes and E8M0 scales [I, D/32] bytes,
 // strides in bytes; no shared expert, SI == 0).
-template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S, int kWarpTiles, int kQ8, int kQ4 = 0>
+template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S, int kWarpTiles, int kQ8, int kQ4 = 0,
+          int kRing = 0>
 __device__ __forceinline__ void dp_moe_up_impl(
     const dp_bf16* __restrict__ x,             // [T, D] bf16 post-attention-norm rows (or latent)
     const void* w1, const void* w1_scale,      // [E, stride_w1] expert gate (w1) weights, [I, D] each
@@ -367,7 +368,7 @@ __device__ __forceinline__ void dp_moe_up_impl(
     __syncthreads();  // the previous tile's readers of slot_of and act are done
     if (b < nS) {
       const int row0 = b * RB;
-      dp_gate_up_tile<T, D, MT, S, kAct>([&](int t) { return x + (dp_u64)t * D; },
+      dp_gate_up_tile<T, D, MT, S, kAct, kRing>([&](int t) { return x + (dp_u64)t * D; },
                                          mat(shared_gate, shared_gate_scale, 0, 0),
                                          mat(shared_up, shared_up_scale, 0, 0), SI, row0, act_beta, act_lbeta, partial,
                                          result, act);
@@ -382,7 +383,7 @@ __device__ __forceinline__ void dp_moe_up_impl(
     if ((int)threadIdx.x < T) slot_of[threadIdx.x] = expert_slots[u * T + threadIdx.x];
     __syncthreads();
     const int row0 = tile * RB;
-    dp_gate_up_tile<T, D, MT, S, kAct>(
+    dp_gate_up_tile<T, D, MT, S, kAct, kRing>(
         [&](int t) { return slot_of[t] >= 0 ? x + (dp_u64)t * D : nullptr; },  // rows that chose e
         mat(w1, w1_scale, (dp_u64)e * stride_w1, (dp_u64)e * stride_w1_scale),
         mat(w3, w3_scale, (dp_u64)e * stride_w3, (dp_u64)e * stride_w3_scale), I, row0, act_beta, act_lbeta, partial,
@@ -407,7 +408,7 @@ __device__ __forceinline__ void dp_moe_up(const dp_bf16* __restrict__ x, const d
                                                                   shared_up, nullptr, experts, expert_slots, h, hs,
                                                                   stride_w1, 0, stride_w3, 0, act_beta, act_lbeta);
 }
-template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S, int kWarpTiles>
+template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S, int kWarpTiles, int kRing = 0>
 __device__ __forceinline__ void dp_moe_up_q8(const dp_bf16* __restrict__ x, const dp_u8* w1, const float* w1_scale,
                                              const dp_u8* w3, const float* w3_scale, const dp_u8* shared_gate,
                                              const float* shared_gate_scale, const dp_u8* shared_up,
@@ -416,7 +417,7 @@ __device__ __forceinline__ void dp_moe_up_q8(const dp_bf16* __restrict__ x, cons
                                              dp_bf16* __restrict__ hs, dp_u32 stride_w1, dp_u32 stride_w1_scale,
                                              dp_u32 stride_w3, dp_u32 stride_w3_scale, float act_beta = 0.0f,
                                              float act_lbeta = 0.0f) {
-  dp_moe_up_impl<T, D, I, E, KT, SI, kAct, MT, S, kWarpTiles, 1>(
+  dp_moe_up_impl<T, D, I, E, KT, SI, kAct, MT, S, kWarpTiles, 1, 0, kRing>(
       x, w1, w1_scale, w3, w3_scale, shared_gate, shared_gate_scale, shared_up, shared_up_scale, experts, expert_slots,
       h, hs, stride_w1, stride_w1_scale, stride_w3, stride_w3_scale, act_beta, act_lbeta);
 }
@@ -440,7 +441,7 @@ __device__ __forceinline__ void dp_moe_up_q4(const dp_bf16* __restrict__ x, cons
 //   0: block tiles of RB features. Launch: grid ceil(I/RB), block 256.
 //   1 (NVIDIA): warp tiles of 8 features (dp_gate_up_warp_tile) walked by every warp of the grid with a
 //      stride (any grid), as dp_moe_up_impl's warp tiles.
-template <int T, int D, int I, int kAct, int MT, int S, int kWarpTiles, typename WM>
+template <int T, int D, int I, int kAct, int MT, int S, int kWarpTiles, int kRing, typename WM>
 __device__ __forceinline__ void dp_mlp_up_impl(const dp_bf16* __restrict__ x,  // [T, D] bf16
                                                WM w_gate,                      // [I, D] gate_proj
                                                WM w_up,                        // [I, D] up_proj
@@ -470,7 +471,7 @@ __device__ __forceinline__ void dp_mlp_up_impl(const dp_bf16* __restrict__ x,  /
     __shared__ float act[RB * T];                                 // [RB, T] fp32
     auto tile = [&](int b) {
       const int row0 = b * RB;
-      dp_gate_up_tile<T, D, MT, S, kAct>([&](int t) { return x + (dp_u64)t * D; }, w_gate, w_up, I, row0, act_beta,
+      dp_gate_up_tile<T, D, MT, S, kAct, kRing>([&](int t) { return x + (dp_u64)t * D; }, w_gate, w_up, I, row0, act_beta,
                                          act_lbeta, partial, result, act);
       for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
         const int t = i % T, r = row0 + i / T;
@@ -491,14 +492,14 @@ __device__ __forceinline__ void dp_mlp_up_impl(const dp_bf16* __restrict__ x,  /
 template <int T, int D, int I, int kAct, int MT, int S, int kWarpTiles = 0>
 __device__ __forceinline__ void dp_mlp_up(const dp_bf16* __restrict__ x, const dp_bf16* w_gate, const dp_bf16* w_up,
                                           dp_bf16* __restrict__ h, float act_beta = 0.0f, float act_lbeta = 0.0f) {
-  dp_mlp_up_impl<T, D, I, kAct, MT, S, kWarpTiles>(x, dp_bf16_matrix<D>{w_gate}, dp_bf16_matrix<D>{w_up}, h, act_beta,
+  dp_mlp_up_impl<T, D, I, kAct, MT, S, kWarpTiles, 0>(x, dp_bf16_matrix<D>{w_gate}, dp_bf16_matrix<D>{w_up}, h, act_beta,
                                                    act_lbeta);
 }
-template <int T, int D, int I, int kAct, int MT, int S, int kWarpTiles = 0>
+template <int T, int D, int I, int kAct, int MT, int S, int kWarpTiles = 0, int kRing = 0>
 __device__ __forceinline__ void dp_mlp_up_q8(const dp_bf16* __restrict__ x, const dp_u8* w_gate,
                                              const float* w_gate_scale, const dp_u8* w_up, const float* w_up_scale,
                                              dp_bf16* __restrict__ h, float act_beta = 0.0f, float act_lbeta = 0.0f) {
-  dp_mlp_up_impl<T, D, I, kAct, MT, S, kWarpTiles>(x, dp_fp8_matrix<D>{w_gate, w_gate_scale},
+  dp_mlp_up_impl<T, D, I, kAct, MT, S, kWarpTiles, kRing>(x, dp_fp8_matrix<D>{w_gate, w_gate_scale},
                                                    dp_fp8_matrix<D>{w_up, w_up_scale}, h, act_beta, act_lbeta);
 }
 
@@ -529,7 +530,7 @@ struct dp_moe_split {
   static constexpr int kTiles = (D + M - 1) / M;
   static constexpr int kSlots = (G + kTiles - 1) / kTiles + 1;  // most blocks one tile's units can span
 };
-template <int T, int D, int I, int E, int KT, int SI, int M, int kQ8, int kQ4 = 0, int kSplit = 0>
+template <int T, int D, int I, int E, int KT, int SI, int M, int kQ8, int kQ4 = 0, int kSplit = 0, int kRing = 0>
 __device__ __forceinline__ void dp_moe_down_impl(
     const dp_bf16* __restrict__ h,             // [T, KT, I] bf16 from dp_moe_up
     const dp_bf16* __restrict__ hs,            // [T, SI] bf16 from dp_moe_up (null if SI == 0)
@@ -699,6 +700,54 @@ __device__ __forceinline__ void dp_moe_down_impl(
         __syncthreads();  // partial[] and `last` are reused by the next tile
       }
     } else {  // one block per tile
+#if DP_HAS_BULK_COPY
+    if constexpr (T == 1 && kQ8 != 0 && kRing > 0) {
+      // One row, e4m3: the tile's 16 rows of every item through the ring (gemm.h, dp_ring_stream), the
+      // shared expert's first. A stage holds 1024 columns of one item, so each group takes one 128-column
+      // block of every stage; the item's coefficient is folded into the block scales.
+      constexpr int kCols = 8 * DP_FP8_BLOCK;
+      constexpr int nS = (SI + kCols - 1) / kCols, nI = (I + kCols - 1) / kCols;  // stages of an item
+      constexpr int kStages = kRing;
+      auto item_of = [&](int j) { return (kShared && j < nS) ? 0 : kShared + (j - kShared * nS) / nI; };
+      auto stage_of = [&](int j) { return (kShared && j < nS) ? j : (j - kShared * nS) % nI; };
+      auto width_of = [&](int j) { return (kShared && j < nS) ? SI : I; };
+      auto load = [&](int j, dp_fp8_block_ops<1, NT>& o) {
+        const int item = item_of(j), b = stage_of(j) * 8 + group, width = width_of(j);
+        const bool in = DP_FP8_BLOCK * b < width;
+        float c = 0.0f;
+        const dp_bf16* xr = act_row(item, 0, &c);
+        const dp_bf16* const xp[NT] = {g == 0 ? xr : nullptr};  // lanes g > 0: activation rows past T
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int col = DP_FP8_BLOCK * b + 64 * h + 16 * q;
+          dp_load_x_half_fp8<NT, 0>(xp, col, col < width, o.x[h]);
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) o.sc[0][r] = in ? weight_row(item, g + 8 * r).s[b] * c : 0.0f;
+      };
+      float racc[1][NT][4] = {};
+      dp_fp8_block_ops<1, NT> cur, next;
+      const int stages = kShared * nS + (items - kShared) * nI;
+      dp_ring_stream<M, kCols, kStages, 0>(
+          stages, [&](int j) { return width_of(j) - stage_of(j) * kCols < kCols ? width_of(j) - stage_of(j) * kCols : kCols; },
+          [&](int j, int i) { return weight_row(item_of(j), i).w + stage_of(j) * kCols; },
+          [&](int j, const unsigned char* stage) {
+            if (j == 0)
+              load(j, cur);
+            else
+              cur = next;
+            if (j + 1 < stages) load(j + 1, next);
+            const int b = stage_of(j) * 8 + group, width = width_of(j);
+            if (DP_FP8_BLOCK * b < width)
+              dp_mma_ring_block_fp8<1, NT, dp_ring_geometry<M, kCols>::kRowBytes>(
+                  stage, 0, DP_FP8_BLOCK * group, width - DP_FP8_BLOCK * b, cur, racc);
+          });
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[nt][k] = racc[0][nt][k];
+    } else
+#endif
     if constexpr (T == 1) {
       // One row: the items' K-units (dp_mma_units: blocks or chunks) laid end to end, the shared
       // expert's first, and cut into 8 equal ranges, one per group; a group's range may end inside an
@@ -788,16 +837,16 @@ __device__ __forceinline__ void dp_moe_down(const dp_bf16* __restrict__ h, const
                                              topk_weights, out, routed_scaling, stride_w2, 0);
 }
 // Every expert matrix (routed and shared) e4m3 with 128 x 128 block scales.
-template <int T, int D, int I, int E, int KT, int SI, int M>
+template <int T, int D, int I, int E, int KT, int SI, int M, int kRing = 0>
 __device__ __forceinline__ void dp_moe_down_q8(const dp_bf16* __restrict__ h, const dp_bf16* __restrict__ hs,
                                                const dp_u8* w2, const float* w2_scale, const dp_u8* shared_down,
                                                const float* shared_down_scale, const dp_i32* __restrict__ experts,
                                                const dp_i32* __restrict__ expert_slots,
                                                const float* __restrict__ topk_weights, dp_bf16* __restrict__ out,
                                                float routed_scaling, dp_u32 stride_w2, dp_u32 stride_w2_scale) {
-  dp_moe_down_impl<T, D, I, E, KT, SI, M, 1>(h, hs, w2, w2_scale, shared_down, shared_down_scale, experts,
-                                             expert_slots, topk_weights, out, routed_scaling, stride_w2,
-                                             stride_w2_scale);
+  dp_moe_down_impl<T, D, I, E, KT, SI, M, 1, 0, 0, kRing>(h, hs, w2, w2_scale, shared_down, shared_down_scale,
+                                                          experts, expert_slots, topk_weights, out, routed_scaling,
+                                                          stride_w2, stride_w2_scale);
 }
 // Routed experts in MXFP4 (the K3 latent MoE: D is the latent width, out the scaled latent sum), no
 // shared expert; strides in bytes (packed: at least D*I/2, a multiple of 16; scales: at least D*I/32).

@@ -204,7 +204,45 @@ __device__ __forceinline__ void dp_prefetch_l2(const void* p, dp_u32 bytes /* <=
     asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
 #endif
 }
+
+// Bulk copies into shared memory (sm_90: the TMA unit copies a contiguous range, one instruction, and
+// counts the bytes it wrote on an mbarrier in shared memory). The pattern: one thread initialises the
+// barrier for one arrival (dp_mbar_init, then dp_mbar_init_fence and a block barrier); a producer
+// announces a stage's bytes (dp_mbar_expect_bytes, the one arrival) and issues the copies
+// (dp_bulk_copy_shared: 16-byte aligned addresses, size a multiple of 16); consumers wait for the phase
+// (dp_mbar_wait with its parity, 0 on the first use, flipping on each reuse).
+#if __CUDA_ARCH__ >= 900
+#define DP_HAS_BULK_COPY 1
+__device__ __forceinline__ dp_u32 dp_smem_addr(const void* p) { return (dp_u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void dp_mbar_init(dp_u64* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(dp_smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void dp_mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void dp_mbar_expect_bytes(dp_u64* bar, dp_u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(dp_smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void dp_bulk_copy_shared(void* dst, const void* src, dp_u32 bytes, dp_u64* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          dp_smem_addr(dst)),
+      "l"((dp_u64)__cvta_generic_to_global(src)), "r"(bytes), "r"(dp_smem_addr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void dp_mbar_wait(dp_u64* bar, dp_u32 parity) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tDP_MBAR_WAIT:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t@!p bra DP_MBAR_WAIT;\n\t}" ::"r"(dp_smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+#endif
 #endif  // vendor
+#ifndef DP_HAS_BULK_COPY
+#define DP_HAS_BULK_COPY 0  // AMD, and NVIDIA before sm_90
+#endif
 
 // Programmatic dependent launch (sm_90+): every generated entry point starts with this. It lets the
 // next kernel of the stream be scheduled once every block of this one has started, and waits until

@@ -23,7 +23,7 @@ echo '{"targets":["sm_90a"],"widths":[1,8]}' > "$deploy"
 for w in 1 8; do
   for k in gemm_w${w}_k4096_na2304_q81 gemm_w${w}_k9216_na2304_q81 \
            gemm_w${w}_k2304_na4096_nb4096_nc4096_nd128_ne128_nf32_q87 mlp_up_w${w}_d2304_i9216_act0_q81 \
-           moe_up_w${w}_d2304_i1024_e256_k8_s1024_act0_q81 moe_down_w${w}_d2304_i1024_e256_k8_s1024_q81; do
+           moe_up_w${w}_d2304_i1024_e256_k8_s1024_act0_q81 moe_down_w${w}_d2304_i1024_e256_k8_s1024_q81$([ $w = 8 ] && echo _sk264); do
     # The entry point without its C linkage, so that each variant's copy can be renamed by a macro.
     sed -n '/^#include/,$p' "$out/gen/src/$k.sm_90a.cu" | sed 's/extern "C" //' > "$out/gen/$k.inc"
   done

@@ -14,7 +14,7 @@
 #define moe_up_w1_d2304_i1024_e256_k8_s1024_act0_q81 CAT(u1_, VAR)
 #define moe_up_w8_d2304_i1024_e256_k8_s1024_act0_q81 CAT(u8_, VAR)
 #define moe_down_w1_d2304_i1024_e256_k8_s1024_q81 CAT(n1_, VAR)
-#define moe_down_w8_d2304_i1024_e256_k8_s1024_q81 CAT(n8_, VAR)
+#define moe_down_w8_d2304_i1024_e256_k8_s1024_q81_sk264 CAT(n8_, VAR)
 #include "gemm_w1_k4096_na2304_q81.inc"
 #include "gemm_w8_k4096_na2304_q81.inc"
 #include "gemm_w1_k9216_na2304_q81.inc"
@@ -26,7 +26,7 @@
 #include "moe_up_w1_d2304_i1024_e256_k8_s1024_act0_q81.inc"
 #include "moe_up_w8_d2304_i1024_e256_k8_s1024_act0_q81.inc"
 #include "moe_down_w1_d2304_i1024_e256_k8_s1024_q81.inc"
-#include "moe_down_w8_d2304_i1024_e256_k8_s1024_q81.inc"
+#include "moe_down_w8_d2304_i1024_e256_k8_s1024_q81_sk264.inc"
 // Grids: the generated launch's by default; a variant may override one with -DGRID_<kernel>=N.
 #ifndef GRID_O1
 #define GRID_O1 144
@@ -62,27 +62,49 @@
 #define GRID_N1 144
 #endif
 #ifndef GRID_N8
-#define GRID_N8 144
+#define GRID_N8 264
 #endif
 // Buffers: P = pointers by role, set s (0/1) picks the weight copy (L2-cold alternation).
-struct Buf { void* x; void* out; void* w[6]; float* s[6]; void* h; void* hs; int* ex; int* sl; float* tw; };
+struct Buf { void* x; void* out; void* w[6]; float* s[6]; void* h; void* hs; int* ex; int* sl; float* tw; float* part; unsigned* done; };
+// Dynamic shared memory of the kernels whose e4m3 weights stream through a ring (-DRING_STAGES=N with the
+// edited entry points of ring_incs.sh): the gemm block's rows (dp_fp8_ring_bytes), the routed gate/up
+// and dense gate/up block tiles (2 slots x 16 rows, 4 K-slices) and the routed down's 16-row tile (1024-column stages).
+#ifndef RING_STAGES
+#define RING_STAGES 0
+#endif
+#define RING(K, MT, S) dp_fp8_ring_bytes<K, MT, S, RING_STAGES>()
+#define RING_DOWN (RING_STAGES > 0 ? dp_ring_bytes<16, 1024, RING_STAGES>() : 0)
+// Launch with or without programmatic dependent launch (the product's discipline), dynamic shared
+// memory allowed once per kernel.
+extern "C" int harness_pdl;
+template <typename... P, typename... A>
+static void launch(void (*f)(P...), int grid, int smem, A... a) {
+  static bool set = false;
+  if (!set && smem > 0) cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  set = true;
+  cudaLaunchConfig_t c = {};
+  c.gridDim = dim3(grid); c.blockDim = dim3(256); c.dynamicSmemBytes = smem;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  c.attrs = at; c.numAttrs = harness_pdl ? 1 : 0;
+  cudaLaunchKernelEx(&c, f, (P)a...);
+}
 // which: 0 o_proj, 1 down, 2 qkv, 3 mlp_up, 4 moe_up, 5 moe_down; T 1 or 8
 extern "C" void CAT(run_, VAR)(int which, int T, const Buf& b) {
   const unsigned SE = 1024u * 2304u, SS = 8u * 18u;  // expert stride (elements), scale stride
-#define G(f) f<<<grid, 256>>>
-  int grid = 0;
   switch (which * 10 + (T == 8)) {
-    case 0: grid = GRID_O1; G(CAT(o1_, VAR))((const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0]); break;
-    case 1: grid = GRID_O8; G(CAT(o8_, VAR))((const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0]); break;
-    case 10: grid = GRID_D1; G(CAT(d1_, VAR))((const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0]); break;
-    case 11: grid = GRID_D8; G(CAT(d8_, VAR))((const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0]); break;
-    case 20: grid = GRID_Q1; G(CAT(q1_, VAR))((const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_bf16*)b.w[3], (const dp_bf16*)b.w[4], (const dp_bf16*)b.w[5]); break;
-    case 21: grid = GRID_Q8; G(CAT(q8_, VAR))((const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_bf16*)b.w[3], (const dp_bf16*)b.w[4], (const dp_bf16*)b.w[5]); break;
-    case 30: grid = GRID_M1; G(CAT(m1_, VAR))((const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (dp_bf16*)b.out); break;
-    case 31: grid = GRID_M8; G(CAT(m8_, VAR))((const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (dp_bf16*)b.out); break;
-    case 40: grid = GRID_U1; G(CAT(u1_, VAR))((const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_u8*)b.w[3], b.s[3], b.ex, b.sl, (dp_bf16*)b.h, (dp_bf16*)b.hs, SE, SS, SE, SS); break;
-    case 41: grid = GRID_U8; G(CAT(u8_, VAR))((const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_u8*)b.w[3], b.s[3], b.ex, b.sl, (dp_bf16*)b.h, (dp_bf16*)b.hs, SE, SS, SE, SS); break;
-    case 50: grid = GRID_N1; G(CAT(n1_, VAR))((const dp_bf16*)b.h, (const dp_bf16*)b.hs, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], b.ex, b.sl, b.tw, (dp_bf16*)b.out, 1.0f, SE, SS); break;
-    case 51: grid = GRID_N8; G(CAT(n8_, VAR))((const dp_bf16*)b.h, (const dp_bf16*)b.hs, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], b.ex, b.sl, b.tw, (dp_bf16*)b.out, 1.0f, SE, SS); break;
+    case 0: launch(CAT(o1_, VAR), GRID_O1, RING(4096, 1, 8), (const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0]); break;
+    case 1: launch(CAT(o8_, VAR), GRID_O8, RING(4096, 1, 8), (const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0]); break;
+    case 10: launch(CAT(d1_, VAR), GRID_D1, RING(9216, 1, 8), (const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0]); break;
+    case 11: launch(CAT(d8_, VAR), GRID_D8, RING(9216, 1, 8), (const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0]); break;
+    case 20: launch(CAT(q1_, VAR), GRID_Q1, RING(2304, 1, 4), (const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_bf16*)b.w[3], (const dp_bf16*)b.w[4], (const dp_bf16*)b.w[5]); break;
+    case 21: launch(CAT(q8_, VAR), GRID_Q8, RING(2304, 1, 4), (const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_bf16*)b.w[3], (const dp_bf16*)b.w[4], (const dp_bf16*)b.w[5]); break;
+    case 30: launch(CAT(m1_, VAR), GRID_M1, RING(2304, 1, 4), (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (dp_bf16*)b.out); break;
+    case 31: launch(CAT(m8_, VAR), GRID_M8, 0, (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (dp_bf16*)b.out); break;
+    case 40: launch(CAT(u1_, VAR), GRID_U1, RING(2304, 1, 4), (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_u8*)b.w[3], b.s[3], b.ex, b.sl, (dp_bf16*)b.h, (dp_bf16*)b.hs, SE, SS, SE, SS); break;
+    case 41: launch(CAT(u8_, VAR), GRID_U8, 0, (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_u8*)b.w[3], b.s[3], b.ex, b.sl, (dp_bf16*)b.h, (dp_bf16*)b.hs, SE, SS, SE, SS); break;
+    case 50: launch(CAT(n1_, VAR), GRID_N1, RING_DOWN, (const dp_bf16*)b.h, (const dp_bf16*)b.hs, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], b.ex, b.sl, b.tw, (dp_bf16*)b.out, 1.0f, SE, SS); break;
+    case 51: launch(CAT(n8_, VAR), GRID_N8, 0, (const dp_bf16*)b.h, (const dp_bf16*)b.hs, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], b.ex, b.sl, b.tw, (dp_bf16*)b.out, 1.0f, SE, SS, b.part, b.done); break;
   }
 }

@@ -8,7 +8,8 @@
 #include <cmath>
 #include <algorithm>
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1); } } while (0)
-struct Buf { void* x; void* out; void* w[6]; float* s[6]; void* h; void* hs; int* ex; int* sl; float* tw; };
+struct Buf { void* x; void* out; void* w[6]; float* s[6]; void* h; void* hs; int* ex; int* sl; float* tw; float* part; unsigned* done; };
+extern "C" { int harness_pdl = 0; }
 typedef void (*RunFn)(int, int, const Buf&);
 #define DECL(v) extern "C" void run_##v(int, int, const Buf&);
 VARIANT_DECLS
@@ -43,7 +44,10 @@ int main() {
   for (int i = 0; i < 3; ++i) { wexp[i] = dalloc(NE * SE, 100 + i, 0); sexp[i] = (float*)dalloc(NE * 144 * 4, 110 + i, 1); }
   int *ex, *sl; float* tw; CK(cudaMalloc(&ex, 2 * 65 * 4)); CK(cudaMalloc(&sl, 2 * 512 * 4)); CK(cudaMalloc(&tw, 64 * 4));
   std::vector<float> twh(64, 0.125f); CK(cudaMemcpy(tw, twh.data(), 256, cudaMemcpyHostToDevice));
+  float* part; unsigned* done;  // the split moe_down's scratch (its counters start and end at zero)
+  CK(cudaMalloc(&part, 144 * 3 * 16 * 8 * 4)); CK(cudaMalloc(&done, 144 * 4)); CK(cudaMemset(done, 0, 144 * 4));
   for (int s = 0; s < 2; ++s) {
+    g[s].part = part; g[s].done = done;
     g[s].x = x; g[s].out = out; g[s].h = hh; g[s].hs = hs; g[s].tw = tw;
     for (int i = 0; i < 6; ++i) { g[s].w[i] = dalloc(24u << 20, 10 + 10 * s + i, i >= 3 ? 2 : 0); g[s].s[i] = (float*)dalloc(72 * 72 * 4, 30 + 10 * s + i, 1); }
     m[s] = g[s];
@@ -86,12 +90,16 @@ int main() {
       std::vector<uint16_t> ref;
       for (int v = 0; v < nv; ++v) {
         const int reps = 20;
-        float ms = 0;
-        for (int pass = 0; pass < 2; ++pass) {
-          cudaEventRecord(e0);
-          for (int r = 0; r < reps; ++r) variants[v].run(which, T, b[r % 2]);
-          cudaEventRecord(e1); CK(cudaEventSynchronize(e1)); cudaEventElapsedTime(&ms, e0, e1);
+        float ms = 0, ms_pdl = 0;
+        for (int pdl = 0; pdl < 2; ++pdl) {
+          harness_pdl = pdl;
+          for (int pass = 0; pass < 2; ++pass) {
+            cudaEventRecord(e0);
+            for (int r = 0; r < reps; ++r) variants[v].run(which, T, b[r % 2]);
+            cudaEventRecord(e1); CK(cudaEventSynchronize(e1)); cudaEventElapsedTime(pdl ? &ms_pdl : &ms, e0, e1);
+          }
         }
+        harness_pdl = 0;
         CK(cudaGetLastError());
         CK(cudaMemset(out, 0, 8 * 16384 * 2)); CK(cudaMemset(hh, 0, 8 * 8 * 1024 * 2));
         if (which == 5) CK(cudaMemcpy(hh, x, 8 * 8 * 1024 * 2, cudaMemcpyDeviceToDevice));  // a nonzero input
@@ -101,8 +109,9 @@ int main() {
         CK(cudaMemcpy(o.data(), which == 4 ? hh : out, n * 2, cudaMemcpyDeviceToHost));
         if (v == 0) ref = o;
         const double t = ms / reps * 1e3;
-        printf("w%d %-13s %-16s %7.2f us %5.0f GB/s %5.1f%%  vs v0 %.2e\n", T, names[which], variants[v].name, t, bytes / t / 1e3,
-               100 * bytes / t / 1e3 / ceil_gbs, relerr(o, ref));
+        const double tp = ms_pdl / reps * 1e3;
+        printf("w%d %-13s %-16s %7.2f us %5.1f%% | PDL %7.2f us %5.1f%%  vs v0 %.2e\n", T, names[which], variants[v].name, t,
+               100 * bytes / t / 1e3 / ceil_gbs, tp, 100 * bytes / tp / 1e3 / ceil_gbs, relerr(o, ref));
       }
     }
   }
