@@ -85,7 +85,9 @@ std::vector<OpSpec> gemm_ops() {
             true},
            {"TK", "tk", 0, 32, "top-k of the MoE routing fused after the router logits (0: none; one weight, fp32)",
             true},
-           {"TR", "tr", 0, 1, "1: the fused routing renormalises its top-k weights", true}},
+           {"TR", "tr", 0, 1, "1: the fused routing renormalises its top-k weights", true},
+           ring_param("e4m3 segments: the block's weight rows through a shared-memory ring of RG stages (bulk "
+                      "copies; 0: register loads)")},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"K"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"K"});
@@ -108,6 +110,8 @@ std::vector<OpSpec> gemm_ops() {
             }
             if (p.at("TR") && !p.at("TK"))
               fail(Errc::input, "{}: parameter TR = 1 without a fused routing (TK = 0)", who);
+            check_ring(p, who, !p.at("AD") && !p.at("NM") && !p.at("TK"),
+                       "the addend, fused-norm and fused-routing forms read their weights without it");
             for (int i = 0; i < 6; ++i)
               if (((p.at("Q8") >> i) & 1) && p.at(kGemmSegKeys[i]) == 0)
                 fail(Errc::input, "{}: parameter Q8 = {} marks weight {} as e4m3, but {} = 0 (absent)", who,
@@ -126,7 +130,8 @@ std::vector<OpSpec> gemm_ops() {
               a.push_back(p.at("TK"));
               a.push_back(p.at("TR"));
             }
-            if (gemm_early(p)) a.push_back(1);  // dp_gemm_q8's kEarly
+            if (gemm_early(p) || p.at("RG")) a.push_back(gemm_early(p) ? 1 : 0);  // dp_gemm_q8's kEarly
+            if (p.at("RG")) a.push_back(p.at("RG"));                              // its kRing
             return a;
           },
           [](const Params& p) {
@@ -221,6 +226,13 @@ std::vector<OpSpec> gemm_ops() {
     op.bounds_for = [](const Params& p) { return p.at("TK") ? "DP_KERNEL_BOUNDS" : gemv_bounds(p); };
     op.early_weights = gemm_early;
     op.header_for = [](const Params& p) { return p.at("TK") ? "moe.h" : "gemm.h"; };
+    // The ring: stages of 128 S columns of the block's rows (dp_fp8_ring_bytes), no more than K has.
+    op.dynamic_shared = [](const Params& p, const std::string& target) {
+      if (!p.at("RG") || !bulk_copy_target(target)) return uint32_t{0};
+      const GemmGeometry g = gemm_geometry(p.at("W"), p.at("K"), gemm_ntot(p));
+      const int64_t cols = kFp8Block * g.s, stages = std::min(p.at("RG"), (p.at("K") + cols - 1) / cols);
+      return ring_bytes(g.rows(), cols, stages);
+    };
   }
   return ops;
 }

@@ -25,11 +25,19 @@ int64_t moe_max_used(const Params& p) { return std::min(p.at("E"), p.at("W") * p
 // e4m3 experts (Q8) too: their loop is the tensor cores' at one row as well, and the block tiles' grid
 // (576 blocks for the 48B shape at width 1) ran as three waves of two blocks per SM: warp tiles 20.4 ->
 // 19.4 us (H200, 2026-12-04, bench/gemv_harness).
-bool moe_up_warp_tiles(const Params& p) { return p.at("W") >= 2 || p.at("Q4") || p.at("Q8"); }
+// A weight ring (RG) streams the block tiles' rows, so it takes the block tiles.
+bool moe_up_warp_tiles(const Params& p) { return (p.at("W") >= 2 || p.at("Q4") || p.at("Q8")) && !p.at("RG"); }
 
 // mlp_up with e4m3 weights: the same warp tiles (one expert, no routing), 19.8 -> 18.9 us at width 1
 // and 20.4 -> 19.6 us at width 8 for the 48B shape (same run). bf16 keeps the block tiles (not measured).
-bool mlp_up_warp_tiles(const Params& p) { return p.at("Q8") != 0; }
+bool mlp_up_warp_tiles(const Params& p) { return p.at("Q8") != 0 && !p.at("RG"); }
+
+// The gate/up block tiles' ring: stages of 128 kFfnSlices columns of the block's 2 x 16 rows.
+uint32_t gate_up_ring_bytes(const Params& p, const std::string& target) {
+  if (!p.at("RG") || !bulk_copy_target(target)) return 0;
+  const int64_t cols = kFp8Block * kFfnSlices, stages = std::min(p.at("RG"), (p.at("D") + cols - 1) / cols);
+  return ring_bytes(kGemmGroups / kFfnSlices * kTileRows, cols, stages);
+}
 
 // moe_down: output features per block (M). One activation row: every group keeps 4 x 1 lane-FMA
 // accumulators for its items and streams 4 rows of each. From 2 rows, and for e4m3 weights: a 16-row
@@ -180,16 +188,21 @@ std::vector<OpSpec> moe_ops() {
            {"S", "s", 0, 1 << 20, "shared expert width (this rank's shard); 0: none"},
            {"ACT", "act", 0, 1, "0: silu(gate)*up, 1: K3 SiTU"},
            q8_param("1: every expert matrix (routed and shared) e4m3 with 128 x 128 block scales"),
-           q4_param()},
+           q4_param(),
+           ring_param("e4m3: block tiles whose weight rows stream through a shared-memory ring of RG stages (bulk "
+                      "copies; 0: register loads)")},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"D", "I", "S"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"D", "I", "S"});
             check_q4(p, who, "D");
             check_topk(p, who);
+            check_ring(p, who, true, "");
           },
           [](const Params& p) {
-            return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"),
-                                        p.at("ACT"), 1, kFfnSlices, moe_up_warp_tiles(p) ? 1 : 0};
+            std::vector<int64_t> a{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"),
+                                   p.at("ACT"), 1, kFfnSlices, moe_up_warp_tiles(p) ? 1 : 0};
+            if (p.at("RG")) a.push_back(p.at("RG"));  // dp_moe_up_q8's kRing
+            return a;
           },
           [](const Params& p) {
             const int64_t W = p.at("W"), D = p.at("D"), I = p.at("I"), E = p.at("E"), K = p.at("K"), S = p.at("S");
@@ -282,7 +295,9 @@ std::vector<OpSpec> moe_ops() {
            q4_param(),
            {"SK", "sk", 0, 4096,
             "blocks that share every tile's work evenly (the split grid; 0: one block per tile); not bf16 at "
-            "one row", true}},
+            "one row", true},
+           ring_param("e4m3, one row, one block per tile: the tile's rows of every item through a shared-memory "
+                      "ring of RG stages (bulk copies; 0: register loads)")},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"D", "I", "S"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"I", "S"});
@@ -291,10 +306,13 @@ std::vector<OpSpec> moe_ops() {
             if (p.at("SK") && moe_down_rows(p) != kTileRows)
               fail(Errc::input, "{}: parameter SK = {} (the split grid) needs the tensor-core tiles: bf16 experts at "
                    "one row (W = 1) take the lane-FMA loop", who, p.at("SK"));
+            check_ring(p, who, p.at("W") == 1 && !p.at("SK"), "the ring form is one row's (W = 1) without the split "
+                       "grid (SK = 0)");
           },
           [](const Params& p) {
             std::vector<int64_t> a{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"), moe_down_rows(p)};
             if (p.at("SK")) a.push_back(p.at("SK"));  // the split forms' G
+            if (p.at("RG")) a.push_back(p.at("RG"));  // dp_moe_down_q8's kRing
             return a;
           },
           [](const Params& p) {
@@ -374,14 +392,19 @@ std::vector<OpSpec> moe_ops() {
            {"D", "d", 8, 1 << 20, "input width (hidden)"},
            {"I", "i", 8, 1 << 20, "intermediate width (this rank's shard)"},
            {"ACT", "act", 0, 1, "0: silu(gate)*up, 1: K3 SiTU"},
-           q8_param("1: gate_proj and up_proj e4m3 with 128 x 128 block scales")},
+           q8_param("1: gate_proj and up_proj e4m3 with 128 x 128 block scales"),
+           ring_param("e4m3: block tiles whose weight rows stream through a shared-memory ring of RG stages (bulk "
+                      "copies; 0: register loads)")},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"D", "I"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"D"});
+            check_ring(p, who, true, "");
           },
           [](const Params& p) {
-            return std::vector<int64_t>{p.at("W"), p.at("D"), p.at("I"), p.at("ACT"), 1, kFfnSlices,
-                                        mlp_up_warp_tiles(p) ? 1 : 0};
+            std::vector<int64_t> a{p.at("W"), p.at("D"), p.at("I"), p.at("ACT"), 1, kFfnSlices,
+                                   mlp_up_warp_tiles(p) ? 1 : 0};
+            if (p.at("RG")) a.push_back(p.at("RG"));  // dp_mlp_up_q8's kRing
+            return a;
           },
           [](const Params& p) {
             std::vector<ArgSpec> a{
@@ -424,8 +447,15 @@ std::vector<OpSpec> moe_ops() {
           [](const Params& p) { return q8_call(p, "dp_mlp_up_q8"); },
       },
   };
-  for (OpSpec& op : ops)
-    if (std::string_view(op.name) != "moe_route") op.bounds_for = gemv_bounds;
+  for (OpSpec& op : ops) {
+    const std::string_view name = op.name;
+    if (name != "moe_route") op.bounds_for = gemv_bounds;
+    if (name == "moe_up" || name == "mlp_up") op.dynamic_shared = gate_up_ring_bytes;
+    if (name == "moe_down")  // the 16-row tile, 1024-column stages (RG of them: the items are known at run time)
+      op.dynamic_shared = [](const Params& p, const std::string& target) {
+        return p.at("RG") && bulk_copy_target(target) ? ring_bytes(kTileRows, 8 * kFp8Block, p.at("RG")) : uint32_t{0};
+      };
+  }
   return ops;
 }
 

@@ -15,6 +15,22 @@ void check_multiple_of_8(const Params& p, const std::string& who, std::initializ
 
 ParamSpec q8_param(const char* doc) { return ParamSpec{"Q8", "q8", 0, 1, doc, true}; }
 
+ParamSpec ring_param(const char* doc) { return ParamSpec{"RG", "rg", 0, 8, doc, true}; }
+
+bool bulk_copy_target(const std::string& target) {
+  if (target.rfind("sm_", 0) != 0) return false;
+  int arch = 0;
+  for (size_t i = 3; i < target.size() && target[i] >= '0' && target[i] <= '9'; ++i) arch = arch * 10 + (target[i] - '0');
+  return arch >= 90;
+}
+
+void check_ring(const Params& p, const std::string& who, bool allowed, const char* what) {
+  if (!p.at("RG")) return;
+  if (!p.at("Q8"))
+    fail(Errc::input, "{}: parameter RG = {} (weight ring) streams e4m3 weights, but Q8 = 0", who, p.at("RG"));
+  if (!allowed) fail(Errc::input, "{}: parameter RG = {} (weight ring): {}", who, p.at("RG"), what);
+}
+
 std::string scale_shape(int64_t rows, int64_t cols) {
   return shape({(rows + kFp8Block - 1) / kFp8Block, (cols + kFp8Block - 1) / kFp8Block}, "fp32");
 }

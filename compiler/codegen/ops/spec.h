@@ -106,6 +106,19 @@ inline constexpr int64_t kTargetBlocks = 264;  // about two blocks per SM of a 1
 // second column tile's accumulators do not fit 128 registers (spills), so one block per SM.
 inline const char* gemv_bounds(const Params& p) { return p.at("W") <= 8 ? "DP_KERNEL_BOUNDS_2" : "DP_KERNEL_BOUNDS"; }
 
+// ---- Weight ring (templates/gemm.h, dp_ring_stream) ----------------------------------------------
+// RG > 0: the e4m3 weights of a GEMM-shaped block stream through a ring of RG stages in shared memory,
+// filled by bulk asynchronous copies (NVIDIA from sm_90; elsewhere the template reads weights as without
+// it, and the launch takes no dynamic shared memory). A stage holds `rows` weight rows of `cols` bytes,
+// each padded by 64 bytes.
+ParamSpec ring_param(const char* doc);
+bool bulk_copy_target(const std::string& target);  // "sm_90a" and later NVIDIA targets
+inline uint32_t ring_bytes(int64_t rows, int64_t cols, int64_t stages) {
+  return static_cast<uint32_t>(stages * rows * (cols + 64));
+}
+// Fails unless RG (when set) has the e4m3 weights it streams and the form `what` allows it.
+void check_ring(const Params& p, const std::string& who, bool allowed, const char* what);
+
 // ---- Messages and shapes ------------------------------------------------------------------------
 // FP8 block-quantized weights (e4m3 values, fp32 scales per 128 x 128 block): the "Q8" parameter of the
 // ops that read weights (0: bf16), the scale argument of an e4m3 weight argument ("w0" -> "w0_scale")

@@ -127,7 +127,8 @@ std::string Case::name() const {
   std::string name = fmt::format("{} w{} q{}", model->name, width, q);
   if (layout != Layout::dense) name += std::string(" ") + to_string(layout);
   if (mxfp4) name += " mxfp4";
-  return fp8 ? name + " fp8" : name;
+  if (fp8) name += " fp8";
+  return ring ? name + " ring" : name;
 }
 
 // Indices are stable where run_on_device.sh and RESULTS.md refer to them: the dense cases first (0..21,
@@ -184,6 +185,19 @@ std::vector<Case> all_cases() {
   // The 48B shapes at one row (timed, appended so that the indices above stay): the width-1 kernels,
   // e.g. the MLA attention over 64 splits.
   v.push_back({&m[2], 1, 1});
+  // The weight-ring forms (RG 6) of the FP8 kernels: one row and 8 rows of the tiny model, its padded
+  // layout, the partial-block shapes, and the 48B shapes at one row without and with the ring (timed).
+  auto ring = [&](const ModelShape* s, int64_t w, int64_t q, Layout l) {
+    Case c{s, w, q, l, true};
+    c.ring = true;
+    v.push_back(c);
+  };
+  ring(&m[0], 1, 1, Layout::dense);
+  ring(&m[0], 4, 2, Layout::dense);
+  ring(&m[0], 3, 2, Layout::padded);
+  ring(&m[3], 1, 1, Layout::dense);
+  v.push_back({&m[2], 1, 1, Layout::dense, true});
+  ring(&m[2], 1, 1, Layout::dense);
   return v;
 }
 
@@ -298,9 +312,14 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
     k.mixed = gemm(H, {P, 80, 208}, false);
     k.mixed.params["Q8"] = 0b101;
   }
+  if (c.fp8 && c.ring) {
+    for (codegen::KernelInstance* i : {&k.in_proj, &k.o_proj, &k.mlp_down, &k.moe_up, &k.mlp_up, &k.mixed})
+      i->params["RG"] = 6;
+    if (T == 1) k.moe_down.params["RG"] = 6;
+  }
   // moe_down over the split grid (SK 264) beside the one-block-per-tile form: e4m3 at every row count,
   // bf16 from two rows (one bf16 row is the lane-FMA loop).
-  if (c.fp8 || T >= 2) {
+  if ((c.fp8 || T >= 2) && !c.ring) {  // (the ring cases check the ring forms only)
     k.moe_down_split = k.moe_down;
     k.moe_down_split.params["SK"] = 264;
   }

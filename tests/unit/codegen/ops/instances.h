@@ -80,5 +80,10 @@ inline KernelInstance q8(KernelInstance k, int64_t mask = 1) {
   k.params["Q8"] = mask;
   return k;
 }
+// The weight-ring form (RG stages) of an e4m3 op.
+inline KernelInstance ring(KernelInstance k, int64_t stages = 6) {
+  k.params["RG"] = stages;
+  return k;
+}
 
 }  // namespace dp::codegen::test_ops

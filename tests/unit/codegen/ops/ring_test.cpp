@@ -1,0 +1,103 @@
+// The weight-ring forms (RG: e4m3 weights streamed through shared memory by bulk copies, templates/
+// gemm.h dp_ring_stream) of gemm, moe_up, mlp_up and moe_down: names, checks, the device calls, the
+// dynamic shared memory per target, and a real compile for sm_90a and gfx942 (CPU only; correctness on a
+// GPU is tests/gpu/kernels).
+#include <gtest/gtest.h>
+
+#include "../../backend/backend_test_util.h"
+#include "../compile_check.h"
+#include "codegen/kernel.h"
+#include "instances.h"
+
+namespace dp::codegen {
+namespace {
+
+using namespace test_ops;
+
+TEST(RingOps, NamesCarryTheStages) {
+  EXPECT_EQ(kernel_name(ring(q8(gemm(1, 4096, {2304})))), "gemm_w1_k4096_na2304_q81_rg6");
+  EXPECT_EQ(kernel_name(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)), 3)),
+            "moe_up_w1_d2304_i1024_e256_k8_s1024_act0_q81_rg3");
+  EXPECT_EQ(kernel_name(ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024)))),
+            "moe_down_w1_d2304_i1024_e256_k8_s1024_q81_rg6");
+  // RG = 0 is the kernel of before.
+  EXPECT_EQ(kernel_name(ring(q8(gemm(1, 4096, {2304})), 0)), "gemm_w1_k4096_na2304_q81");
+}
+
+TEST(RingOps, RefuseWhatTheRingCannotStream) {
+  using test::expect_error;
+  expect_error([] { kernel_name(ring(gemm(1, 4096, {2304}))); }, Errc::input,
+               {"RG = 6 (weight ring) streams e4m3 weights, but Q8 = 0"});
+  expect_error([] { kernel_name(ring(q8(gemm_norm(1, 4096, 2304)))); }, Errc::input,
+               {"RG = 6", "fused-norm"});
+  expect_error([] { kernel_name(ring(q8(moe_down(2, 2304, 1024, 256, 8, 1024)))); }, Errc::input,
+               {"RG = 6", "one row's (W = 1)"});
+  KernelInstance split = ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024)));
+  split.params["SK"] = 264;
+  expect_error([&] { kernel_name(split); }, Errc::input, {"RG = 6", "SK = 0"});
+  expect_error([] { kernel_name(ring(q8(gemm(1, 4096, {2304})), 9)); }, Errc::input, {"RG = 9 is out of range"});
+}
+
+TEST(RingOps, DeviceCallsPassTheStages) {
+  // Width 1: kEarly 1, then the ring; from 2 rows kEarly 0 is spelt out before it.
+  EXPECT_NE(generate_source(ring(q8(gemm(1, 4096, {2304}))))
+                .find("dp_gemm_q8<1, 4096, 2304, 0, 0, 0, 0, 0, 0, 1, 8, 1, 1, 6>("),
+            std::string::npos);
+  EXPECT_NE(generate_source(ring(q8(gemm(8, 4096, {2304})), 4))
+                .find("dp_gemm_q8<8, 4096, 2304, 0, 0, 0, 0, 0, 0, 1, 8, 1, 0, 4>("),
+            std::string::npos);
+  // The gate/up take the block tiles (kWarpTiles 0) under the ring.
+  EXPECT_NE(generate_source(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024))))
+                .find("dp_moe_up_q8<1, 2304, 1024, 256, 8, 1024, 0, 1, 4, 0, 6>("),
+            std::string::npos);
+  EXPECT_NE(generate_source(ring(q8(mlp_up(1, 2304, 9216)))).find("dp_mlp_up_q8<1, 2304, 9216, 0, 1, 4, 0, 6>("),
+            std::string::npos);
+  EXPECT_NE(generate_source(ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024))))
+                .find("dp_moe_down_q8<1, 2304, 1024, 256, 8, 1024, 16, 6>("),
+            std::string::npos);
+  // Block tiles: one block per 16 features (576 for the 48B shape's shared + 8 routed experts).
+  EXPECT_EQ(launch_shape(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)))).grid[0], (1024u / 16) * 9);
+  EXPECT_EQ(launch_shape(ring(q8(mlp_up(1, 2304, 9216)))).grid[0], 9216u / 16);
+}
+
+// Stages of 128 S columns of the block's rows, no more than K has (gemm), 128 x 4 columns of 2 x 16
+// gate/up rows, 1024 columns of moe_down's 16-row tile; each row padded by 64 bytes. None on gfx942.
+TEST(RingOps, DynamicSharedMemoryIsTheRing) {
+  EXPECT_EQ(launch_shape(ring(q8(gemm(1, 4096, {2304})))).dynamic_shared_bytes, 4u * 16 * (1024 + 64));
+  EXPECT_EQ(launch_shape(ring(q8(gemm(1, 9216, {2304})))).dynamic_shared_bytes, 6u * 16 * (1024 + 64));
+  EXPECT_EQ(launch_shape(ring(q8(gemm(1, 2304, {4096, 4096, 4096, 128, 128, 32}), 7))).dynamic_shared_bytes,
+            5u * 32 * (512 + 64));
+  EXPECT_EQ(launch_shape(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)))).dynamic_shared_bytes, 5u * 32 * (512 + 64));
+  EXPECT_EQ(launch_shape(ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024)), 4)).dynamic_shared_bytes,
+            4u * 16 * (1024 + 64));
+  EXPECT_EQ(launch_shape(ring(q8(gemm(1, 4096, {2304}, false, "gfx942")))).dynamic_shared_bytes, 0u);
+  EXPECT_EQ(launch_shape(ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024, "gfx942")))).dynamic_shared_bytes, 0u);
+  // Six stages keep two blocks per SM (228 KiB a Hopper SM, 1 KiB reserved per block).
+  EXPECT_LE(2u * (launch_shape(ring(q8(gemm(1, 9216, {2304})))).dynamic_shared_bytes + 1024 + 1024), 228u * 1024);
+}
+
+std::vector<KernelInstance> compile_set(const std::string& t) {
+  return {
+      ring(q8(gemm(1, 4096, {2304}, false, t))),
+      ring(q8(gemm(1, 272, {256}, false, t))),  // K with a partial 128-column block
+      ring(q8(gemm(8, 2304, {4096, 4096, 4096, 128, 128, 32}, false, t), 7)),
+      ring(q8(mlp_up(1, 256, 512, 0, t))),
+      ring(q8(moe_up(1, 256, 128, 16, 4, 128, 0, t))),
+      ring(q8(moe_up(8, 256, 128, 16, 4, 128, 0, t))),
+      ring(q8(moe_down(1, 256, 144, 16, 4, 128, t))),  // I with a partial block, S of another width
+      ring(q8(moe_down(1, 2304, 1024, 256, 8, 0, t))),
+  };
+}
+
+TEST(RingOpsCompile, EveryOpCompilesForSm90a) {
+  DP_SKIP_WITHOUT(backend::Vendor::nvidia);
+  test_util::expect_compiles(compile_set("sm_90a"), "sm_90a");
+}
+
+TEST(RingOpsCompile, EveryOpCompilesForGfx942) {
+  DP_SKIP_WITHOUT(backend::Vendor::amd);
+  test_util::expect_compiles(compile_set("gfx942"), "gfx942");
+}
+
+}  // namespace
+}  // namespace dp::codegen
