@@ -1,8 +1,11 @@
 #include "reference/layer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <exception>
 #include <limits>
+#include <thread>
 
 #include "common/error.h"
 #include "reference/numeric.h"
@@ -158,8 +161,17 @@ Mat routed_experts(const LayerWeights& w, const Mat& x, const Mat& xe, const Opt
     }
   }
   std::vector<std::vector<double>> y(static_cast<size_t>(T * k));  // w_i * E_i(xe_t), per (row, position)
-  for (const auto& [e, rows] : users) {
-    const Tensor w1 = w.expert(e, "w1"), w3 = w.expert(e, "w3"), w2 = w.expert(e, "w2");
+  // The chosen experts on threads of their own: loading one (its three matrices decoded or generated,
+  // and dequantised, into doubles) is most of the reference's time at the 48B shape, and every (row,
+  // position) has its own slot of y, so the result does not depend on the threads. The keys looked up
+  // are recorded in expert order, and the first failing expert's error (in that order) is thrown.
+  const std::vector<std::pair<int64_t, std::vector<std::pair<int64_t, int64_t>>>> work(users.begin(), users.end());
+  std::vector<std::vector<std::string>> keys(work.size());
+  std::vector<std::exception_ptr> errors(work.size());
+  auto apply = [&](size_t n) {
+    const auto& [e, rows] = work[n];
+    std::vector<std::string>* kn = &keys[n];
+    const Tensor w1 = w.expert(e, "w1", kn), w3 = w.expert(e, "w3", kn), w2 = w.expert(e, "w2", kn);
     for (const auto& [t, i] : rows) {
       std::vector<double> g = gemv(w1, xe.row(t));  // [I/tp]
       std::vector<double> u = gemv(w3, xe.row(t));
@@ -172,6 +184,25 @@ Mat routed_experts(const LayerWeights& w, const Mat& x, const Mat& xe, const Opt
       round_bf16_if(R.moe_weighted, ye);
       y[static_cast<size_t>(t * k + i)] = std::move(ye);
     }
+  };
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t n = next++; n < work.size(); n = next++) {
+      try {
+        apply(n);
+      } catch (...) {
+        errors[n] = std::current_exception();
+      }
+    }
+  };
+  const size_t threads = std::min<size_t>(work.size(), std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 32));
+  std::vector<std::thread> pool;
+  for (size_t i = 1; i < threads; ++i) pool.emplace_back(worker);
+  worker();
+  for (std::thread& th : pool) th.join();
+  for (size_t n = 0; n < work.size(); ++n) {
+    if (errors[n]) std::rethrow_exception(errors[n]);
+    w.note_lookups(keys[n]);
   }
   // Sum over the top-k in routing order, then the routed scaling factor.
   Mat out(T, D);

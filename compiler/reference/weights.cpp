@@ -132,9 +132,9 @@ bool LayerWeights::has(const std::string& key) const {
   return false;
 }
 
-Tensor LayerWeights::load(const std::string& key) const {
+Tensor LayerWeights::load(const std::string& key, std::vector<std::string>* keys) const {
   const model::WeightSpec& w = find_weight(*model_, layer_, key);
-  return shard_tensor(w, real_values(*model_, w, lookup_, &lookups_), shard_);
+  return shard_tensor(w, real_values(*model_, w, lookup_, keys ? keys : &lookups_), shard_);
 }
 
 const Tensor& LayerWeights::get(const std::string& key) const {
@@ -143,11 +143,11 @@ const Tensor& LayerWeights::get(const std::string& key) const {
   return cache_.emplace(key, load(key)).first->second;
 }
 
-Tensor LayerWeights::expert(int64_t e, const std::string& w) const {
+Tensor LayerWeights::expert(int64_t e, const std::string& w, std::vector<std::string>* keys) const {
   const std::string base = fmt::format("block_sparse_moe.experts.{}.{}", e, w);
-  if (model_->moe.expert_format == model::ExpertFormat::bf16) return load(base + ".weight");
-  const Tensor packed = load(base + ".weight_packed");  // [rows, cols/2] bytes, sharded
-  const Tensor scales = load(base + ".weight_scale");   // [rows, cols/group] bytes, sharded
+  if (model_->moe.expert_format == model::ExpertFormat::bf16) return load(base + ".weight", keys);
+  const Tensor packed = load(base + ".weight_packed", keys);  // [rows, cols/2] bytes, sharded
+  const Tensor scales = load(base + ".weight_scale", keys);   // [rows, cols/group] bytes, sharded
   Tensor t;
   t.shape = {packed.dim(0), packed.dim(1) * 2};
   t.data = dequant_mxfp4(packed.data, scales.data, t.shape[0], t.shape[1], model_->moe.mxfp4_group, base);

@@ -90,9 +90,15 @@ class LayerWeights {
   const Tensor& get(const std::string& key) const;
   // Routed expert `e`'s matrix `w` ("w1" gate [I/tp, D], "w3" up [I/tp, D], "w2" down [D, I/tp]) as
   // doubles, MXFP4 and FP8 experts dequantised (D = hidden, or the latent width for K3 latent MoE). Loaded
-  // on every call and NOT cached: a MoE step streams its routed experts one at a time, so a
-  // 48B-shaped layer never holds more than one expert in double.
-  Tensor expert(int64_t e, const std::string& w) const;
+  // on every call and NOT cached: a MoE step streams its routed experts, so a 48B-shaped layer holds
+  // only the experts in flight in double.
+  // With `keys`, the keys looked up go there instead of to lookups(), and the call is safe on several
+  // threads at once (the lookups of checkpoints and synth fills are); the caller then records them with
+  // note_lookups() in an order of its choosing.
+  Tensor expert(int64_t e, const std::string& w, std::vector<std::string>* keys = nullptr) const;
+  void note_lookups(const std::vector<std::string>& keys) const {
+    lookups_.insert(lookups_.end(), keys.begin(), keys.end());
+  }
   void drop_cache() const { cache_.clear(); }
   // Keys passed to the lookup so far, in order (a MoE step reads only its routed experts; an FP8
   // weight's key is followed by its scale tensor's).
@@ -106,7 +112,8 @@ class LayerWeights {
   mutable std::map<std::string, Tensor> cache_;
   mutable std::vector<std::string> lookups_;
 
-  Tensor load(const std::string& key) const;  // lookup + shard, uncached
+  // lookup + shard, uncached; the keys looked up go to `keys` (default: lookups_)
+  Tensor load(const std::string& key, std::vector<std::string>* keys = nullptr) const;
 };
 
 // A model-level tensor (e.g. "norm.weight"), whole.

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <memory>
 #include <random>
+#include <set>
 
 #include "../test_util.h"
 #include "model/safetensors.h"
@@ -448,6 +449,59 @@ TEST(Reference, MoeForcedOntoOneExpertIsThatExpert) {
     EXPECT_TRUE(key.rfind("block_sparse_moe.experts.", 0) != 0 || key.rfind("block_sparse_moe.experts.11.", 0) == 0)
         << key;
   EXPECT_EQ(w.lookups().size(), 2u + 3u + 3u + 3u);
+}
+
+// The routed experts run on threads of their own: with many experts chosen, the MoE output equals the
+// sum the test forms one expert at a time from the trace's routing, the lookups come in expert order
+// (each expert's w1, w3, w2), and of two failing experts the lower one's error is the one thrown.
+TEST(Reference, MoeExpertsOnThreadsMatchOneAtATime) {
+  const Model& m = tiny();
+  const int64_t H = m.hidden, T = 6, k = m.moe.top_k;
+  LayerWeights w = LayerWeights::from_synth(m, 2, 3);
+  const Mat x = rand_mat(T, H, 21);
+  Trace tr;
+  moe(w, x, none(), &tr);
+  const Mat& routed = tr.at("routed");
+  std::set<int64_t> chosen;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < k; ++i) chosen.insert(static_cast<int64_t>(tr.at("topk_ids")(t, i)));
+  ASSERT_GE(chosen.size(), 4u) << "the test wants several experts at once";
+  std::vector<std::string> got, want;  // the routed experts' keys: each chosen expert's, ascending
+  for (const std::string& key : w.lookups())
+    if (key.rfind("block_sparse_moe.experts.", 0) == 0) got.push_back(key);
+  for (int64_t e : chosen)
+    for (const char* mat : {"w1", "w3", "w2"}) want.push_back(fmt::format("block_sparse_moe.experts.{}.{}.weight", e, mat));
+  EXPECT_EQ(got, want);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> acc(static_cast<size_t>(H), 0.0);
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t e = static_cast<int64_t>(tr.at("topk_ids")(t, i));
+      const Tensor g = w.expert(e, "w1"), u = w.expert(e, "w3"), dn = w.expert(e, "w2");
+      std::vector<double> a(static_cast<size_t>(g.rows()));
+      for (int64_t r = 0; r < g.rows(); ++r) {
+        double gs = 0, us = 0;
+        for (int64_t j = 0; j < H; ++j) gs += g.at(r, j) * x(t, j), us += u.at(r, j) * x(t, j);
+        a[static_cast<size_t>(r)] = gs / (1 + std::exp(-gs)) * us;
+      }
+      for (int64_t o = 0; o < H; ++o) {
+        double y = 0;
+        for (int64_t r = 0; r < g.rows(); ++r) y += dn.at(o, r) * a[static_cast<size_t>(r)];
+        acc[static_cast<size_t>(o)] += tr.at("topk_weights")(t, i) * y;
+      }
+    }
+    for (int64_t o = 0; o < H; ++o)
+      ASSERT_NEAR(routed(t, o), m.moe.routed_scaling * acc[static_cast<size_t>(o)], 1e-12) << t << " " << o;
+  }
+  // Two chosen experts whose lookups fail: the lower one's message.
+  const int64_t lo = *chosen.begin(), hi = *chosen.rbegin();
+  WeightLookup base = synth_lookup(m, 2, 3);
+  LayerWeights bad(m, 2, [&](const std::string& key) {
+    for (int64_t e : {lo, hi})
+      if (key == fmt::format("block_sparse_moe.experts.{}.w2.weight", e)) fail(Errc::input, "no tensor {}", key);
+    return base(key);
+  });
+  test::expect_error([&] { moe(bad, x, none()); }, Errc::input,
+                     {fmt::format("experts.{}.w2", lo)});
 }
 
 TEST(Reference, DenseMlpIsDownOfSiluGateTimesUp) {
