@@ -25,7 +25,6 @@
 // laid out dense, padded (spare elements after every slot / block, vLLM's fused w13) or wide (slots,
 // blocks and experts past 2^32 elements). Padding is poisoned like the outputs: a kernel that reads it
 // gets NaN, and every padding element of the slots in play must keep its bits (checked).
-#include <cuda.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -42,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "../cuda_test_driver.h"
 #include "cases.h"
 #include "codegen/kernel.h"
 #include "common/dtype.h"
@@ -59,12 +59,16 @@ using ref::Mat;
 
 // ---- CUDA driver -----------------------------------------------------------------------------------
 
-void cu_check(CUresult r, const char* what) {
+// The driver through the project's table (runtime/driver/cuda.h, opened with dlopen): the checker starts,
+// lists and counts its cases on a host without a driver, and says why it cannot run them there.
+using dp::gputest::cu;
+
+void cu_check(int r, const char* what) {
   if (r == CUDA_SUCCESS) return;
   const char* name = nullptr;
   const char* msg = nullptr;
-  cuGetErrorName(r, &name);
-  cuGetErrorString(r, &msg);
+  cu().GetErrorName(r, &name);
+  cu().GetErrorString(r, &msg);
   fail(Errc::device, "{} failed: {} ({})", what, name ? name : "?", msg ? msg : "");
 }
 #define CU(call) cu_check((call), #call)
@@ -73,7 +77,7 @@ struct DevBuf {
   CUdeviceptr ptr = 0;
   size_t bytes = 0;
   DevBuf() = default;
-  explicit DevBuf(size_t n) : bytes(n) { CU(cuMemAlloc(&ptr, std::max<size_t>(n, 16))); }
+  explicit DevBuf(size_t n) : bytes(n) { CU(cu().MemAlloc(&ptr, std::max<size_t>(n, 16))); }
   DevBuf(const DevBuf&) = delete;
   DevBuf& operator=(const DevBuf&) = delete;
   DevBuf(DevBuf&& o) noexcept : ptr(o.ptr), bytes(o.bytes) { o.ptr = 0; }
@@ -83,25 +87,25 @@ struct DevBuf {
     return *this;
   }
   ~DevBuf() {
-    if (ptr) cuMemFree(ptr);
+    if (ptr) cu().MemFree(ptr);
   }
   void poison() {
-    if (bytes) CU(cuMemsetD8(ptr, 0xFF, bytes));
+    if (bytes) CU(cu().MemsetD8(ptr, 0xFF, bytes));
   }
   template <class T>
   void upload(const std::vector<T>& v, size_t offset_bytes = 0) {
-    CU(cuMemcpyHtoD(ptr + offset_bytes, v.data(), v.size() * sizeof(T)));
+    CU(cu().MemcpyHtoD(ptr + offset_bytes, v.data(), v.size() * sizeof(T)));
   }
   template <class T>
   std::vector<T> download() const {
     std::vector<T> v(bytes / sizeof(T));
-    CU(cuMemcpyDtoH(v.data(), ptr, bytes));
+    CU(cu().MemcpyDtoH(v.data(), ptr, bytes));
     return v;
   }
   template <class T>
   std::vector<T> download(size_t offset_bytes, size_t count) const {
     std::vector<T> v(count);
-    CU(cuMemcpyDtoH(v.data(), ptr + offset_bytes, count * sizeof(T)));
+    CU(cu().MemcpyDtoH(v.data(), ptr + offset_bytes, count * sizeof(T)));
     return v;
   }
 };
@@ -128,7 +132,7 @@ class Kernels {
  public:
   explicit Kernels(fs::path dir) : dir_(std::move(dir)) {}
   ~Kernels() {
-    for (auto& [k, m] : modules_) cuModuleUnload(m.first);
+    for (auto& [k, m] : modules_) cu().ModuleUnload(m.first);
   }
 
   // Launches k with arguments by parameter name (every non-nullable parameter must be given), then
@@ -173,21 +177,21 @@ class Kernels {
     }
     const codegen::LaunchShape s = codegen::launch_shape(k);
     if (s.dynamic_shared_bytes > 0)  // beyond 48 KiB the function opts in first, as the runtime does at load
-      CU(cuFuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(s.dynamic_shared_bytes)));
+      CU(cu().FuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(s.dynamic_shared_bytes)));
     CUevent start, stop;
-    CU(cuEventCreate(&start, CU_EVENT_DEFAULT));
-    CU(cuEventCreate(&stop, CU_EVENT_DEFAULT));
-    CU(cuEventRecord(start, nullptr));
+    CU(cu().EventCreate(&start, CU_EVENT_DEFAULT));
+    CU(cu().EventCreate(&stop, CU_EVENT_DEFAULT));
+    CU(cu().EventRecord(start, nullptr));
     for (int r = 0; r < repeat; ++r)
-      CU(cuLaunchKernel(f, s.grid[0], s.grid[1], s.grid[2], s.block[0], s.block[1], s.block[2], s.dynamic_shared_bytes,
+      CU(cu().LaunchKernel(f, s.grid[0], s.grid[1], s.grid[2], s.block[0], s.block[1], s.block[2], s.dynamic_shared_bytes,
                         nullptr, pack.data(), nullptr));
-    CU(cuEventRecord(stop, nullptr));
-    const CUresult r = cuCtxSynchronize();
+    CU(cu().EventRecord(stop, nullptr));
+    const int r = cu().CtxSynchronize();
     if (r != CUDA_SUCCESS) cu_check(r, ("running " + codegen::kernel_name(k)).c_str());
     float ms = 0;
-    CU(cuEventElapsedTime(&ms, start, stop));
-    cuEventDestroy(start);
-    cuEventDestroy(stop);
+    CU(cu().EventElapsedTime(&ms, start, stop));
+    cu().EventDestroy(start);
+    cu().EventDestroy(stop);
     return ms / static_cast<float>(repeat);
   }
 
@@ -201,9 +205,9 @@ class Kernels {
       if (!in) fail(Errc::io, "{}: missing (run dp_kernel_build first)", file.string());
       std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
       CUmodule m;
-      CU(cuModuleLoadData(&m, bytes.data()));
+      CU(cu().ModuleLoadData(&m, bytes.data()));
       CUfunction f;
-      CU(cuModuleGetFunction(&f, m, codegen::kernel_name(k).c_str()));
+      CU(cu().ModuleGetFunction(&f, m, codegen::kernel_name(k).c_str()));
       it = modules_.emplace(key, std::make_pair(m, f)).first;
     }
     return it->second.second;
@@ -1927,14 +1931,12 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    CU(cuInit(0));
+    // Opens the driver and makes device 0's primary context current (cuda_test_driver.h).
+    if (!cu().why_not.empty()) dp::fail(dp::Errc::device, "cannot run the checks: {}", cu().why_not);
     CUdevice dev;
-    CU(cuDeviceGet(&dev, 0));
+    CU(cu().DeviceGet(&dev, 0));
     char name[256] = {};
-    CU(cuDeviceGetName(name, sizeof name, dev));
-    CUcontext ctx;
-    CU(cuDevicePrimaryCtxRetain(&ctx, dev));
-    CU(cuCtxSetCurrent(ctx));
+    CU(cu().DeviceGetName(name, sizeof name, dev));
     std::printf("device: %s\n", name);
     Kernels kernels(argv[1]);
     Report report;
