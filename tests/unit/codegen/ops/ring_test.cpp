@@ -81,9 +81,11 @@ std::vector<KernelInstance> compile_set(const std::string& t) {
       ring(q8(gemm(1, 4096, {2304}, false, t))),
       ring(q8(gemm(1, 272, {256}, false, t))),  // K with a partial 128-column block
       ring(q8(gemm(8, 2304, {4096, 4096, 4096, 128, 128, 32}, false, t), 7)),
+      ring(q8(gemm(16, 4096, {2304}, false, t))),  // two activation tiles (one block per SM)
       ring(q8(mlp_up(1, 256, 512, 0, t))),
       ring(q8(moe_up(1, 256, 128, 16, 4, 128, 0, t))),
       ring(q8(moe_up(8, 256, 128, 16, 4, 128, 0, t))),
+      ring(q8(moe_up(16, 256, 128, 16, 4, 128, 0, t))),
       ring(q8(moe_down(1, 256, 144, 16, 4, 128, t))),  // I with a partial block, S of another width
       ring(q8(moe_down(1, 2304, 1024, 256, 8, 0, t))),
   };
