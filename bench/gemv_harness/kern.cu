@@ -1,6 +1,9 @@
 // One variant of the FP8 48B-shaped GEMV kernels: the entry points the product generates (build.sh puts
 // them in OUT_DIR/gen/*.inc), each renamed with the variant suffix VAR so that variants link together.
 #include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
 #define CAT2(a, b) a##b
 #define CAT(a, b) CAT2(a, b)
 #define gemm_w1_k4096_na2304_q81 CAT(o1_, VAR)
@@ -79,16 +82,26 @@ struct Buf { void* x; void* out; void* w[6]; float* s[6]; void* h; void* hs; int
 extern "C" int harness_pdl;
 template <typename... P, typename... A>
 static void launch(void (*f)(P...), int grid, int smem, A... a) {
-  static bool set = false;
-  if (!set && smem > 0) cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  set = true;
+  static const void* allowed[32];  // kernels whose dynamic shared memory is allowed (several share a type)
+  static int n_allowed = 0;
+  bool known = false;
+  for (int i = 0; i < n_allowed; ++i) known |= allowed[i] == (const void*)f;
+  if (!known && smem > 0 && n_allowed < 32) {
+    cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    allowed[n_allowed++] = (const void*)f;
+  }
   cudaLaunchConfig_t c = {};
   c.gridDim = dim3(grid); c.blockDim = dim3(256); c.dynamicSmemBytes = smem;
   cudaLaunchAttribute at[1];
   at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   at[0].val.programmaticStreamSerializationAllowed = 1;
   c.attrs = at; c.numAttrs = harness_pdl ? 1 : 0;
-  cudaLaunchKernelEx(&c, f, (P)a...);
+  const cudaError_t e = cudaLaunchKernelEx(&c, f, (P)a...);
+  if (e != cudaSuccess) {
+    std::printf("launch of a %d-block grid with %d bytes of dynamic shared memory: %s\n", grid, smem,
+                cudaGetErrorString(e));
+    std::exit(1);
+  }
 }
 // which: 0 o_proj, 1 down, 2 qkv, 3 mlp_up, 4 moe_up, 5 moe_down; T 1 or 8
 extern "C" void CAT(run_, VAR)(int which, int T, const Buf& b) {
