@@ -471,8 +471,8 @@ __device__ __forceinline__ void dp_mlp_up_impl(const dp_bf16* __restrict__ x,  /
     __shared__ float act[RB * T];                                 // [RB, T] fp32
     auto tile = [&](int b) {
       const int row0 = b * RB;
-      dp_gate_up_tile<T, D, MT, S, kAct, kRing>([&](int t) { return x + (dp_u64)t * D; }, w_gate, w_up, I, row0, act_beta,
-                                         act_lbeta, partial, result, act);
+      dp_gate_up_tile<T, D, MT, S, kAct, kRing>([&](int t) { return x + (dp_u64)t * D; }, w_gate, w_up, I, row0,
+                                                act_beta, act_lbeta, partial, result, act);
       for (int i = (int)threadIdx.x; i < RB * T; i += DP_GEMM_THREADS) {
         const int t = i % T, r = row0 + i / T;
         if (r < I) h[(dp_u64)t * I + r] = dp_f32_to_bf16(act[i]);
@@ -492,7 +492,8 @@ __device__ __forceinline__ void dp_mlp_up_impl(const dp_bf16* __restrict__ x,  /
 template <int T, int D, int I, int kAct, int MT, int S, int kWarpTiles = 0>
 __device__ __forceinline__ void dp_mlp_up(const dp_bf16* __restrict__ x, const dp_bf16* w_gate, const dp_bf16* w_up,
                                           dp_bf16* __restrict__ h, float act_beta = 0.0f, float act_lbeta = 0.0f) {
-  dp_mlp_up_impl<T, D, I, kAct, MT, S, kWarpTiles, 0>(x, dp_bf16_matrix<D>{w_gate}, dp_bf16_matrix<D>{w_up}, h, act_beta,
+  dp_mlp_up_impl<T, D, I, kAct, MT, S, kWarpTiles, 0>(x, dp_bf16_matrix<D>{w_gate}, dp_bf16_matrix<D>{w_up}, h,
+                                                      act_beta,
                                                    act_lbeta);
 }
 template <int T, int D, int I, int kAct, int MT, int S, int kWarpTiles = 0, int kRing = 0>
@@ -711,6 +712,10 @@ __device__ __forceinline__ void dp_moe_down_impl(
       auto item_of = [&](int j) { return (kShared && j < nS) ? 0 : kShared + (j - kShared * nS) / nI; };
       auto stage_of = [&](int j) { return (kShared && j < nS) ? j : (j - kShared * nS) % nI; };
       auto width_of = [&](int j) { return (kShared && j < nS) ? SI : I; };
+      auto cols_of = [&](int j) {  // bytes of each row in stage j
+        const int left = width_of(j) - stage_of(j) * kCols;
+        return left < kCols ? left : kCols;
+      };
       auto load = [&](int j, dp_fp8_block_ops<1, NT>& o) {
         const int item = item_of(j), b = stage_of(j) * 8 + group, width = width_of(j);
         const bool in = DP_FP8_BLOCK * b < width;
@@ -729,7 +734,7 @@ __device__ __forceinline__ void dp_moe_down_impl(
       dp_fp8_block_ops<1, NT> cur, next;
       const int stages = kShared * nS + (items - kShared) * nI;
       dp_ring_stream<M, kCols, kStages, 0>(
-          stages, [&](int j) { return width_of(j) - stage_of(j) * kCols < kCols ? width_of(j) - stage_of(j) * kCols : kCols; },
+          stages, cols_of,
           [&](int j, int i) { return weight_row(item_of(j), i).w + stage_of(j) * kCols; },
           [&](int j, const unsigned char* stage) {
             if (j == 0)

@@ -20,7 +20,8 @@ ParamSpec ring_param(const char* doc) { return ParamSpec{"RG", "rg", 0, 8, doc, 
 bool bulk_copy_target(const std::string& target) {
   if (target.rfind("sm_", 0) != 0) return false;
   int arch = 0;
-  for (size_t i = 3; i < target.size() && target[i] >= '0' && target[i] <= '9'; ++i) arch = arch * 10 + (target[i] - '0');
+  for (size_t i = 3; i < target.size() && target[i] >= '0' && target[i] <= '9'; ++i)
+    arch = arch * 10 + (target[i] - '0');
   return arch >= 90;
 }
 

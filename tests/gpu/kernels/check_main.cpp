@@ -177,14 +177,15 @@ class Kernels {
     }
     const codegen::LaunchShape s = codegen::launch_shape(k);
     if (s.dynamic_shared_bytes > 0)  // beyond 48 KiB the function opts in first, as the runtime does at load
-      CU(cu().FuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, static_cast<int>(s.dynamic_shared_bytes)));
+      CU(cu().FuncSetAttribute(f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                               static_cast<int>(s.dynamic_shared_bytes)));
     CUevent start, stop;
     CU(cu().EventCreate(&start, CU_EVENT_DEFAULT));
     CU(cu().EventCreate(&stop, CU_EVENT_DEFAULT));
     CU(cu().EventRecord(start, nullptr));
     for (int r = 0; r < repeat; ++r)
-      CU(cu().LaunchKernel(f, s.grid[0], s.grid[1], s.grid[2], s.block[0], s.block[1], s.block[2], s.dynamic_shared_bytes,
-                        nullptr, pack.data(), nullptr));
+      CU(cu().LaunchKernel(f, s.grid[0], s.grid[1], s.grid[2], s.block[0], s.block[1], s.block[2],
+                           s.dynamic_shared_bytes, nullptr, pack.data(), nullptr));
     CU(cu().EventRecord(stop, nullptr));
     const int r = cu().CtxSynchronize();
     if (r != CUDA_SUCCESS) cu_check(r, ("running " + codegen::kernel_name(k)).c_str());

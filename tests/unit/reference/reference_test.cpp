@@ -470,7 +470,8 @@ TEST(Reference, MoeExpertsOnThreadsMatchOneAtATime) {
   for (const std::string& key : w.lookups())
     if (key.rfind("block_sparse_moe.experts.", 0) == 0) got.push_back(key);
   for (int64_t e : chosen)
-    for (const char* mat : {"w1", "w3", "w2"}) want.push_back(fmt::format("block_sparse_moe.experts.{}.{}.weight", e, mat));
+    for (const char* mat : {"w1", "w3", "w2"})
+      want.push_back(fmt::format("block_sparse_moe.experts.{}.{}.weight", e, mat));
   EXPECT_EQ(got, want);
   for (int64_t t = 0; t < T; ++t) {
     std::vector<double> acc(static_cast<size_t>(H), 0.0);
