@@ -114,9 +114,9 @@ extern "C" void CAT(run_, VAR)(int which, int T, const Buf& b) {
     case 20: launch(CAT(q1_, VAR), GRID_Q1, RING(2304, 1, 4), (const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_bf16*)b.w[3], (const dp_bf16*)b.w[4], (const dp_bf16*)b.w[5]); break;
     case 21: launch(CAT(q8_, VAR), GRID_Q8, RING(2304, 1, 4), (const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_bf16*)b.w[3], (const dp_bf16*)b.w[4], (const dp_bf16*)b.w[5]); break;
     case 30: launch(CAT(m1_, VAR), GRID_M1, RING(2304, 1, 4), (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (dp_bf16*)b.out); break;
-    case 31: launch(CAT(m8_, VAR), GRID_M8, 0, (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (dp_bf16*)b.out); break;
+    case 31: launch(CAT(m8_, VAR), GRID_M8, RING(2304, 1, 4), (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (dp_bf16*)b.out); break;
     case 40: launch(CAT(u1_, VAR), GRID_U1, RING(2304, 1, 4), (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_u8*)b.w[3], b.s[3], b.ex, b.sl, (dp_bf16*)b.h, (dp_bf16*)b.hs, SE, SS, SE, SS); break;
-    case 41: launch(CAT(u8_, VAR), GRID_U8, 0, (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_u8*)b.w[3], b.s[3], b.ex, b.sl, (dp_bf16*)b.h, (dp_bf16*)b.hs, SE, SS, SE, SS); break;
+    case 41: launch(CAT(u8_, VAR), GRID_U8, RING(2304, 1, 4), (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_u8*)b.w[3], b.s[3], b.ex, b.sl, (dp_bf16*)b.h, (dp_bf16*)b.hs, SE, SS, SE, SS); break;
     case 50: launch(CAT(n1_, VAR), GRID_N1, RING_DOWN, (const dp_bf16*)b.h, (const dp_bf16*)b.hs, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], b.ex, b.sl, b.tw, (dp_bf16*)b.out, 1.0f, SE, SS); break;
     case 51: launch(CAT(n8_, VAR), GRID_N8, 0, (const dp_bf16*)b.h, (const dp_bf16*)b.hs, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], b.ex, b.sl, b.tw, (dp_bf16*)b.out, 1.0f, SE, SS, b.part, b.done); break;
   }

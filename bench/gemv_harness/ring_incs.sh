@@ -1,11 +1,11 @@
 #!/bin/bash
 # Writes copies of the harness's generated entry points (OUT_DIR/gen/*.inc, from build.sh) that stream
 # their e4m3 weights through a shared-memory ring of N stages (templates/gemm.h, dp_ring_stream): the
-# gemm kernels at both widths, and at width 1 the routed and dense gate/up as block tiles and the
-# routed down.
+# gemm kernels and the routed and dense gate/up (as block tiles) at both widths, and the routed down at
+# width 1.
 # A variant then takes them with -I DIR and -DRING_STAGES=N (kern.cu sizes the dynamic shared memory):
 #   bench/gemv_harness/ring_incs.sh OUT_DIR N DIR
-#   bench/gemv_harness/build.sh OUT_DIR base: "ring6:-I DIR -DRING_STAGES=6"
+#   bench/gemv_harness/build.sh OUT_DIR base: "ring6:-I DIR -DRING_STAGES=6 -DGRID_U8=4160"
 set -euo pipefail
 gen=${1:?usage: ring_incs.sh OUT_DIR N DIR}/gen
 n=${2:?stages}
@@ -17,11 +17,14 @@ done
 for f in "$gen"/gemm_w8_k*_q8*.inc; do  # kEarly 0, then the ring
   sed -E "s/(dp_gemm_q8<[^>]*)>/\1, 0, $n>/" "$f" > "$dir/$(basename "$f")"
 done
-# moe_up: warp tiles (kWarpTiles 1, the last argument) -> block tiles with the ring
-f=$(ls "$gen"/moe_up_w1_*.inc)
-sed -E "s/(dp_moe_up_q8<[^>]*), 1>/\1, 0, $n>/" "$f" > "$dir/$(basename "$f")"
-f=$(ls "$gen"/mlp_up_w1_*.inc)  # the same for the dense gate/up
-sed -E "s/(dp_mlp_up_q8<[^>]*), 1>/\1, 0, $n>/" "$f" > "$dir/$(basename "$f")"
+# moe_up and the dense gate/up, both widths: warp tiles (kWarpTiles 1, the last argument) -> block tiles
+# with the ring (the width-8 routed gate/up then needs a block per tile: -DGRID_U8=4160)
+for f in "$gen"/moe_up_w*.inc; do
+  sed -E "s/(dp_moe_up_q8<[^>]*), 1>/\1, 0, $n>/" "$f" > "$dir/$(basename "$f")"
+done
+for f in "$gen"/mlp_up_w*.inc; do
+  sed -E "s/(dp_mlp_up_q8<[^>]*), 1>/\1, 0, $n>/" "$f" > "$dir/$(basename "$f")"
+done
 f=$(ls "$gen"/moe_down_w1_*.inc)
 sed -E "s/(dp_moe_down_q8<[^>]*)>/\1, $n>/" "$f" > "$dir/$(basename "$f")"
 grep -h "dp_gemm_q8<\|dp_moe_up_q8<\|dp_mlp_up_q8<\|dp_moe_down_q8<" "$dir"/*.inc | sed 's/(.*//'
