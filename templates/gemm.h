@@ -593,6 +593,9 @@ __device__ __forceinline__ void dp_ring_stream(int stages, Cols cols, Row row, C
   extern __shared__ __align__(128) unsigned char dp_ring[];  // [kStages][kRows][kRowBytes]
   __shared__ __align__(8) dp_u64 full[kStages];                // per stage: its bytes have landed
   const int group = (int)threadIdx.x / DP_GROUP, lane = (int)threadIdx.x % DP_GROUP;
+  // A launch with less dynamic shared memory than the ring stops here (a launch error the host sees),
+  // rather than copying past the block's shared memory.
+  if (dp_dynamic_smem_bytes() < (dp_u32)(kStages * R::kStageBytes)) __trap();
   auto issue = [&](int j) {  // warp 0: stage j's copies into its slot
     const dp_u32 n = (dp_u32)cols(j);
     unsigned char* st = dp_ring + (j % kStages) * R::kStageBytes;

@@ -214,6 +214,11 @@ __device__ __forceinline__ void dp_prefetch_l2(const void* p, dp_u32 bytes /* <=
 #if __CUDA_ARCH__ >= 900
 #define DP_HAS_BULK_COPY 1
 __device__ __forceinline__ dp_u32 dp_smem_addr(const void* p) { return (dp_u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ dp_u32 dp_dynamic_smem_bytes() {  // the launch's dynamic shared memory
+  dp_u32 n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
 __device__ __forceinline__ void dp_mbar_init(dp_u64* bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(dp_smem_addr(bar)) : "memory");
 }
