@@ -1,13 +1,13 @@
 #include "reference/layer.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <exception>
 #include <limits>
 #include <thread>
 
 #include "common/error.h"
+#include "common/parallel.h"
 #include "reference/numeric.h"
 
 namespace dp::ref {
@@ -185,21 +185,13 @@ Mat routed_experts(const LayerWeights& w, const Mat& x, const Mat& xe, const Opt
       y[static_cast<size_t>(t * k + i)] = std::move(ye);
     }
   };
-  std::atomic<size_t> next{0};
-  auto worker = [&] {
-    for (size_t n = next++; n < work.size(); n = next++) {
-      try {
-        apply(n);
-      } catch (...) {
-        errors[n] = std::current_exception();
-      }
+  parallel_for(work.size(), std::clamp(std::thread::hardware_concurrency(), 1u, 32u), [&](size_t n) {
+    try {
+      apply(n);
+    } catch (...) {
+      errors[n] = std::current_exception();
     }
-  };
-  const size_t threads = std::min<size_t>(work.size(), std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 32));
-  std::vector<std::thread> pool;
-  for (size_t i = 1; i < threads; ++i) pool.emplace_back(worker);
-  worker();
-  for (std::thread& th : pool) th.join();
+  });
   for (size_t n = 0; n < work.size(); ++n) {
     if (errors[n]) std::rethrow_exception(errors[n]);
     w.note_lookups(keys[n]);
