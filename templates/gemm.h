@@ -867,6 +867,52 @@ __device__ __forceinline__ void dp_pair_fp4(dp_u32 x0, dp_u32 x1, dp_u32 x2, dp_
   out[3] = __byte_perm(x1, x3, 0x7632u);
 }
 
+// Lane (g, q)'s activation columns of one MXFP4 chunk: columns [col + 32 q, +32) of activation row g of
+// every tile (xp[nt]: that row from column 32 q, or null for a zero row), paired as the weights
+// (dp_pair_fp4); zero when !in (the lane's group lies past K).
+template <int NT>
+__device__ __forceinline__ void dp_load_x_chunk_fp4(const dp_bf16* const (&xp)[NT], int col, bool in,
+                                                    dp_u32 (&xw)[NT][16]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      dp_u32x4 v;
+      if (in && xp[nt]) {
+        v = dp_load16(xp[nt] + col + 8 * i);
+      } else {
+        v.x = v.y = v.z = v.w = 0u;
+      }
+      dp_pair_fp4(v.x, v.y, v.z, v.w, xw[nt] + 4 * i);
+    }
+}
+// One warp's products over one MXFP4 chunk: lane (g, q)'s weight vectors (group q of rows g, g + 8 of
+// every tile) and their scale bytes, converted (dp_e2m1x8_to_bf16x8) and multiplied with its paired
+// activation columns (dp_load_x_chunk_fp4) in eight 16-deep steps; the products times 2^-32 are added
+// to sum.
+template <int MT, int NT>
+__device__ __forceinline__ void dp_mma_chunk_fp4(const dp_u32x4 (&wv)[MT][2], const dp_u32 (&sc)[MT][2],
+                                                 const dp_u32 (&xw)[NT][16], float (&sum)[MT][NT][4]) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    dp_u32 a[2][16];  // rows g, g+8: 32 columns as bf16 pairs (real values * 2^-32)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const dp_u32 factor = dp_fp4_factor(sc[mt][r]);
+      dp_e2m1x8_to_bf16x8(wv[mt][r].x, factor, a[r]);
+      dp_e2m1x8_to_bf16x8(wv[mt][r].y, factor, a[r] + 4);
+      dp_e2m1x8_to_bf16x8(wv[mt][r].z, factor, a[r] + 8);
+      dp_e2m1x8_to_bf16x8(wv[mt][r].w, factor, a[r] + 12);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        dp_mma_16816(sum[mt][nt], a[0][2 * i], a[1][2 * i], a[0][2 * i + 1], a[1][2 * i + 1], xw[nt][2 * i],
+                     xw[nt][2 * i + 1]);
+  }
+}
+
 // The shared-memory ring dp_mma_rows_fp4 streams weights through: 8 slots of 16 bytes per lane of each
 // of the block's 8 warps (32 KB), one instance per kernel (the function is not a template).
 __device__ __forceinline__ dp_u32x4* dp_fp4_ring() {
@@ -912,38 +958,9 @@ __device__ __forceinline__ void dp_mma_rows_fp4(WRow wrow, XRow xrow, int c0, in
   // One chunk: the lane's weight vectors and scale bytes of rows g, g+8 of every tile, converted and
   // multiplied with its activation columns.
   auto process = [&](int c, const dp_u32x4 (&wv)[MT][2], const dp_u32 (&sc)[MT][2]) {
-    const bool in = DP_FP4_CHUNK * c + DP_FP4_GROUP * q < K;
     dp_u32 xw[NT][16];  // activation row g's 32 columns as bf16 pairs, paired as the weights
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        dp_u32x4 v;
-        if (in && xp[nt]) {
-          v = dp_load16(xp[nt] + DP_FP4_CHUNK * c + 8 * i);
-        } else {
-          v.x = v.y = v.z = v.w = 0u;
-        }
-        dp_pair_fp4(v.x, v.y, v.z, v.w, xw[nt] + 4 * i);
-      }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      dp_u32 a[2][16];  // rows g, g+8: 32 columns as bf16 pairs (real values * 2^-32)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const dp_u32 factor = dp_fp4_factor(sc[mt][r]);
-        dp_e2m1x8_to_bf16x8(wv[mt][r].x, factor, a[r]);
-        dp_e2m1x8_to_bf16x8(wv[mt][r].y, factor, a[r] + 4);
-        dp_e2m1x8_to_bf16x8(wv[mt][r].z, factor, a[r] + 8);
-        dp_e2m1x8_to_bf16x8(wv[mt][r].w, factor, a[r] + 12);
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          dp_mma_16816(sum[mt][nt], a[0][2 * i], a[1][2 * i], a[0][2 * i + 1], a[1][2 * i + 1], xw[nt][2 * i],
-                       xw[nt][2 * i + 1]);
-    }
+    dp_load_x_chunk_fp4<NT>(xp, DP_FP4_CHUNK * c, DP_FP4_CHUNK * c + DP_FP4_GROUP * q < K, xw);
+    dp_mma_chunk_fp4<MT, NT>(wv, sc, xw, sum);
   };
   // The weights stream through the warp's ring with cp.async, kStages chunks ahead of their use (no
   // registers held for them: measured 2-5% faster than chunks of loads into registers); the scale
@@ -1003,6 +1020,39 @@ __device__ __forceinline__ void dp_mma_rows_fp4(WRow wrow, XRow xrow, int c0, in
       for (int k = 0; k < 4; ++k) acc[mt][nt][k] += sum[mt][nt][k] * DP_FP4_UNSHIFT;
 }
 #endif
+
+#if DP_HAS_BULK_COPY
+// The operands of one MXFP4 chunk that come from global memory in the ring loops (its activation
+// columns and the rows' scale bytes), loaded one stage ahead of the products.
+template <int MT, int NT>
+struct dp_fp4_chunk_ops {
+  dp_u32 x[NT][16];  // dp_load_x_chunk_fp4
+  dp_u32 sc[MT][2];  // scale bytes of rows g, g + 8 of each tile, group q of the chunk
+};
+// One warp's products over one MXFP4 chunk of a ring stage (dp_ring_stream): its tile rows (16 MT from
+// `first`, the stage's row index of the warp's row 0) at byte column `col` of the stage (64 bytes a
+// chunk), against the chunk's activation columns. `in`: the lane's group lies inside the matrix (the
+// ring's bytes past it are stale, read as 0). The products times 2^-32 are added to sum.
+template <int MT, int NT, int kRowBytes>
+__device__ __forceinline__ void dp_mma_ring_chunk_fp4(const unsigned char* stage, int first, int col, bool in,
+                                                      const dp_fp4_chunk_ops<MT, NT>& ops, float (&sum)[MT][NT][4]) {
+  const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
+  const unsigned char* p = stage + (first + g) * kRowBytes + col + 16 * q;
+  dp_u32x4 wv[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (in) {
+        wv[mt][r] = *(const dp_u32x4*)(p + (16 * mt + 8 * r) * kRowBytes);
+      } else {
+        wv[mt][r].x = wv[mt][r].y = wv[mt][r].z = wv[mt][r].w = 0u;
+      }
+    }
+  dp_mma_chunk_fp4<MT, NT>(wv, ops.sc, ops.x, sum);
+}
+#endif
+
 
 // A weight matrix [N, K] for the row accessors: bf16, e4m3 with its block scales, or MXFP4.
 template <int K>

@@ -702,6 +702,67 @@ __device__ __forceinline__ void dp_moe_down_impl(
       }
     } else {  // one block per tile
 #if DP_HAS_BULK_COPY
+    if constexpr (kQ4 != 0 && kRing > 0) {
+      // MXFP4, any width: the tile's 16 rows of every used expert through the ring (gemm.h,
+      // dp_ring_stream). A stage holds 1024 columns (8 chunks, 512 bytes a row) of one expert, so each
+      // group takes one chunk of every stage; its products are weighted per activation row as they are
+      // added (the chunk's activation columns, scale bytes and row weights are loaded one stage ahead).
+      constexpr int kChunks = 8, kCols = kChunks * DP_FP4_CHUNK / 2;  // a stage: chunks, bytes a row
+      constexpr int nI = (I + kChunks * DP_FP4_CHUNK - 1) / (kChunks * DP_FP4_CHUNK);  // stages of an expert
+      struct Ops {
+        dp_fp4_chunk_ops<1, NT> o;
+        float coef[NT][2];  // weight of the expert in rows 8 nt + 2 q + k, times 2^32 (0: not used)
+      };
+      auto chunk_of = [&](int j) { return (j % nI) * kChunks + group; };  // the group's chunk of the expert's row
+      auto load = [&](int j, Ops& o) {
+        const int item = j / nI, c = chunk_of(j);
+        const bool in = DP_FP4_CHUNK * c + DP_FP4_GROUP * q < I;
+        const dp_bf16* xp[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const dp_bf16* x = 8 * nt + g < T ? act_row(item, 8 * nt + g, nullptr) : nullptr;
+          xp[nt] = x ? x + DP_FP4_GROUP * q : nullptr;
+        }
+        dp_load_x_chunk_fp4<NT>(xp, DP_FP4_CHUNK * c, in, o.o.x);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) o.o.sc[0][r] = in ? (dp_u32)weight_row(item, g + 8 * r).s[4 * c + q] : 0u;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const int t = 8 * nt + 2 * q + k;
+            float cf = 0.0f;
+            if (t < T) act_row(item, t, &cf);
+            o.coef[nt][k] = cf * DP_FP4_UNSHIFT;
+          }
+      };
+      Ops cur, next;
+      const int stages = items * nI;
+      dp_ring_stream<M, kCols, kRing, 0>(
+          stages,
+          [&](int j) {
+            const int left = I / 2 - (j % nI) * kCols;
+            return left < kCols ? left : kCols;
+          },
+          [&](int j, int i) { return weight_row(j / nI, i).w + (j % nI) * kCols; },
+          [&](int j, const unsigned char* stage) {
+            if (j == 0)
+              load(j, cur);
+            else
+              cur = next;
+            if (j + 1 < stages) load(j + 1, next);
+            const int c = chunk_of(j);
+            if (DP_FP4_CHUNK * c < I) {  // uniform over the group
+              float sum[1][NT][4] = {};
+              dp_mma_ring_chunk_fp4<1, NT, dp_ring_geometry<M, kCols>::kRowBytes>(
+                  stage, 0, DP_FP4_CHUNK / 2 * group, DP_FP4_CHUNK * c + DP_FP4_GROUP * q < I, cur.o, sum);
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) acc[nt][k] += cur.coef[nt][k % 2] * sum[0][nt][k];
+            }
+          });
+    } else
     if constexpr (T == 1 && kQ8 != 0 && kRing > 0) {
       // One row, e4m3: the tile's 16 rows of every item through the ring (gemm.h, dp_ring_stream), the
       // shared expert's first. A stage holds 1024 columns of one item, so each group takes one 128-column
@@ -855,14 +916,17 @@ __device__ __forceinline__ void dp_moe_down_q8(const dp_bf16* __restrict__ h, co
 }
 // Routed experts in MXFP4 (the K3 latent MoE: D is the latent width, out the scaled latent sum), no
 // shared expert; strides in bytes (packed: at least D*I/2, a multiple of 16; scales: at least D*I/32).
-template <int T, int D, int I, int E, int KT, int SI, int M>
+// kRing > 0 (sm_90): the weight rows stream through a ring of kRing stages of 16 x 1024 columns in the
+// launch's dynamic shared memory (kRing * 9216 bytes), at any width.
+template <int T, int D, int I, int E, int KT, int SI, int M, int kRing = 0>
 __device__ __forceinline__ void dp_moe_down_q4(const dp_bf16* __restrict__ h, const dp_u8* w2, const dp_u8* w2_scale,
                                                const dp_i32* __restrict__ experts,
                                                const dp_i32* __restrict__ expert_slots,
                                                const float* __restrict__ topk_weights, dp_bf16* __restrict__ out,
                                                float routed_scaling, dp_u32 stride_w2, dp_u32 stride_w2_scale) {
-  dp_moe_down_impl<T, D, I, E, KT, SI, M, 0, 1>(h, nullptr, w2, w2_scale, nullptr, nullptr, experts, expert_slots,
-                                                topk_weights, out, routed_scaling, stride_w2, stride_w2_scale);
+  dp_moe_down_impl<T, D, I, E, KT, SI, M, 0, 1, 0, kRing>(h, nullptr, w2, w2_scale, nullptr, nullptr, experts,
+                                                          expert_slots, topk_weights, out, routed_scaling, stride_w2,
+                                                          stride_w2_scale);
 }
 // The bf16 and e4m3 forms over a grid of G blocks that share every tile's work evenly (dp_moe_split;
 // kSplit = G; bf16 from two rows, where the tensor cores take the tiles).

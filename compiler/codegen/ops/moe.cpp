@@ -296,8 +296,8 @@ std::vector<OpSpec> moe_ops() {
            {"SK", "sk", 0, 4096,
             "blocks that share every tile's work evenly (the split grid; 0: one block per tile); not bf16 at "
             "one row", true},
-           ring_param("e4m3, one row, one block per tile: the tile's rows of every item through a shared-memory "
-                      "ring of RG stages (bulk copies; 0: register loads)")},
+           ring_param("one block per tile: the tile's rows of every item through a shared-memory ring of RG "
+                      "stages (bulk copies; 0: register loads); e4m3 at one row, MXFP4 at any width")},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"D", "I", "S"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"I", "S"});
@@ -306,13 +306,13 @@ std::vector<OpSpec> moe_ops() {
             if (p.at("SK") && moe_down_rows(p) != kTileRows)
               fail(Errc::input, "{}: parameter SK = {} (the split grid) needs the tensor-core tiles: bf16 experts at "
                    "one row (W = 1) take the lane-FMA loop", who, p.at("SK"));
-            check_ring(p, who, p.at("W") == 1 && !p.at("SK"), "the ring form is one row's (W = 1) without the split "
-                       "grid (SK = 0)");
+            check_ring(p, who, (p.at("W") == 1 || p.at("Q4")) && !p.at("SK"),
+                       "the ring form is one block per tile (SK = 0), and one row's (W = 1) for e4m3 experts");
           },
           [](const Params& p) {
             std::vector<int64_t> a{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"), moe_down_rows(p)};
             if (p.at("SK")) a.push_back(p.at("SK"));  // the split forms' G
-            if (p.at("RG")) a.push_back(p.at("RG"));  // dp_moe_down_q8's kRing
+            if (p.at("RG")) a.push_back(p.at("RG"));  // dp_moe_down_q8's or _q4's kRing
             return a;
           },
           [](const Params& p) {
@@ -453,7 +453,9 @@ std::vector<OpSpec> moe_ops() {
     if (name == "moe_up" || name == "mlp_up") op.dynamic_shared = gate_up_ring_bytes;
     if (name == "moe_down")  // the 16-row tile, 1024-column stages (RG of them: the items are known at run time)
       op.dynamic_shared = [](const Params& p, const std::string& target) {
-        return p.at("RG") && bulk_copy_target(target) ? ring_bytes(kTileRows, 8 * kFp8Block, p.at("RG")) : uint32_t{0};
+        if (!p.at("RG") || !bulk_copy_target(target)) return uint32_t{0};
+        const int64_t cols = 8 * (p.at("Q4") ? kMxfp4Chunk / 2 : kFp8Block);  // bytes of a row in a stage
+        return ring_bytes(kTileRows, cols, p.at("RG"));
       };
   }
   return ops;

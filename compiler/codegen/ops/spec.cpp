@@ -27,8 +27,10 @@ bool bulk_copy_target(const std::string& target) {
 
 void check_ring(const Params& p, const std::string& who, bool allowed, const char* what) {
   if (!p.at("RG")) return;
-  if (!p.at("Q8"))
-    fail(Errc::input, "{}: parameter RG = {} (weight ring) streams e4m3 weights, but Q8 = 0", who, p.at("RG"));
+  const bool q4 = p.count("Q4") && p.at("Q4");
+  if (!p.at("Q8") && !q4)
+    fail(Errc::input, "{}: parameter RG = {} (weight ring) streams e4m3 or MXFP4 weights, but Q8 = 0{}", who,
+         p.at("RG"), p.count("Q4") ? " and Q4 = 0" : "");
   if (!allowed) fail(Errc::input, "{}: parameter RG = {} (weight ring): {}", who, p.at("RG"), what);
 }
 

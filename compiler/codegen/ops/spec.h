@@ -107,7 +107,7 @@ inline constexpr int64_t kTargetBlocks = 264;  // about two blocks per SM of a 1
 inline const char* gemv_bounds(const Params& p) { return p.at("W") <= 8 ? "DP_KERNEL_BOUNDS_2" : "DP_KERNEL_BOUNDS"; }
 
 // ---- Weight ring (templates/gemm.h, dp_ring_stream) ----------------------------------------------
-// RG > 0: the e4m3 weights of a GEMM-shaped block stream through a ring of RG stages in shared memory,
+// RG > 0: the e4m3 (or MXFP4) weights of a GEMM-shaped block stream through a ring of RG stages in shared memory,
 // filled by bulk asynchronous copies (NVIDIA from sm_90; elsewhere the template reads weights as without
 // it, and the launch takes no dynamic shared memory). A stage holds `rows` weight rows of `cols` bytes,
 // each padded by 64 bytes.
@@ -116,7 +116,7 @@ bool bulk_copy_target(const std::string& target);  // "sm_90a" and later NVIDIA 
 inline uint32_t ring_bytes(int64_t rows, int64_t cols, int64_t stages) {
   return static_cast<uint32_t>(stages * rows * (cols + 64));
 }
-// Fails unless RG (when set) has the e4m3 weights it streams and the form `what` allows it.
+// Fails unless RG (when set) has the e4m3 or MXFP4 weights it streams and the form `what` allows it.
 void check_ring(const Params& p, const std::string& who, bool allowed, const char* what);
 
 // ---- Messages and shapes ------------------------------------------------------------------------
@@ -124,7 +124,8 @@ void check_ring(const Params& p, const std::string& who, bool allowed, const cha
 // ops that read weights (0: bf16), the scale argument of an e4m3 weight argument ("w0" -> "w0_scale")
 // and its shape.
 inline constexpr int64_t kFp8Block = 128;
-inline constexpr int64_t kMxfp4Group = 32;  // MXFP4: values per E8M0 scale (Q4 forms)
+inline constexpr int64_t kMxfp4Group = 32;   // MXFP4: values per E8M0 scale (Q4 forms)
+inline constexpr int64_t kMxfp4Chunk = 128;  // MXFP4: columns of a chunk, the K unit of the tensor-core loops
 ParamSpec q8_param(const char* doc);
 std::string scale_shape(int64_t rows, int64_t cols);  // "[ceil(rows/128), ceil(cols/128)] fp32"
 // Fails unless `keys` are multiples of 16 (rows read as 16-byte e4m3 vectors).

@@ -80,7 +80,12 @@ inline KernelInstance q8(KernelInstance k, int64_t mask = 1) {
   k.params["Q8"] = mask;
   return k;
 }
-// The weight-ring form (RG stages) of an e4m3 op.
+// The MXFP4 form (Q4 = v) of moe_up / moe_down.
+inline KernelInstance q4(KernelInstance k, int64_t v = 1) {
+  k.params["Q4"] = v;
+  return k;
+}
+// The weight-ring form (RG stages) of an e4m3 or MXFP4 op.
 inline KernelInstance ring(KernelInstance k, int64_t stages = 6) {
   k.params["RG"] = stages;
   return k;

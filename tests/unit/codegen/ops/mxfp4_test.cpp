@@ -13,10 +13,6 @@ namespace {
 
 using namespace test_ops;
 
-KernelInstance q4(KernelInstance k, int64_t v = 1) {
-  k.params["Q4"] = v;
-  return k;
-}
 KernelInstance ad(KernelInstance k, int64_t v = 1) {
   k.params["AD"] = v;
   return k;

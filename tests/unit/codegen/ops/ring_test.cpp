@@ -1,4 +1,4 @@
-// The weight-ring forms (RG: e4m3 weights streamed through shared memory by bulk copies, templates/
+// The weight-ring forms (RG: e4m3 or MXFP4 weights streamed through shared memory by bulk copies, templates/
 // gemm.h dp_ring_stream) of gemm, moe_up, mlp_up and moe_down: names, checks, the device calls, the
 // dynamic shared memory per target, and a real compile for sm_90a and gfx942 (CPU only; correctness on a
 // GPU is tests/gpu/kernels).
@@ -27,14 +27,19 @@ TEST(RingOps, NamesCarryTheStages) {
 TEST(RingOps, RefuseWhatTheRingCannotStream) {
   using test::expect_error;
   expect_error([] { kernel_name(ring(gemm(1, 4096, {2304}))); }, Errc::input,
-               {"RG = 6 (weight ring) streams e4m3 weights, but Q8 = 0"});
+               {"RG = 6 (weight ring) streams e4m3 or MXFP4 weights, but Q8 = 0"});
+  expect_error([] { kernel_name(ring(moe_down(1, 2304, 1024, 256, 8, 1024))); }, Errc::input,
+               {"RG = 6 (weight ring)", "Q8 = 0 and Q4 = 0"});
   expect_error([] { kernel_name(ring(q8(gemm_norm(1, 4096, 2304)))); }, Errc::input,
                {"RG = 6", "fused-norm"});
   expect_error([] { kernel_name(ring(q8(moe_down(2, 2304, 1024, 256, 8, 1024)))); }, Errc::input,
-               {"RG = 6", "one row's (W = 1)"});
+               {"RG = 6", "one row's (W = 1) for e4m3"});
   KernelInstance split = ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024)));
   split.params["SK"] = 264;
   expect_error([&] { kernel_name(split); }, Errc::input, {"RG = 6", "SK = 0"});
+  KernelInstance split4 = ring(q4(moe_down(4, 3584, 3072, 896, 16, 0)));
+  split4.params["SK"] = 264;
+  expect_error([&] { kernel_name(split4); }, Errc::input, {"RG = 6", "SK = 0"});
   expect_error([] { kernel_name(ring(q8(gemm(1, 4096, {2304})), 9)); }, Errc::input, {"RG = 9 is out of range"});
 }
 
@@ -55,6 +60,10 @@ TEST(RingOps, DeviceCallsPassTheStages) {
   EXPECT_NE(generate_source(ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024))))
                 .find("dp_moe_down_q8<1, 2304, 1024, 256, 8, 1024, 16, 6>("),
             std::string::npos);
+  // MXFP4 experts at any width (the K3 latent sum).
+  EXPECT_NE(generate_source(ring(q4(moe_down(8, 3584, 3072, 896, 16, 0)), 8))
+                .find("dp_moe_down_q4<8, 3584, 3072, 896, 16, 0, 16, 8>("),
+            std::string::npos);
   // Block tiles: one block per 16 features (576 for the 48B shape's shared + 8 routed experts).
   EXPECT_EQ(launch_shape(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)))).grid[0], (1024u / 16) * 9);
   EXPECT_EQ(launch_shape(ring(q8(mlp_up(1, 2304, 9216)))).grid[0], 9216u / 16);
@@ -70,6 +79,10 @@ TEST(RingOps, DynamicSharedMemoryIsTheRing) {
   EXPECT_EQ(launch_shape(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)))).dynamic_shared_bytes, 5u * 32 * (512 + 64));
   EXPECT_EQ(launch_shape(ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024)), 4)).dynamic_shared_bytes,
             4u * 16 * (1024 + 64));
+  // MXFP4: 1024 columns are 512 bytes a row.
+  EXPECT_EQ(launch_shape(ring(q4(moe_down(3, 3584, 3072, 896, 16, 0)), 8)).dynamic_shared_bytes,
+            8u * 16 * (512 + 64));
+  EXPECT_EQ(launch_shape(ring(q4(moe_down(3, 3584, 3072, 896, 16, 0, "gfx942")), 8)).dynamic_shared_bytes, 0u);
   EXPECT_EQ(launch_shape(ring(q8(gemm(1, 4096, {2304}, false, "gfx942")))).dynamic_shared_bytes, 0u);
   EXPECT_EQ(launch_shape(ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024, "gfx942")))).dynamic_shared_bytes, 0u);
   // Six stages keep two blocks per SM (228 KiB a Hopper SM, 1 KiB reserved per block).
@@ -77,7 +90,7 @@ TEST(RingOps, DynamicSharedMemoryIsTheRing) {
 }
 
 std::vector<KernelInstance> compile_set(const std::string& t) {
-  return {
+  std::vector<KernelInstance> set{
       ring(q8(gemm(1, 4096, {2304}, false, t))),
       ring(q8(gemm(1, 272, {256}, false, t))),  // K with a partial 128-column block
       ring(q8(gemm(8, 2304, {4096, 4096, 4096, 128, 128, 32}, false, t), 7)),
@@ -88,7 +101,14 @@ std::vector<KernelInstance> compile_set(const std::string& t) {
       ring(q8(moe_up(16, 256, 128, 16, 4, 128, 0, t))),
       ring(q8(moe_down(1, 256, 144, 16, 4, 128, t))),  // I with a partial block, S of another width
       ring(q8(moe_down(1, 2304, 1024, 256, 8, 0, t))),
+      ring(q4(moe_down(1, 3584, 3072, 896, 16, 0, t)), 8),  // the K3 latent sum
+      ring(q4(moe_down(8, 3584, 3072, 896, 16, 0, t)), 8),
+      ring(q4(moe_down(3, 256, 1056, 16, 4, 0, t))),  // I with a partial stage and a partial chunk
   };
+  // Two activation tiles. (On gfx942 the ring is not there, and the lane-FMA loop's 16-row MXFP4 form
+  // keeps its accumulators on the stack: no plan asks for it, the K3 widths are 1-8.)
+  if (t == "sm_90a") set.push_back(ring(q4(moe_down(16, 3584, 3072, 896, 16, 0, t)), 8));
+  return set;
 }
 
 TEST(RingOpsCompile, EveryOpCompilesForSm90a) {
