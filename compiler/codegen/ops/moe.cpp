@@ -196,7 +196,8 @@ std::vector<OpSpec> moe_ops() {
             if (p.at("Q8")) check_multiple_of_16(p, who, {"D", "I", "S"});
             check_q4(p, who, "D");
             check_topk(p, who);
-            check_ring(p, who, true, "");
+            check_ring(p, who, !p.at("Q4"), "the MXFP4 experts' gate/up has no ring form (their warp tiles stream "
+                       "through a per-warp ring of their own)");
           },
           [](const Params& p) {
             std::vector<int64_t> a{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"),

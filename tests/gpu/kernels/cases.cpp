@@ -202,12 +202,12 @@ std::vector<Case> all_cases() {
 }
 
 std::vector<codegen::KernelInstance> CaseKernels::all() const {
-  std::vector<codegen::KernelInstance> v{rmsnorm,  in_proj, kda, kda_split, o_proj,   o_proj_norm, router, route,
-                                         router_route, moe_up,
-                                         moe_down, mlp_up,  mlp_down, mla_prep, mla_attn, mla_combine, mla_attn_staged, mixed,
-                                         mla_in,   q_norm,  q_b,      lat_down, lat_norm, lat_up, moe_down_split,
-                                         attnres[0], attnres[1],
-                                         attnres[2], attnres_k3};
+  std::vector<codegen::KernelInstance> v{
+      rmsnorm,    in_proj,    kda,        kda_split,  o_proj,        o_proj_norm, router,          route,
+      router_route, moe_up,   moe_down,   mlp_up,     mlp_down,      mla_prep,    mla_attn,        mla_combine,
+      mla_attn_staged, mixed, mla_in,     q_norm,     q_b,           lat_down,    lat_norm,        lat_up,
+      moe_down_split, attnres[0], attnres[1], attnres[2], attnres_k3};
+  v.insert(v.end(), moe_down_rings.begin(), moe_down_rings.end());
   std::erase_if(v, [](const codegen::KernelInstance& k) { return k.op.empty(); });
   return v;
 }
@@ -344,6 +344,12 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
     l.lat_up.params["AD"] = 1;
     l.moe_down_split = l.moe_down;
     l.moe_down_split.params["SK"] = 264;
+    // DP_CHECK_RING names one depth instead (dp_kernel_build and dp_kernel_check must see the same value).
+    const char* rg = std::getenv("DP_CHECK_RING");
+    for (int64_t stages : rg && *rg ? std::vector<int64_t>{std::atoi(rg)} : std::vector<int64_t>{4, 6, 8}) {
+      l.moe_down_rings.push_back(l.moe_down);
+      l.moe_down_rings.back().params["RG"] = stages;
+    }
     return l;
   }
   return k;

@@ -1463,6 +1463,17 @@ void check_latent_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t se
     for (uint32_t v : cnt.download<uint32_t>()) left += v != 0;
     ctx.report.zero(c.name(), "moe_down split: tile counters left nonzero", left);
   }
+  // The weight ring (RG): the same sum, the weights streamed through shared memory by bulk copies.
+  for (const codegen::KernelInstance& ring : k.moe_down_rings) {
+    DevBuf sum3(T * D * 2);
+    sum3.poison();
+    const float ring_ms = ctx.kernels.launch(ring, down_args(sum3), repeat);
+    ctx.report.add(c.name(), fmt::format("moe_down mxfp4 ring of {} stages", ring.params.at("RG")),
+                   rel(bf16_out(sum3), sums_both[0]), kBf16Tol,
+                   ctx.time ? fmt::format("{:.1f} us, {:.0f} GB/s on {} experts' packed bytes", ring_ms * 1e3,
+                                          down_bytes / (ring_ms * 1e-3) * 1e-9, R.used_v.size())
+                            : std::string());
+  }
 
   // ---- RMSNorm of the latent sum (no residual: residual_out is a copy of the input) ----
   auto nw = rand_bf16(D, rng, 0.5, 1.5);

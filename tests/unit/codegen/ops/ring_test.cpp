@@ -37,6 +37,8 @@ TEST(RingOps, RefuseWhatTheRingCannotStream) {
   KernelInstance split = ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024)));
   split.params["SK"] = 264;
   expect_error([&] { kernel_name(split); }, Errc::input, {"RG = 6", "SK = 0"});
+  expect_error([] { kernel_name(ring(q4(moe_up(1, 3584, 3072, 896, 16, 0, 1)))); }, Errc::input,
+               {"RG = 6", "MXFP4 experts' gate/up has no ring form"});
   KernelInstance split4 = ring(q4(moe_down(4, 3584, 3072, 896, 16, 0)));
   split4.params["SK"] = 264;
   expect_error([&] { kernel_name(split4); }, Errc::input, {"RG = 6", "SK = 0"});
