@@ -600,6 +600,12 @@ __device__ __forceinline__ void dp_moe_down_impl(
     if (coef) *coef = j >= 0 ? routed_scaling * topk_weights[t * KT + j] : 0.0f;
     return j >= 0 ? h + ((dp_u64)t * KT + j) * I : nullptr;
   };
+  // The weight of item `item`'s products in activation row t (0 for rows past T).
+  auto row_weight = [&](int item, int t) {
+    float c = 0.0f;
+    if (t < T) act_row(item, t, &c);
+    return c;
+  };
 
   if constexpr (kMma) {
 #if DP_VENDOR_NVIDIA
@@ -631,9 +637,7 @@ __device__ __forceinline__ void dp_moe_down_impl(
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
-          const int t = 8 * nt + 2 * q + k;
-          float c = 0.0f;
-          if (t < T) act_row(item, t, &c);
+          const float c = row_weight(item, 8 * nt + 2 * q + k);
           acc[nt][k] += c * tmp[0][nt][k];
           acc[nt][k + 2] += c * tmp[0][nt][k + 2];
         }
@@ -729,12 +733,7 @@ __device__ __forceinline__ void dp_moe_down_impl(
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const int t = 8 * nt + 2 * q + k;
-            float cf = 0.0f;
-            if (t < T) act_row(item, t, &cf);
-            o.coef[nt][k] = cf * DP_FP4_UNSHIFT;
-          }
+          for (int k = 0; k < 2; ++k) o.coef[nt][k] = row_weight(item, 8 * nt + 2 * q + k) * DP_FP4_UNSHIFT;
       };
       Ops cur, next;
       const int stages = items * nI;
