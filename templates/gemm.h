@@ -622,6 +622,50 @@ __device__ __forceinline__ void dp_ring_stream(int stages, Cols cols, Row row, C
   }
 }
 
+// The same for one warp on its own (sm_90): the warp's rows stream through its own ring of kStages
+// stages (its slice of the launch's dynamic shared memory, after the slices of the warps before it;
+// DP_GEMM_GROUPS slices in all, dp_warp_ring_bytes) with an mbarrier per stage of its own. Lane 0
+// announces a stage's bytes, lanes 0..kRows-1 issue its copies, and a stage is refilled once the warp is
+// done with it (a warp barrier): no block barrier, so a warp may walk a sequence of tiles of its own,
+// and the stream runs on from one tile into the next. Every lane of the warp calls it, with the same
+// arguments; cols, row and consume as dp_ring_stream's, consume(j, stage) called by the warp alone.
+template <int kRows, int kCols, int kStages>
+__host__ __device__ constexpr int dp_warp_ring_bytes() {
+  return DP_GEMM_GROUPS * dp_ring_bytes<kRows, kCols, kStages>();
+}
+template <int kRows, int kCols, int kStages, typename Cols, typename Row, typename Consume>
+__device__ __forceinline__ void dp_warp_ring_stream(int stages, Cols cols, Row row, Consume consume) {
+  typedef dp_ring_geometry<kRows, kCols> R;
+  static_assert(kCols % 16 == 0 && kStages >= 1 && kRows <= DP_GROUP, "warp ring: 16-byte rows, one copy a lane");
+  extern __shared__ __align__(128) unsigned char dp_ring[];  // [DP_GEMM_GROUPS][kStages][kRows][kRowBytes]
+  __shared__ __align__(8) dp_u64 full[DP_GEMM_GROUPS][kStages];  // per warp and stage: its bytes have landed
+  const int warp = (int)threadIdx.x / DP_GROUP, lane = (int)threadIdx.x % DP_GROUP;
+  if (dp_dynamic_smem_bytes() < (dp_u32)dp_warp_ring_bytes<kRows, kCols, kStages>()) __trap();
+  unsigned char* ring = dp_ring + warp * kStages * R::kStageBytes;
+  dp_u64* bar = full[warp];
+  auto issue = [&](int j) {  // stage j's copies into its slot
+    const dp_u32 n = (dp_u32)cols(j);
+    unsigned char* st = ring + (j % kStages) * R::kStageBytes;
+    if (lane == 0) dp_mbar_expect_bytes(&bar[j % kStages], n * (dp_u32)kRows);
+    __syncwarp();
+    if (lane < kRows) dp_bulk_copy_shared(st + lane * R::kRowBytes, row(j, lane), n, &bar[j % kStages]);
+  };
+  if (lane == 0) {
+    for (int k = 0; k < kStages; ++k) dp_mbar_init(&bar[k]);
+    dp_mbar_init_fence();
+  }
+  __syncwarp();
+  for (int j = 0; j < kStages && j < stages; ++j) issue(j);
+  for (int j = 0; j < stages; ++j) {
+    dp_mbar_wait(&bar[j % kStages], (dp_u32)(j / kStages) & 1u);
+    consume(j, (const unsigned char*)ring + (j % kStages) * R::kStageBytes);
+    if (j + kStages < stages) {
+      __syncwarp();  // every lane is done with stage j's slot
+      issue(j + kStages);
+    }
+  }
+}
+
 // The operands of one 128-column e4m3 block that come from global memory (its activation columns and
 // the rows' block scales), loaded one block ahead of the products in the ring loops.
 template <int MT, int NT>

@@ -290,6 +290,109 @@ __device__ __forceinline__ void dp_gate_up_warp_tile(XRow xrow, WM wg, WM wu, in
 }
 #endif
 
+#if DP_HAS_BULK_COPY
+// dp_moe_up_impl's MXFP4 warp tiles with kRing > 0 (sm_90; the arguments as dp_moe_up_q4's).
+template <int T, int D, int I, int KT, int kAct, int kRing>
+__device__ __forceinline__ void dp_moe_up_q4_ring(const dp_bf16* __restrict__ x, const dp_u8* w1, const dp_u8* w1_scale,
+                                                  const dp_u8* w3, const dp_u8* w3_scale,
+                                                  const dp_i32* __restrict__ experts,
+                                                  const dp_i32* __restrict__ expert_slots, dp_bf16* __restrict__ h,
+                                                  dp_u32 stride_w1, dp_u32 stride_w1_scale, dp_u32 stride_w3,
+                                                  dp_u32 stride_w3_scale, float act_beta, float act_lbeta) {
+  // MXFP4 warp tiles whose weight rows stream through each warp's own ring (gemm.h,
+  // dp_warp_ring_stream): a stage is 4 chunks (512 columns, 256 bytes a row) of the tile's 16 rows,
+  // and the stream runs on from one of the warp's tiles into the next, so that no tile waits for its
+  // first loads. A chunk's scale bytes are loaded a stage ahead, its activation columns as it is
+  // multiplied; the chunks are summed in the register loop's order (the same h, bit for bit).
+  constexpr int NT = (T + 7) / 8;
+  constexpr int kChunks = 4, kCols = kChunks * DP_FP4_CHUNK / 2;                          // a stage
+  constexpr int nSt = (D + kChunks * DP_FP4_CHUNK - 1) / (kChunks * DP_FP4_CHUNK);  // stages of a tile
+  constexpr int tI = (I + 7) / 8;                                                   // tiles of an expert
+  const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
+  const int warps = (int)gridDim.x * DP_GEMM_GROUPS;
+  const int first = (int)blockIdx.x * DP_GEMM_GROUPS + (int)threadIdx.x / DP_GROUP;  // this warp's first tile
+  const int total = experts[0] * tI;
+  const int tiles = first < total ? (total - first + warps - 1) / warps : 0;  // this warp's tiles
+  auto tile_of = [&](int j) { return first + (j / nSt) * warps; };         // the tile of stage j
+  // Row m of tile `it`: the gate (m < 8) or up row of feature 8 (it % tI) + m % 8 of its expert.
+  auto wrow = [&](int it, int m) {
+    const dp_u64 e = (dp_u64)experts[1 + it / tI];
+    const int f = 8 * (it % tI) + m % 8;
+    return m < 8 ? dp_fp4_matrix_row<D>(w1 + e * stride_w1, w1_scale + e * stride_w1_scale, f < I ? f : 0)
+                 : dp_fp4_matrix_row<D>(w3 + e * stride_w3, w3_scale + e * stride_w3_scale, f < I ? f : 0);
+  };
+  typedef dp_u32 StageScales[kChunks][2];  // scale bytes of a stage's chunks, rows g and g + 8 (group q)
+  auto load_scales = [&](int j, StageScales& sc) {
+    const int it = tile_of(j);
+#pragma unroll
+    for (int cc = 0; cc < kChunks; ++cc) {
+      const int c = (j % nSt) * kChunks + cc;
+      const bool in = DP_FP4_CHUNK * c + DP_FP4_GROUP * q < D;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) sc[cc][r] = in ? (dp_u32)wrow(it, g + 8 * r).s[4 * c + q] : 0u;
+    }
+  };
+  float sum[1][NT][4];  // the tile's products times 2^-32
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) sum[0][nt][0] = sum[0][nt][1] = sum[0][nt][2] = sum[0][nt][3] = 0.0f;
+  StageScales cur, next;
+  const int stages = tiles * nSt;
+  dp_warp_ring_stream<16, kCols, kRing>(
+      stages,
+      [&](int j) {
+        const int left = D / 2 - (j % nSt) * kCols;
+        return left < kCols ? left : kCols;
+      },
+      [&](int j, int i) { return wrow(tile_of(j), i).w + (j % nSt) * kCols; },
+      [&](int j, const unsigned char* stage) {
+        if (j == 0) {
+          load_scales(j, cur);
+        } else {
+#pragma unroll
+          for (int cc = 0; cc < kChunks; ++cc) cur[cc][0] = next[cc][0], cur[cc][1] = next[cc][1];
+        }
+        if (j + 1 < stages) load_scales(j + 1, next);
+        const int it = tile_of(j), s = j % nSt;
+        const dp_i32* slots = expert_slots + (it / tI) * T;
+        const dp_bf16* xp[NT];  // activation row g of each tile from the lane's group (rows that chose e)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int t = 8 * nt + g;
+          xp[nt] = t < T && slots[t] >= 0 ? x + (dp_u64)t * D + DP_FP4_GROUP * q : nullptr;
+        }
+#pragma unroll
+        for (int cc = 0; cc < kChunks; ++cc) {
+          const int c = s * kChunks + cc;
+          if (DP_FP4_CHUNK * c < D) {  // uniform over the warp
+            const bool in = DP_FP4_CHUNK * c + DP_FP4_GROUP * q < D;
+            dp_fp4_chunk_ops<1, NT> ops;
+            dp_load_x_chunk_fp4<NT>(xp, DP_FP4_CHUNK * c, in, ops.x);
+            ops.sc[0][0] = cur[cc][0];
+            ops.sc[0][1] = cur[cc][1];
+            dp_mma_ring_chunk_fp4<1, NT, dp_ring_geometry<16, kCols>::kRowBytes>(stage, 0, DP_FP4_CHUNK / 2 * cc,
+                                                                                 in, ops, sum);
+          }
+        }
+        if (s + 1 < nSt) return;
+        // The tile's last stage: lane (g, q) holds gate and up of feature f for rows 8 nt + 2 q + k.
+        const int f = 8 * (it % tI) + g;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const int t = 8 * nt + 2 * q + k;
+            if (f < I && t < T && slots[t] >= 0) {
+              const float gv = dp_round_bf16(sum[0][nt][k] * DP_FP4_UNSHIFT);
+              const float uv = dp_round_bf16(sum[0][nt][k + 2] * DP_FP4_UNSHIFT);
+              h[((dp_u64)t * KT + slots[t]) * I + f] = dp_f32_to_bf16(dp_gated_act<kAct>(gv, uv, act_beta, act_lbeta));
+            }
+          }
+          sum[0][nt][0] = sum[0][nt][1] = sum[0][nt][2] = sum[0][nt][3] = 0.0f;
+        }
+      });
+}
+#endif
+
 // Routed + shared gate/up. Two work splits (kWarpTiles, chosen by the compiler from T):
 //   0: block tiles. Launch: grid = nS + U*nI blocks, block 256, where nI = ceil(I/RB) tiles of one
 //      expert, nS = ceil(SI/RB) tiles of the shared expert (0 without one): shared tiles first, then
@@ -328,6 +431,14 @@ __device__ __forceinline__ void dp_moe_up_impl(
       return dp_bf16_matrix<D>{(const dp_bf16*)w + w_off};
   };
 #if DP_VENDOR_NVIDIA
+#if DP_HAS_BULK_COPY
+  if constexpr (kWarpTiles && kQ4 != 0 && kRing > 0) {
+    dp_moe_up_q4_ring<T, D, I, KT, kAct, kRing>(x, (const dp_u8*)w1, (const dp_u8*)w1_scale, (const dp_u8*)w3,
+                                                 (const dp_u8*)w3_scale, experts, expert_slots, h, stride_w1,
+                                                 stride_w1_scale, stride_w3, stride_w3_scale, act_beta, act_lbeta);
+    return;
+  }
+#endif
   if constexpr (kWarpTiles && (T >= 2 || kQ4 != 0 || kQ8 != 0)) {
     constexpr int tS = (SI + 7) / 8, tI = (I + 7) / 8;  // 8-feature tiles of the shared expert, of one expert
     const int warps = (int)gridDim.x * DP_GEMM_GROUPS;
@@ -424,14 +535,15 @@ __device__ __forceinline__ void dp_moe_up_q8(const dp_bf16* __restrict__ x, cons
 
 // Routed experts in MXFP4 (the K3 latent MoE: D is the latent width), no shared expert. The scale
 // tensors are stacked like the packed weights; strides in bytes (packed: at least I*D/2, a multiple of
-// 16; scales: at least I*D/32).
-template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S, int kWarpTiles>
+// 16; scales: at least I*D/32). kRing > 0 (sm_90, warp tiles): each warp's rows stream through its own
+// ring of kRing stages of 16 x 512 columns in the launch's dynamic shared memory (8 * kRing * 5120 bytes).
+template <int T, int D, int I, int E, int KT, int SI, int kAct, int MT, int S, int kWarpTiles, int kRing = 0>
 __device__ __forceinline__ void dp_moe_up_q4(const dp_bf16* __restrict__ x, const dp_u8* w1, const dp_u8* w1_scale,
                                              const dp_u8* w3, const dp_u8* w3_scale, const dp_i32* __restrict__ experts,
                                              const dp_i32* __restrict__ expert_slots, dp_bf16* __restrict__ h,
                                              dp_u32 stride_w1, dp_u32 stride_w1_scale, dp_u32 stride_w3,
                                              dp_u32 stride_w3_scale, float act_beta = 0.0f, float act_lbeta = 0.0f) {
-  dp_moe_up_impl<T, D, I, E, KT, SI, kAct, MT, S, kWarpTiles, 0, 1>(
+  dp_moe_up_impl<T, D, I, E, KT, SI, kAct, MT, S, kWarpTiles, 0, 1, kRing>(
       x, w1, w1_scale, w3, w3_scale, nullptr, nullptr, nullptr, nullptr, experts, expert_slots, h, nullptr, stride_w1,
       stride_w1_scale, stride_w3, stride_w3_scale, act_beta, act_lbeta);
 }

@@ -208,6 +208,7 @@ std::vector<codegen::KernelInstance> CaseKernels::all() const {
       mla_attn_staged, mixed, mla_in,     q_norm,     q_b,           lat_down,    lat_norm,        lat_up,
       moe_down_split, attnres[0], attnres[1], attnres[2], attnres_k3};
   v.insert(v.end(), moe_down_rings.begin(), moe_down_rings.end());
+  v.insert(v.end(), moe_up_rings.begin(), moe_up_rings.end());
   std::erase_if(v, [](const codegen::KernelInstance& k) { return k.op.empty(); });
   return v;
 }
@@ -349,6 +350,10 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
     for (int64_t stages : rg && *rg ? std::vector<int64_t>{std::atoi(rg)} : std::vector<int64_t>{4, 6, 8}) {
       l.moe_down_rings.push_back(l.moe_down);
       l.moe_down_rings.back().params["RG"] = stages;
+    }
+    for (int64_t stages : {2, 3}) {
+      l.moe_up_rings.push_back(l.moe_up);
+      l.moe_up_rings.back().params["RG"] = stages;
     }
     return l;
   }

@@ -124,8 +124,9 @@ struct CaseKernels {
   codegen::KernelInstance moe_down_split;  // moe_down over a grid of 264 blocks sharing the tiles (SK; MXFP4, e4m3,
                                            // bf16 from two rows)
   // MXFP4 cases: moe_down through the weight ring at 4, 6 and 8 stages (or the one DP_CHECK_RING names),
-  // beside the register form (timed side by side).
+  // and moe_up through a ring per warp at 2 and 3 stages, beside the register forms (timed side by side).
   std::vector<codegen::KernelInstance> moe_down_rings;
+  std::vector<codegen::KernelInstance> moe_up_rings;
   // K3 cases (attn_res_block > 0, not FP8; op "" otherwise): attnres at stage 0 (before the input norm,
   // may push), 1 (before the post-attention norm) and 2 (the final norm), at the model's shape, and at
   // Kimi-K3's own (H 7168, block 12, 8 blocks; stage 0) over the same rows.

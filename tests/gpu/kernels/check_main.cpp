@@ -1386,6 +1386,26 @@ void check_latent_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t se
                  ctx.time ? fmt::format("{:.1f} us, {:.0f} GB/s on {} experts' packed bytes", up_ms * 1e3,
                                         up_bytes / (up_ms * 1e-3) * 1e-9, R.used_v.size())
                           : layout_note);
+  // The weight rings (RG, a ring per warp): the same h bit for bit (the chunks are summed in the register
+  // loop's order), and its time beside the register form's.
+  for (const codegen::KernelInstance& ring : k.moe_up_rings) {
+    DevBuf h2(T * KT * I * 2);
+    h2.poison();
+    std::map<std::string, Arg> ring_args = up_args;
+    ring_args.insert_or_assign("h", Arg(h2));
+    const float ring_ms = ctx.kernels.launch(ring, ring_args, repeat);
+    const std::vector<uint16_t> a = h.download<uint16_t>(), b = h2.download<uint16_t>();
+    int64_t unlike = 0;
+    for (size_t i = 0; i < a.size(); ++i) unlike += a[i] != b[i];
+    const int64_t stages = ring.params.at("RG");
+    ctx.report.zero(c.name(), fmt::format("moe_up mxfp4 ring of {} stages: values unlike the register form's", stages),
+                    unlike);
+    ctx.report.add(c.name(), fmt::format("moe_up mxfp4 ring of {} stages", stages), rel(bf16_out(h2), h_ref),
+                   kBf16Tol,
+                   ctx.time ? fmt::format("{:.1f} us, {:.0f} GB/s on {} experts' packed bytes", ring_ms * 1e3,
+                                          up_bytes / (ring_ms * 1e-3) * 1e-9, R.used_v.size())
+                            : std::string());
+  }
 
   // ---- moe_down (Q4): the scaled latent sum ----
   DevBuf sum(T * D * 2);

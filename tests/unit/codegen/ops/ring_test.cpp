@@ -37,8 +37,6 @@ TEST(RingOps, RefuseWhatTheRingCannotStream) {
   KernelInstance split = ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024)));
   split.params["SK"] = 264;
   expect_error([&] { kernel_name(split); }, Errc::input, {"RG = 6", "SK = 0"});
-  expect_error([] { kernel_name(ring(q4(moe_up(1, 3584, 3072, 896, 16, 0, 1)))); }, Errc::input,
-               {"RG = 6", "MXFP4 experts' gate/up has no ring form"});
   KernelInstance split4 = ring(q4(moe_down(4, 3584, 3072, 896, 16, 0)));
   split4.params["SK"] = 264;
   expect_error([&] { kernel_name(split4); }, Errc::input, {"RG = 6", "SK = 0"});
@@ -62,7 +60,12 @@ TEST(RingOps, DeviceCallsPassTheStages) {
   EXPECT_NE(generate_source(ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024))))
                 .find("dp_moe_down_q8<1, 2304, 1024, 256, 8, 1024, 16, 6>("),
             std::string::npos);
-  // MXFP4 experts at any width (the K3 latent sum).
+  // MXFP4 experts at any width: moe_up keeps its warp tiles (a ring per warp), moe_down the latent sum.
+  EXPECT_NE(generate_source(ring(q4(moe_up(1, 3584, 3072, 896, 16, 0, 1)), 2))
+                .find("dp_moe_up_q4<1, 3584, 3072, 896, 16, 0, 1, 1, 4, 1, 2>("),
+            std::string::npos);
+  EXPECT_EQ(launch_shape(ring(q4(moe_up(1, 3584, 3072, 896, 16, 0, 1)), 2)).grid[0],
+            launch_shape(q4(moe_up(1, 3584, 3072, 896, 16, 0, 1))).grid[0]);
   EXPECT_NE(generate_source(ring(q4(moe_down(8, 3584, 3072, 896, 16, 0)), 8))
                 .find("dp_moe_down_q4<8, 3584, 3072, 896, 16, 0, 16, 8>("),
             std::string::npos);
@@ -81,7 +84,10 @@ TEST(RingOps, DynamicSharedMemoryIsTheRing) {
   EXPECT_EQ(launch_shape(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)))).dynamic_shared_bytes, 5u * 32 * (512 + 64));
   EXPECT_EQ(launch_shape(ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024)), 4)).dynamic_shared_bytes,
             4u * 16 * (1024 + 64));
-  // MXFP4: 1024 columns are 512 bytes a row.
+  // MXFP4 moe_up: a ring per warp (8), stages of 4 chunks (256 bytes) of the warp tile's 16 rows.
+  EXPECT_EQ(launch_shape(ring(q4(moe_up(2, 3584, 3072, 896, 16, 0, 1)), 2)).dynamic_shared_bytes,
+            8u * 2 * 16 * (256 + 64));
+  // MXFP4 moe_down: 1024 columns are 512 bytes a row.
   EXPECT_EQ(launch_shape(ring(q4(moe_down(3, 3584, 3072, 896, 16, 0)), 8)).dynamic_shared_bytes,
             8u * 16 * (512 + 64));
   EXPECT_EQ(launch_shape(ring(q4(moe_down(3, 3584, 3072, 896, 16, 0, "gfx942")), 8)).dynamic_shared_bytes, 0u);
@@ -106,6 +112,9 @@ std::vector<KernelInstance> compile_set(const std::string& t) {
       ring(q4(moe_down(1, 3584, 3072, 896, 16, 0, t)), 8),  // the K3 latent sum
       ring(q4(moe_down(8, 3584, 3072, 896, 16, 0, t)), 8),
       ring(q4(moe_down(3, 256, 1056, 16, 4, 0, t))),  // I with a partial stage and a partial chunk
+      ring(q4(moe_up(1, 3584, 3072, 896, 16, 0, 1, t)), 2),
+      ring(q4(moe_up(8, 3584, 3072, 896, 16, 0, 1, t)), 3),
+      ring(q4(moe_up(3, 1056, 136, 16, 4, 0, 0, t)), 2),  // D with a partial stage and a partial chunk
   };
   // Two activation tiles. (On gfx942 the ring is not there, and the lane-FMA loop's 16-row MXFP4 form
   // keeps its accumulators on the stack: no plan asks for it, the K3 widths are 1-8.)
