@@ -792,6 +792,16 @@ __device__ __forceinline__ void dp_mma_ring_fp8(WRow wrow, XRow xrow, float (&ac
 #define DP_FP4_GROUP 32
 #define DP_FP4_CHUNK 128
 
+// A if B, else C (the templates include no standard headers).
+template <bool B, typename A, typename C>
+struct dp_conditional {
+  typedef A type;
+};
+template <typename A, typename C>
+struct dp_conditional<false, A, C> {
+  typedef C type;
+};
+
 // Row r of an MXFP4 matrix [N, K]: its packed codes [K/2] bytes and its scales [K/32] bytes.
 struct dp_fp4_row {
   const dp_u8* w;

@@ -291,103 +291,132 @@ __device__ __forceinline__ void dp_gate_up_warp_tile(XRow xrow, WM wg, WM wu, in
 #endif
 
 #if DP_HAS_BULK_COPY
-// dp_moe_up_impl's MXFP4 warp tiles with kRing > 0 (sm_90; the arguments as dp_moe_up_q4's).
-template <int T, int D, int I, int KT, int kAct, int kRing>
-__device__ __forceinline__ void dp_moe_up_q4_ring(const dp_bf16* __restrict__ x, const dp_u8* w1, const dp_u8* w1_scale,
-                                                  const dp_u8* w3, const dp_u8* w3_scale,
-                                                  const dp_i32* __restrict__ experts,
-                                                  const dp_i32* __restrict__ expert_slots, dp_bf16* __restrict__ h,
-                                                  dp_u32 stride_w1, dp_u32 stride_w1_scale, dp_u32 stride_w3,
-                                                  dp_u32 stride_w3_scale, float act_beta, float act_lbeta) {
-  // MXFP4 warp tiles whose weight rows stream through each warp's own ring (gemm.h,
-  // dp_warp_ring_stream): a stage is 4 chunks (512 columns, 256 bytes a row) of the tile's 16 rows,
-  // and the stream runs on from one of the warp's tiles into the next, so that no tile waits for its
-  // first loads. A chunk's scale bytes are loaded a stage ahead, its activation columns as it is
-  // multiplied; the chunks are summed in the register loop's order (the same h, bit for bit).
+// A gate/up tile of dp_gate_up_warp_ring: the gate and up matrices (dp_fp8_matrix<D> or
+// dp_fp4_matrix<D>), their rows (features) and the tile's first feature.
+template <typename WM>
+struct dp_gate_up_tile_of {
+  WM wg, wu;
+  int rows, f0;
+};
+// Warp tiles of 8 features over all of D, as dp_gate_up_warp_tile computes them, whose weight rows
+// stream through each warp's own ring (gemm.h, dp_warp_ring_stream; NVIDIA sm_90, e4m3 or MXFP4
+// weights). A stage is 256 bytes of each of the tile's 16 rows (two 128-column e4m3 blocks, or four MXFP4
+// chunks), and the warp's whole sequence of tiles is one stream, so that the next tile's rows are in
+// flight while the current one ends. A stage's block scales are loaded one stage ahead, its activation
+// columns as it is multiplied; the units are summed in the register loops' order (the same outputs bit
+// for bit as dp_gate_up_warp_tile). Every thread of the block calls it.
+//   total: the step's tiles, walked by the warps of the grid with a stride
+//   tile(it): dp_gate_up_tile_of of tile it; xrow(it, t): its activation row t (< T), [D] bf16, or null
+//   (not stored); store(it, t, f, v): v = act(gate, up) of feature f for row t
+template <int T, int D, int kAct, int kRing, typename Tile, typename XRow, typename Store>
+__device__ __forceinline__ void dp_gate_up_warp_ring(int total, Tile tile, XRow xrow, Store store, float act_beta,
+                                                     float act_lbeta) {
+  typedef decltype(tile(0).wg.row(0)) Row;
+  constexpr bool kFp4 = dp_is_fp4_row<Row>::value;
+  static_assert(kFp4 || dp_is_fp8_row<Row>::value, "gate/up weight ring: e4m3 or MXFP4 weights");
   constexpr int NT = (T + 7) / 8;
-  constexpr int kChunks = 4, kCols = kChunks * DP_FP4_CHUNK / 2;                          // a stage
-  constexpr int nSt = (D + kChunks * DP_FP4_CHUNK - 1) / (kChunks * DP_FP4_CHUNK);  // stages of a tile
-  constexpr int tI = (I + 7) / 8;                                                   // tiles of an expert
+  constexpr int kCols = 256;                                        // bytes of a row a stage
+  constexpr int kUnitBytes = kFp4 ? DP_FP4_CHUNK / 2 : DP_FP8_BLOCK;  // bytes of a 128-column unit
+  constexpr int kUnits = kCols / kUnitBytes;                        // units a stage
+  constexpr int kRowUnits = (D + 127) / 128;                        // units of a row
+  constexpr int nSt = (kRowUnits + kUnits - 1) / kUnits;            // stages of a tile
+  constexpr int kRowBytes = kFp4 ? D / 2 : D;
+  typedef typename dp_conditional<kFp4, dp_u32, float>::type Scale;  // E8M0 byte, or fp32 block scale
   const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
   const int warps = (int)gridDim.x * DP_GEMM_GROUPS;
   const int first = (int)blockIdx.x * DP_GEMM_GROUPS + (int)threadIdx.x / DP_GROUP;  // this warp's first tile
-  const int total = experts[0] * tI;
-  const int tiles = first < total ? (total - first + warps - 1) / warps : 0;  // this warp's tiles
-  auto tile_of = [&](int j) { return first + (j / nSt) * warps; };         // the tile of stage j
-  // Row m of tile `it`: the gate (m < 8) or up row of feature 8 (it % tI) + m % 8 of its expert.
+  const int tiles = first < total ? (total - first + warps - 1) / warps : 0;        // this warp's tiles
+  auto tile_of = [&](int j) { return first + (j / nSt) * warps; };                 // the tile of stage j
+  // Row m of tile `it`: the gate (m < 8) or up row of feature f0 + m % 8.
   auto wrow = [&](int it, int m) {
-    const dp_u64 e = (dp_u64)experts[1 + it / tI];
-    const int f = 8 * (it % tI) + m % 8;
-    return m < 8 ? dp_fp4_matrix_row<D>(w1 + e * stride_w1, w1_scale + e * stride_w1_scale, f < I ? f : 0)
-                 : dp_fp4_matrix_row<D>(w3 + e * stride_w3, w3_scale + e * stride_w3_scale, f < I ? f : 0);
+    const auto tl = tile(it);
+    const int f = tl.f0 + m % 8;
+    return (m < 8 ? tl.wg : tl.wu).row(f < tl.rows ? f : 0);  // features past the matrix re-read row 0
   };
-  typedef dp_u32 StageScales[kChunks][2];  // scale bytes of a stage's chunks, rows g and g + 8 (group q)
+  typedef Scale StageScales[kUnits][2];  // a stage's units: scales of rows g and g + 8
   auto load_scales = [&](int j, StageScales& sc) {
     const int it = tile_of(j);
 #pragma unroll
-    for (int cc = 0; cc < kChunks; ++cc) {
-      const int c = (j % nSt) * kChunks + cc;
-      const bool in = DP_FP4_CHUNK * c + DP_FP4_GROUP * q < D;
+    for (int u = 0; u < kUnits; ++u) {
+      const int b = (j % nSt) * kUnits + u;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) sc[cc][r] = in ? (dp_u32)wrow(it, g + 8 * r).s[4 * c + q] : 0u;
+      for (int r = 0; r < 2; ++r) {
+        if constexpr (kFp4) {
+          const bool in = DP_FP4_CHUNK * b + DP_FP4_GROUP * q < D;
+          sc[u][r] = in ? (dp_u32)wrow(it, g + 8 * r).s[4 * b + q] : 0u;
+        } else {
+          sc[u][r] = b < kRowUnits ? wrow(it, g + 8 * r).s[b] : 0.0f;
+        }
+      }
     }
   };
-  float sum[1][NT][4];  // the tile's products times 2^-32
+  float acc[1][NT][4];  // the tile's sums (MXFP4: times 2^-32)
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) sum[0][nt][0] = sum[0][nt][1] = sum[0][nt][2] = sum[0][nt][3] = 0.0f;
+  for (int nt = 0; nt < NT; ++nt) acc[0][nt][0] = acc[0][nt][1] = acc[0][nt][2] = acc[0][nt][3] = 0.0f;
   StageScales cur, next;
   const int stages = tiles * nSt;
   dp_warp_ring_stream<16, kCols, kRing>(
       stages,
       [&](int j) {
-        const int left = D / 2 - (j % nSt) * kCols;
+        const int left = kRowBytes - (j % nSt) * kCols;
         return left < kCols ? left : kCols;
       },
-      [&](int j, int i) { return wrow(tile_of(j), i).w + (j % nSt) * kCols; },
+      [&](int j, int i) { return (const void*)(wrow(tile_of(j), i).w + (j % nSt) * kCols); },
       [&](int j, const unsigned char* stage) {
         if (j == 0) {
           load_scales(j, cur);
         } else {
 #pragma unroll
-          for (int cc = 0; cc < kChunks; ++cc) cur[cc][0] = next[cc][0], cur[cc][1] = next[cc][1];
+          for (int u = 0; u < kUnits; ++u) cur[u][0] = next[u][0], cur[u][1] = next[u][1];
         }
         if (j + 1 < stages) load_scales(j + 1, next);
         const int it = tile_of(j), s = j % nSt;
-        const dp_i32* slots = expert_slots + (it / tI) * T;
-        const dp_bf16* xp[NT];  // activation row g of each tile from the lane's group (rows that chose e)
+        const dp_bf16* xp[NT];  // activation row g of each tile (MXFP4: from the lane's group)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const int t = 8 * nt + g;
-          xp[nt] = t < T && slots[t] >= 0 ? x + (dp_u64)t * D + DP_FP4_GROUP * q : nullptr;
+          const dp_bf16* p = 8 * nt + g < T ? xrow(it, 8 * nt + g) : nullptr;
+          xp[nt] = p && kFp4 ? p + DP_FP4_GROUP * q : p;
         }
 #pragma unroll
-        for (int cc = 0; cc < kChunks; ++cc) {
-          const int c = s * kChunks + cc;
-          if (DP_FP4_CHUNK * c < D) {  // uniform over the warp
-            const bool in = DP_FP4_CHUNK * c + DP_FP4_GROUP * q < D;
+        for (int u = 0; u < kUnits; ++u) {
+          const int b = s * kUnits + u;
+          if (b >= kRowUnits) continue;  // uniform over the warp
+          if constexpr (kFp4) {
+            const bool in = DP_FP4_CHUNK * b + DP_FP4_GROUP * q < D;
             dp_fp4_chunk_ops<1, NT> ops;
-            dp_load_x_chunk_fp4<NT>(xp, DP_FP4_CHUNK * c, in, ops.x);
-            ops.sc[0][0] = cur[cc][0];
-            ops.sc[0][1] = cur[cc][1];
-            dp_mma_ring_chunk_fp4<1, NT, dp_ring_geometry<16, kCols>::kRowBytes>(stage, 0, DP_FP4_CHUNK / 2 * cc,
-                                                                                 in, ops, sum);
+            dp_load_x_chunk_fp4<NT>(xp, DP_FP4_CHUNK * b, in, ops.x);
+            ops.sc[0][0] = cur[u][0];
+            ops.sc[0][1] = cur[u][1];
+            dp_mma_ring_chunk_fp4<1, NT, dp_ring_geometry<16, kCols>::kRowBytes>(stage, 0, kUnitBytes * u, in, ops,
+                                                                                 acc);
+          } else {
+            dp_fp8_block_ops<1, NT> ops;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int col = DP_FP8_BLOCK * b + 64 * h + 16 * q;
+              dp_load_x_half_fp8<NT, 0>(xp, col, col < D, ops.x[h]);
+            }
+            ops.sc[0][0] = cur[u][0];
+            ops.sc[0][1] = cur[u][1];
+            dp_mma_ring_block_fp8<1, NT, dp_ring_geometry<16, kCols>::kRowBytes>(stage, 0, kUnitBytes * u,
+                                                                                 D - DP_FP8_BLOCK * b, ops, acc);
           }
         }
         if (s + 1 < nSt) return;
         // The tile's last stage: lane (g, q) holds gate and up of feature f for rows 8 nt + 2 q + k.
-        const int f = 8 * (it % tI) + g;
+        const float unshift = kFp4 ? DP_FP4_UNSHIFT : 1.0f;
+        const int f = tile(it).f0 + g;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
           for (int k = 0; k < 2; ++k) {
             const int t = 8 * nt + 2 * q + k;
-            if (f < I && t < T && slots[t] >= 0) {
-              const float gv = dp_round_bf16(sum[0][nt][k] * DP_FP4_UNSHIFT);
-              const float uv = dp_round_bf16(sum[0][nt][k + 2] * DP_FP4_UNSHIFT);
-              h[((dp_u64)t * KT + slots[t]) * I + f] = dp_f32_to_bf16(dp_gated_act<kAct>(gv, uv, act_beta, act_lbeta));
-            }
+            if (f < tile(it).rows && t < T && xrow(it, t))
+              store(it, t, f,
+                    dp_gated_act<kAct>(dp_round_bf16(acc[0][nt][k] * unshift), dp_round_bf16(acc[0][nt][k + 2] * unshift),
+                                       act_beta, act_lbeta));
           }
-          sum[0][nt][0] = sum[0][nt][1] = sum[0][nt][2] = sum[0][nt][3] = 0.0f;
+          acc[0][nt][0] = acc[0][nt][1] = acc[0][nt][2] = acc[0][nt][3] = 0.0f;
         }
       });
 }
@@ -432,10 +461,32 @@ __device__ __forceinline__ void dp_moe_up_impl(
   };
 #if DP_VENDOR_NVIDIA
 #if DP_HAS_BULK_COPY
-  if constexpr (kWarpTiles && kQ4 != 0 && kRing > 0) {
-    dp_moe_up_q4_ring<T, D, I, KT, kAct, kRing>(x, (const dp_u8*)w1, (const dp_u8*)w1_scale, (const dp_u8*)w3,
-                                                 (const dp_u8*)w3_scale, experts, expert_slots, h, stride_w1,
-                                                 stride_w1_scale, stride_w3, stride_w3_scale, act_beta, act_lbeta);
+  if constexpr (kWarpTiles && (kQ4 != 0 || kQ8 != 0) && kRing > 0) {
+    // The warp tiles below, their rows through a ring per warp.
+    constexpr int tS = (SI + 7) / 8, tI = (I + 7) / 8;
+    typedef decltype(mat(w1, w1_scale, 0, 0)) WM;
+    dp_gate_up_warp_ring<T, D, kAct, kRing>(
+        tS + experts[0] * tI,
+        [&](int it) {
+          if (it < tS) return dp_gate_up_tile_of<WM>{mat(shared_gate, shared_gate_scale, 0, 0),
+                                                     mat(shared_up, shared_up_scale, 0, 0), SI, 8 * it};
+          const dp_u64 e = (dp_u64)experts[1 + (it - tS) / tI];
+          return dp_gate_up_tile_of<WM>{mat(w1, w1_scale, e * stride_w1, e * stride_w1_scale),
+                                        mat(w3, w3_scale, e * stride_w3, e * stride_w3_scale), I,
+                                        8 * ((it - tS) % tI)};
+        },
+        [&](int it, int t) -> const dp_bf16* {
+          if (it < tS) return x + (dp_u64)t * D;
+          return expert_slots[((it - tS) / tI) * T + t] >= 0 ? x + (dp_u64)t * D : nullptr;  // rows that chose e
+        },
+        [&](int it, int t, int f, float v) {
+          if (it < tS) {
+            hs[(dp_u64)t * SI + f] = dp_f32_to_bf16(v);
+          } else {
+            h[((dp_u64)t * KT + expert_slots[((it - tS) / tI) * T + t]) * I + f] = dp_f32_to_bf16(v);
+          }
+        },
+        act_beta, act_lbeta);
     return;
   }
 #endif
@@ -561,6 +612,15 @@ __device__ __forceinline__ void dp_mlp_up_impl(const dp_bf16* __restrict__ x,  /
                                                float act_beta, float act_lbeta) {
 #if DP_VENDOR_NVIDIA
   constexpr bool kBlockTiles = kWarpTiles == 0;
+#if DP_HAS_BULK_COPY
+  if constexpr (!kBlockTiles && kRing > 0) {  // the same warp tiles, their rows through a ring per warp
+    dp_gate_up_warp_ring<T, D, kAct, kRing>(
+        (I + 7) / 8, [&](int it) { return dp_gate_up_tile_of<WM>{w_gate, w_up, I, 8 * it}; },
+        [&](int, int t) { return x + (dp_u64)t * D; },
+        [&](int, int t, int f, float v) { h[(dp_u64)t * I + f] = dp_f32_to_bf16(v); }, act_beta, act_lbeta);
+    return;
+  }
+#endif
   if constexpr (!kBlockTiles) {
     // Warp tiles of 8 features over all of D (dp_gate_up_warp_tile), walked by every warp of the grid
     // with a stride.

@@ -24,24 +24,28 @@ int64_t moe_max_used(const Params& p) { return std::min(p.at("E"), p.at("W") * p
 // MXFP4 experts (Q4) take the warp tiles from one row (tensor cores, like the e4m3 ones in moe_down).
 // e4m3 experts (Q8) too: their loop is the tensor cores' at one row as well, and the block tiles' grid
 // (576 blocks for the 48B shape at width 1) ran as three waves of two blocks per SM: warp tiles 20.4 ->
-// 19.4 us (H200, 2026-12-04, bench/gemv_harness).
-// An e4m3 weight ring (RG) streams the block tiles' rows, so it takes the block tiles; MXFP4 warp tiles
-// keep their form under a ring (each warp streams its tiles through a ring of its own).
-bool moe_up_warp_tiles(const Params& p) {
-  return p.at("Q4") || ((p.at("W") >= 2 || p.at("Q8")) && !p.at("RG"));
-}
+// 19.4 us (H200, 2026-12-04, bench/gemv_harness). A weight ring (RG) keeps the warp tiles: a ring per
+// warp, whose stream runs on across the warp's tiles (block tiles would restart a block ring at each).
+bool moe_up_warp_tiles(const Params& p) { return p.at("W") >= 2 || p.at("Q4") || p.at("Q8"); }
 
 // mlp_up with e4m3 weights: the same warp tiles (one expert, no routing), 19.8 -> 18.9 us at width 1
 // and 20.4 -> 19.6 us at width 8 for the 48B shape (same run). bf16 keeps the block tiles (not measured).
-bool mlp_up_warp_tiles(const Params& p) { return p.at("Q8") != 0 && !p.at("RG"); }
+bool mlp_up_warp_tiles(const Params& p) { return p.at("Q8") != 0; }
 
-// The gate/up block tiles' ring: stages of 128 kFfnSlices columns of the block's 2 x 16 rows. MXFP4
-// (moe_up): a ring per warp of stages of 4 chunks (256 bytes) of the warp tile's 16 rows.
+// The gate/up weight ring: one per warp (kGemmGroups), of RG stages of 256 bytes of the warp tile's 16
+// rows (two e4m3 blocks or four MXFP4 chunks).
+constexpr int64_t kGateUpRingCols = 256;
 uint32_t gate_up_ring_bytes(const Params& p, const std::string& target) {
   if (!p.at("RG") || !bulk_copy_target(target)) return 0;
-  if (p.count("Q4") && p.at("Q4")) return kGemmGroups * ring_bytes(kTileRows, 4 * kMxfp4Chunk / 2, p.at("RG"));
-  const int64_t cols = kFp8Block * kFfnSlices, stages = std::min(p.at("RG"), (p.at("D") + cols - 1) / cols);
-  return ring_bytes(kGemmGroups / kFfnSlices * kTileRows, cols, stages);
+  return kGemmGroups * ring_bytes(kTileRows, kGateUpRingCols, p.at("RG"));
+}
+// The rings of a block must fit the 227 KiB an sm_90 block may have.
+void check_gate_up_ring(const Params& p, const std::string& who) {
+  check_ring(p, who, true, "");
+  const int64_t bytes = kGemmGroups * ring_bytes(kTileRows, kGateUpRingCols, p.at("RG"));
+  if (bytes > 227 * 1024)
+    fail(Errc::input, "{}: parameter RG = {}: the warps' rings take {} bytes of shared memory, more than a block's "
+         "227 KiB (at most 5 stages)", who, p.at("RG"), bytes);
 }
 
 // moe_down: output features per block (M). One activation row: every group keeps 4 x 1 lane-FMA
@@ -194,14 +198,14 @@ std::vector<OpSpec> moe_ops() {
            {"ACT", "act", 0, 1, "0: silu(gate)*up, 1: K3 SiTU"},
            q8_param("1: every expert matrix (routed and shared) e4m3 with 128 x 128 block scales"),
            q4_param(),
-           ring_param("the weight rows through shared-memory rings of RG stages (bulk copies; 0: register loads): "
-                      "e4m3 block tiles, MXFP4 warp tiles with a ring per warp")},
+           ring_param("e4m3 or MXFP4: the warp tiles' rows through a shared-memory ring per warp of RG stages "
+                      "(bulk copies; 0: register loads)")},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"D", "I", "S"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"D", "I", "S"});
             check_q4(p, who, "D");
             check_topk(p, who);
-            check_ring(p, who, true, "");
+            check_gate_up_ring(p, who);
           },
           [](const Params& p) {
             std::vector<int64_t> a{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"),
@@ -398,12 +402,12 @@ std::vector<OpSpec> moe_ops() {
            {"I", "i", 8, 1 << 20, "intermediate width (this rank's shard)"},
            {"ACT", "act", 0, 1, "0: silu(gate)*up, 1: K3 SiTU"},
            q8_param("1: gate_proj and up_proj e4m3 with 128 x 128 block scales"),
-           ring_param("e4m3: block tiles whose weight rows stream through a shared-memory ring of RG stages (bulk "
+           ring_param("e4m3: the warp tiles' rows through a shared-memory ring per warp of RG stages (bulk "
                       "copies; 0: register loads)")},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"D", "I"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"D"});
-            check_ring(p, who, true, "");
+            check_gate_up_ring(p, who);
           },
           [](const Params& p) {
             std::vector<int64_t> a{p.at("W"), p.at("D"), p.at("I"), p.at("ACT"), 1, kFfnSlices,

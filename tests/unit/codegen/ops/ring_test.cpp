@@ -41,6 +41,9 @@ TEST(RingOps, RefuseWhatTheRingCannotStream) {
   split4.params["SK"] = 264;
   expect_error([&] { kernel_name(split4); }, Errc::input, {"RG = 6", "SK = 0"});
   expect_error([] { kernel_name(ring(q8(gemm(1, 4096, {2304})), 9)); }, Errc::input, {"RG = 9 is out of range"});
+  // The gate/ups' rings, one per warp, must fit a block's shared memory.
+  expect_error([] { kernel_name(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)), 6)); }, Errc::input,
+               {"RG = 6", "245760 bytes", "at most 5 stages"});
 }
 
 TEST(RingOps, DeviceCallsPassTheStages) {
@@ -51,11 +54,11 @@ TEST(RingOps, DeviceCallsPassTheStages) {
   EXPECT_NE(generate_source(ring(q8(gemm(8, 4096, {2304})), 4))
                 .find("dp_gemm_q8<8, 4096, 2304, 0, 0, 0, 0, 0, 0, 1, 8, 1, 0, 4>("),
             std::string::npos);
-  // The gate/up take the block tiles (kWarpTiles 0) under the ring.
-  EXPECT_NE(generate_source(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024))))
-                .find("dp_moe_up_q8<1, 2304, 1024, 256, 8, 1024, 0, 1, 4, 0, 6>("),
+  // The gate/ups keep their warp tiles (kWarpTiles 1) under the ring, and their grid.
+  EXPECT_NE(generate_source(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)), 2))
+                .find("dp_moe_up_q8<1, 2304, 1024, 256, 8, 1024, 0, 1, 4, 1, 2>("),
             std::string::npos);
-  EXPECT_NE(generate_source(ring(q8(mlp_up(1, 2304, 9216)))).find("dp_mlp_up_q8<1, 2304, 9216, 0, 1, 4, 0, 6>("),
+  EXPECT_NE(generate_source(ring(q8(mlp_up(1, 2304, 9216)), 2)).find("dp_mlp_up_q8<1, 2304, 9216, 0, 1, 4, 1, 2>("),
             std::string::npos);
   EXPECT_NE(generate_source(ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024))))
                 .find("dp_moe_down_q8<1, 2304, 1024, 256, 8, 1024, 16, 6>("),
@@ -69,22 +72,26 @@ TEST(RingOps, DeviceCallsPassTheStages) {
   EXPECT_NE(generate_source(ring(q4(moe_down(8, 3584, 3072, 896, 16, 0)), 8))
                 .find("dp_moe_down_q4<8, 3584, 3072, 896, 16, 0, 16, 8>("),
             std::string::npos);
-  // Block tiles: one block per 16 features (576 for the 48B shape's shared + 8 routed experts).
-  EXPECT_EQ(launch_shape(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)))).grid[0], (1024u / 16) * 9);
-  EXPECT_EQ(launch_shape(ring(q8(mlp_up(1, 2304, 9216)))).grid[0], 9216u / 16);
+  EXPECT_EQ(launch_shape(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)), 2)).grid[0],
+            launch_shape(q8(moe_up(1, 2304, 1024, 256, 8, 1024))).grid[0]);
+  EXPECT_EQ(launch_shape(ring(q8(mlp_up(1, 2304, 9216)), 2)).grid[0], launch_shape(q8(mlp_up(1, 2304, 9216))).grid[0]);
 }
 
-// Stages of 128 S columns of the block's rows, no more than K has (gemm), 128 x 4 columns of 2 x 16
-// gate/up rows, 1024 columns of moe_down's 16-row tile; each row padded by 64 bytes. None on gfx942.
+// Stages of 128 S columns of the block's rows, no more than K has (gemm), 256 bytes of each warp tile's
+// 16 gate/up rows (a ring per warp), 1024 columns of moe_down's 16-row tile; each row padded by 64 bytes.
+// None on gfx942.
 TEST(RingOps, DynamicSharedMemoryIsTheRing) {
   EXPECT_EQ(launch_shape(ring(q8(gemm(1, 4096, {2304})))).dynamic_shared_bytes, 4u * 16 * (1024 + 64));
   EXPECT_EQ(launch_shape(ring(q8(gemm(1, 9216, {2304})))).dynamic_shared_bytes, 6u * 16 * (1024 + 64));
   EXPECT_EQ(launch_shape(ring(q8(gemm(1, 2304, {4096, 4096, 4096, 128, 128, 32}), 7))).dynamic_shared_bytes,
             5u * 32 * (512 + 64));
-  EXPECT_EQ(launch_shape(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)))).dynamic_shared_bytes, 5u * 32 * (512 + 64));
+  // The gate/ups: a ring per warp (8), stages of 256 bytes of the warp tile's 16 rows (two e4m3 blocks,
+  // four MXFP4 chunks).
+  EXPECT_EQ(launch_shape(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)), 2)).dynamic_shared_bytes,
+            8u * 2 * 16 * (256 + 64));
+  EXPECT_EQ(launch_shape(ring(q8(mlp_up(1, 2304, 9216)), 5)).dynamic_shared_bytes, 8u * 5 * 16 * (256 + 64));
   EXPECT_EQ(launch_shape(ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024)), 4)).dynamic_shared_bytes,
             4u * 16 * (1024 + 64));
-  // MXFP4 moe_up: a ring per warp (8), stages of 4 chunks (256 bytes) of the warp tile's 16 rows.
   EXPECT_EQ(launch_shape(ring(q4(moe_up(2, 3584, 3072, 896, 16, 0, 1)), 2)).dynamic_shared_bytes,
             8u * 2 * 16 * (256 + 64));
   // MXFP4 moe_down: 1024 columns are 512 bytes a row.
@@ -103,10 +110,12 @@ std::vector<KernelInstance> compile_set(const std::string& t) {
       ring(q8(gemm(1, 272, {256}, false, t))),  // K with a partial 128-column block
       ring(q8(gemm(8, 2304, {4096, 4096, 4096, 128, 128, 32}, false, t), 7)),
       ring(q8(gemm(16, 4096, {2304}, false, t))),  // two activation tiles (one block per SM)
-      ring(q8(mlp_up(1, 256, 512, 0, t))),
-      ring(q8(moe_up(1, 256, 128, 16, 4, 128, 0, t))),
-      ring(q8(moe_up(8, 256, 128, 16, 4, 128, 0, t))),
-      ring(q8(moe_up(16, 256, 128, 16, 4, 128, 0, t))),
+      ring(q8(mlp_up(1, 256, 512, 0, t)), 2),
+      ring(q8(mlp_up(1, 2304, 9216, 0, t)), 2),
+      ring(q8(moe_up(1, 256, 128, 16, 4, 128, 0, t)), 2),
+      ring(q8(moe_up(8, 256, 128, 16, 4, 128, 0, t)), 3),
+      ring(q8(moe_up(16, 256, 128, 16, 4, 128, 0, t)), 2),
+      ring(q8(moe_up(3, 400, 144, 16, 4, 80, 0, t)), 2),  // D with a partial stage and a partial block
       ring(q8(moe_down(1, 256, 144, 16, 4, 128, t))),  // I with a partial block, S of another width
       ring(q8(moe_down(1, 2304, 1024, 256, 8, 0, t))),
       ring(q4(moe_down(1, 3584, 3072, 896, 16, 0, t)), 8),  // the K3 latent sum
