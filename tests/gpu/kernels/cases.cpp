@@ -185,8 +185,9 @@ std::vector<Case> all_cases() {
   // The 48B shapes at one row (timed, appended so that the indices above stay): the width-1 kernels,
   // e.g. the MLA attention over 64 splits.
   v.push_back({&m[2], 1, 1});
-  // The weight-ring forms (RG 6) of the FP8 kernels: one row and 8 rows of the tiny model, its padded
-  // layout, the partial-block shapes, and the 48B shapes at one row without and with the ring (timed).
+  // The weight-ring forms (RG 6; the gate/ups 2) of the FP8 kernels: one row and 8 rows of the tiny
+  // model, its padded layout, the partial-block shapes, and the 48B shapes at one row without and with the
+  // ring (timed).
   auto ring = [&](const ModelShape* s, int64_t w, int64_t q, Layout l) {
     Case c{s, w, q, l, true};
     c.ring = true;
@@ -314,8 +315,8 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
     k.mixed.params["Q8"] = 0b101;
   }
   if (c.fp8 && c.ring) {
-    for (codegen::KernelInstance* i : {&k.in_proj, &k.o_proj, &k.mlp_down, &k.moe_up, &k.mlp_up, &k.mixed})
-      i->params["RG"] = 6;
+    for (codegen::KernelInstance* i : {&k.in_proj, &k.o_proj, &k.mlp_down, &k.mixed}) i->params["RG"] = 6;
+    for (codegen::KernelInstance* i : {&k.moe_up, &k.mlp_up}) i->params["RG"] = 2;  // a ring per warp
     if (T == 1) k.moe_down.params["RG"] = 6;
   }
   // moe_down over the split grid (SK 264) beside the one-block-per-tile form: e4m3 at every row count,

@@ -77,9 +77,9 @@ struct Case {
   // expert), RMSNorm of the latent sum (no residual), the shared expert (mlp_up + down gemm) at full
   // width and the latent up gemm with the shared output as addend (AD); only these ops are checked.
   bool mxfp4 = false;
-  // FP8 cases: the weight-ring forms (RG 6, e4m3 weights streamed through shared memory by bulk copies)
-  // of the kernels that have one: the gemms with e4m3 segments (not the fused norm), the gate/ups as
-  // block tiles, and moe_down at one row.
+  // FP8 cases: the weight-ring forms (e4m3 weights streamed through shared memory by bulk copies) of the
+  // kernels that have one: the gemms with e4m3 segments (not the fused norm; RG 6), the gate/ups' warp
+  // tiles (a ring per warp, RG 2), and moe_down at one row (RG 6).
   bool ring = false;
   int64_t rows() const { return width * q; }
   // "kimi-linear-tiny w3 q2", "kimi-linear-tiny w3 q2 padded", "kimi-linear-tiny w3 q2 padded fp8",
