@@ -136,6 +136,46 @@ TEST(PdlOrderCompile, TheEarlyWeightsGemmLoadsOnlyWeightsBeforeItsWait) {
   }
 }
 
+// The weight rings (RG; templates/gemm.h dp_ring_stream, dp_warp_ring_stream): every ring form copies
+// its weights by bulk copies counted on mbarriers, none by the per-lane cp.async of the MXFP4 register
+// loop (so a kernel named for a ring cannot be the register form under another name). The ring forms
+// of moe_up, mlp_up and moe_down read routed or produced data, so nothing global comes before their
+// wait; the width-1 e4m3 gemm (kEarly) issues only its weights' bulk copies before it.
+TEST(PdlOrderCompile, TheWeightRingsCopyByBulkCopiesAndWaitFirstUnlessEarly) {
+  DP_SKIP_WITHOUT(backend::Vendor::nvidia);
+  const std::vector<KernelInstance> waits_first = {
+      ring(q4(moe_down(1, 3584, 3072, 896, 16, 0)), 8),
+      ring(q4(moe_down(8, 3584, 3072, 896, 16, 0)), 4),
+      ring(q4(moe_up(1, 3584, 3072, 896, 16, 0, 1)), 2),
+      ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)), 2),
+      ring(q8(mlp_up(1, 2304, 9216)), 2),
+      ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024))),
+      ring(q8(gemm(8, 4096, {2304}))),
+  };
+  const std::vector<KernelInstance> early = {ring(q8(gemm(1, 4096, {2304}))),
+                                             ring(q8(gemm(1, 2304, {6144, 576}), 3))};
+  std::vector<KernelInstance> set = waits_first;
+  set.insert(set.end(), early.begin(), early.end());
+  const backend::CompileReport report = compile_with_ptx(set);
+  ASSERT_EQ(report.kernels.size(), set.size());
+  for (size_t i = 0; i < report.kernels.size(); ++i) {
+    const backend::CompiledKernel& k = report.kernels[i];
+    ASSERT_FALSE(k.ptx.empty()) << k.key;
+    EXPECT_NE(k.ptx.find("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"), std::string::npos)
+        << k.key;
+    EXPECT_NE(k.ptx.find("mbarrier.try_wait.parity"), std::string::npos) << k.key;
+    EXPECT_EQ(k.ptx.find("cp.async.cg.shared.global"), std::string::npos) << k.key << ": a per-lane copy";
+    if (i < waits_first.size()) {
+      EXPECT_EQ(memory_before_wait(k.ptx), "") << k.key << ": a global memory access before the dependency wait";
+    } else {
+      const WaitScan r = scan_wait(k.ptx, {"cp.async.bulk"});
+      EXPECT_TRUE(r.waited) << k.key;
+      EXPECT_EQ(r.before, "") << k.key << ": more than the weights' bulk copies before the dependency wait";
+      EXPECT_NE(memory_before_wait(k.ptx), "") << k.key << ": no weights in flight during the wait";
+    }
+  }
+}
+
 // The hand-off between blocks of the fused tails (gemm NM 1, dp_gemm_norm_tail; TK, dp_moe_route_tail; kda_step
 // VS; moe_down SK), in
 // PTX order: the dependency
