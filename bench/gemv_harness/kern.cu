@@ -77,6 +77,11 @@ struct Buf { void* x; void* out; void* w[6]; float* s[6]; void* h; void* hs; int
 #endif
 #define RING(K, MT, S) dp_fp8_ring_bytes<K, MT, S, RING_STAGES>()
 #define RING_DOWN (RING_STAGES > 0 ? dp_ring_bytes<16, 1024, RING_STAGES>() : 0)
+// -DWARP_RING_STAGES=M (ring_incs.sh with M): the gate/ups' warp tiles with a ring per warp instead.
+#ifndef WARP_RING_STAGES
+#define WARP_RING_STAGES 0
+#endif
+#define RING_GATE_UP (WARP_RING_STAGES > 0 ? dp_warp_ring_bytes<16, 256, WARP_RING_STAGES>() : RING(2304, 1, 4))
 // Launch with or without programmatic dependent launch (the product's discipline), dynamic shared
 // memory allowed once per kernel.
 extern "C" int harness_pdl;
@@ -113,10 +118,10 @@ extern "C" void CAT(run_, VAR)(int which, int T, const Buf& b) {
     case 11: launch(CAT(d8_, VAR), GRID_D8, RING(9216, 1, 8), (const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0]); break;
     case 20: launch(CAT(q1_, VAR), GRID_Q1, RING(2304, 1, 4), (const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_bf16*)b.w[3], (const dp_bf16*)b.w[4], (const dp_bf16*)b.w[5]); break;
     case 21: launch(CAT(q8_, VAR), GRID_Q8, RING(2304, 1, 4), (const dp_bf16*)b.x, b.out, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_bf16*)b.w[3], (const dp_bf16*)b.w[4], (const dp_bf16*)b.w[5]); break;
-    case 30: launch(CAT(m1_, VAR), GRID_M1, RING(2304, 1, 4), (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (dp_bf16*)b.out); break;
-    case 31: launch(CAT(m8_, VAR), GRID_M8, RING(2304, 1, 4), (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (dp_bf16*)b.out); break;
-    case 40: launch(CAT(u1_, VAR), GRID_U1, RING(2304, 1, 4), (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_u8*)b.w[3], b.s[3], b.ex, b.sl, (dp_bf16*)b.h, (dp_bf16*)b.hs, SE, SS, SE, SS); break;
-    case 41: launch(CAT(u8_, VAR), GRID_U8, RING(2304, 1, 4), (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_u8*)b.w[3], b.s[3], b.ex, b.sl, (dp_bf16*)b.h, (dp_bf16*)b.hs, SE, SS, SE, SS); break;
+    case 30: launch(CAT(m1_, VAR), GRID_M1, RING_GATE_UP, (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (dp_bf16*)b.out); break;
+    case 31: launch(CAT(m8_, VAR), GRID_M8, RING_GATE_UP, (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (dp_bf16*)b.out); break;
+    case 40: launch(CAT(u1_, VAR), GRID_U1, RING_GATE_UP, (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_u8*)b.w[3], b.s[3], b.ex, b.sl, (dp_bf16*)b.h, (dp_bf16*)b.hs, SE, SS, SE, SS); break;
+    case 41: launch(CAT(u8_, VAR), GRID_U8, RING_GATE_UP, (const dp_bf16*)b.x, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], (const dp_u8*)b.w[2], b.s[2], (const dp_u8*)b.w[3], b.s[3], b.ex, b.sl, (dp_bf16*)b.h, (dp_bf16*)b.hs, SE, SS, SE, SS); break;
     case 50: launch(CAT(n1_, VAR), GRID_N1, RING_DOWN, (const dp_bf16*)b.h, (const dp_bf16*)b.hs, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], b.ex, b.sl, b.tw, (dp_bf16*)b.out, 1.0f, SE, SS); break;
     case 51: launch(CAT(n8_, VAR), GRID_N8, 0, (const dp_bf16*)b.h, (const dp_bf16*)b.hs, (const dp_u8*)b.w[0], b.s[0], (const dp_u8*)b.w[1], b.s[1], b.ex, b.sl, b.tw, (dp_bf16*)b.out, 1.0f, SE, SS, b.part, b.done); break;
   }
