@@ -585,6 +585,11 @@ template <int kRows, int kCols, int kStages>
 __host__ __device__ constexpr int dp_ring_bytes() {
   return kStages * dp_ring_geometry<kRows, kCols>::kStageBytes;
 }
+// The rings of dp_warp_ring_stream (below): one per warp of the block.
+template <int kRows, int kCols, int kStages>
+__host__ __device__ constexpr int dp_warp_ring_bytes() {
+  return DP_GEMM_GROUPS * dp_ring_bytes<kRows, kCols, kStages>();
+}
 #if DP_HAS_BULK_COPY
 template <int kRows, int kCols, int kStages, int kEarly, typename Cols, typename Row, typename Consume>
 __device__ __forceinline__ void dp_ring_stream(int stages, Cols cols, Row row, Consume consume) {
@@ -624,15 +629,11 @@ __device__ __forceinline__ void dp_ring_stream(int stages, Cols cols, Row row, C
 
 // The same for one warp on its own (sm_90): the warp's rows stream through its own ring of kStages
 // stages (its slice of the launch's dynamic shared memory, after the slices of the warps before it;
-// DP_GEMM_GROUPS slices in all, dp_warp_ring_bytes) with an mbarrier per stage of its own. Lane 0
+// DP_GEMM_GROUPS slices in all: dp_warp_ring_bytes) with an mbarrier per stage of its own. Lane 0
 // announces a stage's bytes, lanes 0..kRows-1 issue its copies, and a stage is refilled once the warp is
 // done with it (a warp barrier): no block barrier, so a warp may walk a sequence of tiles of its own,
 // and the stream runs on from one tile into the next. Every lane of the warp calls it, with the same
 // arguments; cols, row and consume as dp_ring_stream's, consume(j, stage) called by the warp alone.
-template <int kRows, int kCols, int kStages>
-__host__ __device__ constexpr int dp_warp_ring_bytes() {
-  return DP_GEMM_GROUPS * dp_ring_bytes<kRows, kCols, kStages>();
-}
 template <int kRows, int kCols, int kStages, typename Cols, typename Row, typename Consume>
 __device__ __forceinline__ void dp_warp_ring_stream(int stages, Cols cols, Row row, Consume consume) {
   typedef dp_ring_geometry<kRows, kCols> R;
