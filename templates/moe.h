@@ -413,8 +413,8 @@ __device__ __forceinline__ void dp_gate_up_warp_ring(int total, Tile tile, XRow 
             const int t = 8 * nt + 2 * q + k;
             if (f < tile(it).rows && t < T && xrow(it, t))
               store(it, t, f,
-                    dp_gated_act<kAct>(dp_round_bf16(acc[0][nt][k] * unshift), dp_round_bf16(acc[0][nt][k + 2] * unshift),
-                                       act_beta, act_lbeta));
+                    dp_gated_act<kAct>(dp_round_bf16(acc[0][nt][k] * unshift),
+                                       dp_round_bf16(acc[0][nt][k + 2] * unshift), act_beta, act_lbeta));
           }
           acc[0][nt][0] = acc[0][nt][1] = acc[0][nt][2] = acc[0][nt][3] = 0.0f;
         }
@@ -817,64 +817,188 @@ __device__ __forceinline__ void dp_moe_down_impl(
     if constexpr (kSplit > 0) {
       static_assert(kSplit > 0 && M == 16, "moe_down: the split grid is the tensor-core path's");
       typedef dp_moe_split<D, M, kSplit> Split;
-      typedef decltype(weight_row(0, 0)) Row;
-      constexpr int uS = kShared ? dp_mma_units<SI, Row>() : 0, uI = dp_mma_units<I, Row>();
-      const dp_u64 per = (dp_u64)(kShared * uS + (items - kShared) * uI);  // units of one tile
-      const dp_u64 total = per * Split::kTiles;
-      // Blocks that get units: all G, or one per unit when there are fewer units than blocks (a block
-      // with an empty range would be counted among a tile's blocks but never arrive).
-      const dp_u64 blocks = total < (dp_u64)kSplit ? total : (dp_u64)kSplit;
-      if ((dp_u64)blockIdx.x >= blocks) return;  // the whole block
-      const dp_u64 lo = (dp_u64)blockIdx.x * total / blocks, hi = ((dp_u64)blockIdx.x + 1) * total / blocks;
-      // The block holding unit u: the largest b with b*total/blocks <= u.
-      auto block_of = [&](dp_u64 u) { return (int)(((u + 1) * blocks + total - 1) / total) - 1; };
-      __shared__ dp_u32 last;
-      for (dp_u64 tile = lo / per; tile * per < hi; ++tile) {  // every block has a unit: per > 0, lo < hi
-        row0 = (int)tile * M;
-        const int a = (int)((lo > tile * per ? lo : tile * per) - tile * per);
-        const int b = (int)((hi < (tile + 1) * per ? hi : (tile + 1) * per) - tile * per);
+#if DP_HAS_BULK_COPY
+      if constexpr (kQ4 != 0 && kRing > 0) {
+        // MXFP4 through the weight ring: the block takes an equal range of the (tile, expert) pairs, tile
+        // by tile, and streams their rows as one sequence of stages of 1024 columns (as the one-block-
+        // per-tile ring below, each group one chunk of every stage), closing each tile it leaves.
+        constexpr int kChunks = 8, kCols = kChunks * DP_FP4_CHUNK / 2;
+        constexpr int nI = (I + kChunks * DP_FP4_CHUNK - 1) / (kChunks * DP_FP4_CHUNK);  // stages of a pair
+        const dp_u64 total = (dp_u64)Split::kTiles * items;  // pairs
+        const dp_u64 blocks = total < (dp_u64)kSplit ? total : (dp_u64)kSplit;
+        if ((dp_u64)blockIdx.x >= blocks) return;  // the whole block (no pairs for it)
+        const dp_u64 lo = (dp_u64)blockIdx.x * total / blocks, hi = ((dp_u64)blockIdx.x + 1) * total / blocks;
+        auto block_of = [&](dp_u64 p) { return (int)(((p + 1) * blocks + total - 1) / total) - 1; };
+        auto pair_of = [&](int j) { return lo + (dp_u64)(j / nI); };
+        __shared__ dp_u32 last;
+        // The end of the block's part of a tile (rows from row0), as the loop below ends each tile: the
+        // groups' sums, the block's slot, the count, and the last block's sum of the slots. (A copy: the
+        // loop's planned kernels changed their machine code when it shared this through a function.)
+        auto finish_tile = [&](dp_u64 tile, int first, int last_block) {
+          const int slots = last_block - first + 1;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const int m = g + 8 * (k / 2), t = 8 * nt + 2 * q + (k % 2);
+              if (t < T) partial[(group * M + m) * T + t] = acc[nt][k];
+            }
+          __syncthreads();
+          float* mine = partials + ((dp_u64)tile * Split::kSlots + ((int)blockIdx.x - first)) * M * T;
+          for (int i = (int)threadIdx.x; i < M * T; i += DP_GEMM_THREADS) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int gg = 0; gg < DP_GEMM_GROUPS; ++gg) sum += partial[gg * M * T + i];
+            mine[i] = sum;
+          }
+          dp_fence_device();  // this block's slot is visible before it is counted
+          __syncthreads();
+          if (threadIdx.x == 0) last = dp_arrive_device(done + tile) == (dp_u32)(slots - 1) ? 1u : 0u;
+          __syncthreads();
+          if (last) {
+            dp_fence_device();
+            if (threadIdx.x == 0) done[tile] = 0u;
+            const float* tp = partials + (dp_u64)tile * Split::kSlots * M * T;
+            for (int i = (int)threadIdx.x; i < M * T; i += DP_GEMM_THREADS) {
+              const int m = i / T, t = i % T;
+              float sum = 0.0f;
+              for (int sl = 0; sl < slots; ++sl) sum += dp_load_f32_coherent(tp + (dp_u64)sl * M * T + i);
+              if (row0 + m < D) out[(dp_u64)t * D + row0 + m] = dp_f32_to_bf16(sum);
+            }
+          }
+          __syncthreads();  // partial[] and `last` are reused by the next tile
+        };
+        // Row m of tile `tile` of expert item `item` (rows past the matrix re-read row 0).
+        auto wrow = [&](dp_u64 tile, int item, int m) {
+          const int r = (int)tile * M + m < D ? (int)tile * M + m : 0;
+          const dp_u64 e = (dp_u64)experts[1 + item];
+          return dp_fp4_matrix_row<I>((const dp_u8*)w2 + e * stride_w2, (const dp_u8*)w2_scale + e * stride_w2_scale,
+                                      r);
+        };
+        struct Ops {
+          dp_fp4_chunk_ops<1, NT> o;
+          float coef[NT][2];  // weight of the expert in rows 8 nt + 2 q + k, times 2^32 (0: not used)
+        };
+        auto chunk_of = [&](int j) { return (j % nI) * kChunks + group; };
+        auto load = [&](int j, Ops& o) {
+          const dp_u64 p = pair_of(j);
+          const int item = (int)(p % items), c = chunk_of(j);
+          const bool in = DP_FP4_CHUNK * c + DP_FP4_GROUP * q < I;
+          const dp_bf16* xp[NT];
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const dp_bf16* x = 8 * nt + g < T ? act_row(item, 8 * nt + g, nullptr) : nullptr;
+            xp[nt] = x ? x + DP_FP4_GROUP * q : nullptr;
+          }
+          dp_load_x_chunk_fp4<NT>(xp, DP_FP4_CHUNK * c, in, o.o.x);
+#pragma unroll
+          for (int r = 0; r < 2; ++r) o.o.sc[0][r] = in ? (dp_u32)wrow(p / items, item, g + 8 * r).s[4 * c + q] : 0u;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int k = 0; k < 2; ++k) o.coef[nt][k] = row_weight(item, 8 * nt + 2 * q + k) * DP_FP4_UNSHIFT;
+        };
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-        // This group's part of the block's range of the tile, the items' units end to end.
-        const int glo = a + group * (b - a) / DP_GEMM_GROUPS, ghi = a + (group + 1) * (b - a) / DP_GEMM_GROUPS;
-        for (int item = (kShared && glo < uS) ? 0 : kShared + (glo - kShared * uS) / uI; item < items; ++item) {
-          const int off = (kShared && item == 0) ? 0 : kShared * uS + (item - kShared) * uI;
-          if (off >= ghi) break;
-          const int n = (kShared && item == 0) ? uS : uI;
-          add_item(item, glo > off ? glo - off : 0, ghi - off < n ? ghi - off : n);
-        }
+        Ops cur, next;
+        const int stages = (int)(hi - lo) * nI;
+        dp_ring_stream<M, kCols, kRing, 0>(
+            stages,
+            [&](int j) {
+              const int left = I / 2 - (j % nI) * kCols;
+              return left < kCols ? left : kCols;
+            },
+            [&](int j, int i) {
+              const dp_u64 p = pair_of(j);
+              return wrow(p / items, (int)(p % items), i).w + (j % nI) * kCols;
+            },
+            [&](int j, const unsigned char* stage) {
+              if (j == 0)
+                load(j, cur);
+              else
+                cur = next;
+              if (j + 1 < stages) load(j + 1, next);
+              const int c = chunk_of(j);
+              if (DP_FP4_CHUNK * c < I) {  // uniform over the group
+                float sum[1][NT][4] = {};
+                dp_mma_ring_chunk_fp4<1, NT, dp_ring_geometry<M, kCols>::kRowBytes>(
+                    stage, 0, DP_FP4_CHUNK / 2 * group, DP_FP4_CHUNK * c + DP_FP4_GROUP * q < I, cur.o, sum);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const int m = g + 8 * (k / 2), t = 8 * nt + 2 * q + (k % 2);
-            if (t < T) partial[(group * M + m) * T + t] = acc[nt][k];
+                  for (int k = 0; k < 4; ++k) acc[nt][k] += cur.coef[nt][k % 2] * sum[0][nt][k];
+              }
+              // The block leaves the tile after this stage: close it (every thread takes this branch).
+              const dp_u64 tile = pair_of(j) / items;
+              if (j + 1 == stages || pair_of(j + 1) / items != tile) {
+                row0 = (int)tile * M;
+                finish_tile(tile, block_of(tile * items), block_of((tile + 1) * items - 1));
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+              }
+            });
+      } else
+#endif
+      {
+        typedef decltype(weight_row(0, 0)) Row;
+        constexpr int uS = kShared ? dp_mma_units<SI, Row>() : 0, uI = dp_mma_units<I, Row>();
+        const dp_u64 per = (dp_u64)(kShared * uS + (items - kShared) * uI);  // units of one tile
+        const dp_u64 total = per * Split::kTiles;
+        // Blocks that get units: all G, or one per unit when there are fewer units than blocks (a block
+        // with an empty range would be counted among a tile's blocks but never arrive).
+        const dp_u64 blocks = total < (dp_u64)kSplit ? total : (dp_u64)kSplit;
+        if ((dp_u64)blockIdx.x >= blocks) return;  // the whole block
+        const dp_u64 lo = (dp_u64)blockIdx.x * total / blocks, hi = ((dp_u64)blockIdx.x + 1) * total / blocks;
+        // The block holding unit u: the largest b with b*total/blocks <= u.
+        auto block_of = [&](dp_u64 u) { return (int)(((u + 1) * blocks + total - 1) / total) - 1; };
+        __shared__ dp_u32 last;
+        for (dp_u64 tile = lo / per; tile * per < hi; ++tile) {  // every block has a unit: per > 0, lo < hi
+          row0 = (int)tile * M;
+          const int a = (int)((lo > tile * per ? lo : tile * per) - tile * per);
+          const int b = (int)((hi < (tile + 1) * per ? hi : (tile + 1) * per) - tile * per);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+          // This group's part of the block's range of the tile, the items' units end to end.
+          const int glo = a + group * (b - a) / DP_GEMM_GROUPS, ghi = a + (group + 1) * (b - a) / DP_GEMM_GROUPS;
+          for (int item = (kShared && glo < uS) ? 0 : kShared + (glo - kShared * uS) / uI; item < items; ++item) {
+            const int off = (kShared && item == 0) ? 0 : kShared * uS + (item - kShared) * uI;
+            if (off >= ghi) break;
+            const int n = (kShared && item == 0) ? uS : uI;
+            add_item(item, glo > off ? glo - off : 0, ghi - off < n ? ghi - off : n);
           }
-        __syncthreads();
-        const int first = block_of(tile * per), slots = block_of((tile + 1) * per - 1) - first + 1;
-        float* mine = partials + ((dp_u64)tile * Split::kSlots + ((int)blockIdx.x - first)) * M * T;
-        for (int i = (int)threadIdx.x; i < M * T; i += DP_GEMM_THREADS) {
-          float sum = 0.0f;
 #pragma unroll
-          for (int gg = 0; gg < DP_GEMM_GROUPS; ++gg) sum += partial[gg * M * T + i];
-          mine[i] = sum;
-        }
-        dp_fence_device();  // this block's slot is visible before it is counted
-        __syncthreads();
-        if (threadIdx.x == 0) last = dp_arrive_device(done + tile) == (dp_u32)(slots - 1) ? 1u : 0u;
-        __syncthreads();
-        if (last) {
-          dp_fence_device();
-          if (threadIdx.x == 0) done[tile] = 0u;
-          const float* tp = partials + (dp_u64)tile * Split::kSlots * M * T;
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const int m = g + 8 * (k / 2), t = 8 * nt + 2 * q + (k % 2);
+              if (t < T) partial[(group * M + m) * T + t] = acc[nt][k];
+            }
+          __syncthreads();
+          const int first = block_of(tile * per), slots = block_of((tile + 1) * per - 1) - first + 1;
+          float* mine = partials + ((dp_u64)tile * Split::kSlots + ((int)blockIdx.x - first)) * M * T;
           for (int i = (int)threadIdx.x; i < M * T; i += DP_GEMM_THREADS) {
-            const int m = i / T, t = i % T;
             float sum = 0.0f;
-            for (int sl = 0; sl < slots; ++sl) sum += dp_load_f32_coherent(tp + (dp_u64)sl * M * T + i);
-            if (row0 + m < D) out[(dp_u64)t * D + row0 + m] = dp_f32_to_bf16(sum);
+#pragma unroll
+            for (int gg = 0; gg < DP_GEMM_GROUPS; ++gg) sum += partial[gg * M * T + i];
+            mine[i] = sum;
           }
-        }
-        __syncthreads();  // partial[] and `last` are reused by the next tile
+          dp_fence_device();  // this block's slot is visible before it is counted
+          __syncthreads();
+          if (threadIdx.x == 0) last = dp_arrive_device(done + tile) == (dp_u32)(slots - 1) ? 1u : 0u;
+          __syncthreads();
+          if (last) {
+            dp_fence_device();
+            if (threadIdx.x == 0) done[tile] = 0u;
+            const float* tp = partials + (dp_u64)tile * Split::kSlots * M * T;
+            for (int i = (int)threadIdx.x; i < M * T; i += DP_GEMM_THREADS) {
+              const int m = i / T, t = i % T;
+              float sum = 0.0f;
+              for (int sl = 0; sl < slots; ++sl) sum += dp_load_f32_coherent(tp + (dp_u64)sl * M * T + i);
+              if (row0 + m < D) out[(dp_u64)t * D + row0 + m] = dp_f32_to_bf16(sum);
+            }
+          }
+          __syncthreads();  // partial[] and `last` are reused by the next tile
+      }
       }
     } else {  // one block per tile
 #if DP_HAS_BULK_COPY
@@ -1127,14 +1251,15 @@ __device__ __forceinline__ void dp_moe_down_q8_split(const dp_bf16* __restrict__
                                                    stride_w2_scale, partials, done);
 }
 // The MXFP4 form over a grid of G blocks that share every tile's work evenly (dp_moe_split; kSplit = G).
-template <int T, int D, int I, int E, int KT, int SI, int M, int G>
+// kRing > 0 (sm_90): the weight ring, the blocks sharing the (tile, expert) pairs evenly.
+template <int T, int D, int I, int E, int KT, int SI, int M, int G, int kRing = 0>
 __device__ __forceinline__ void dp_moe_down_q4_split(const dp_bf16* __restrict__ h, const dp_u8* w2,
                                                      const dp_u8* w2_scale, const dp_i32* __restrict__ experts,
                                                      const dp_i32* __restrict__ expert_slots,
                                                      const float* __restrict__ topk_weights, dp_bf16* __restrict__ out,
                                                      float routed_scaling, dp_u32 stride_w2, dp_u32 stride_w2_scale,
                                                      float* partials, dp_u32* done) {
-  dp_moe_down_impl<T, D, I, E, KT, SI, M, 0, 1, G>(h, nullptr, w2, w2_scale, nullptr, nullptr, experts, expert_slots,
-                                                   topk_weights, out, routed_scaling, stride_w2, stride_w2_scale,
-                                                   partials, done);
+  dp_moe_down_impl<T, D, I, E, KT, SI, M, 0, 1, G, kRing>(h, nullptr, w2, w2_scale, nullptr, nullptr, experts,
+                                                          expert_slots, topk_weights, out, routed_scaling, stride_w2,
+                                                          stride_w2_scale, partials, done);
 }

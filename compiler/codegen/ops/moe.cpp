@@ -305,8 +305,9 @@ std::vector<OpSpec> moe_ops() {
            {"SK", "sk", 0, 4096,
             "blocks that share every tile's work evenly (the split grid; 0: one block per tile); not bf16 at "
             "one row", true},
-           ring_param("one block per tile: the tile's rows of every item through a shared-memory ring of RG "
-                      "stages (bulk copies; 0: register loads); e4m3 at one row, MXFP4 at any width")},
+           ring_param("the tile's rows of every item through a shared-memory ring of RG stages (bulk copies; 0: "
+                      "register loads): e4m3 at one row, one block per tile; MXFP4 at any width, also over the "
+                      "split grid")},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"D", "I", "S"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"I", "S"});
@@ -315,8 +316,8 @@ std::vector<OpSpec> moe_ops() {
             if (p.at("SK") && moe_down_rows(p) != kTileRows)
               fail(Errc::input, "{}: parameter SK = {} (the split grid) needs the tensor-core tiles: bf16 experts at "
                    "one row (W = 1) take the lane-FMA loop", who, p.at("SK"));
-            check_ring(p, who, (p.at("W") == 1 || p.at("Q4")) && !p.at("SK"),
-                       "the ring form is one block per tile (SK = 0), and one row's (W = 1) for e4m3 experts");
+            check_ring(p, who, p.at("Q4") || (p.at("W") == 1 && !p.at("SK")),
+                       "the e4m3 ring form is one row's (W = 1), one block per tile (SK = 0)");
           },
           [](const Params& p) {
             std::vector<int64_t> a{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"), moe_down_rows(p)};

@@ -207,7 +207,7 @@ std::vector<codegen::KernelInstance> CaseKernels::all() const {
       rmsnorm,    in_proj,    kda,        kda_split,  o_proj,        o_proj_norm, router,          route,
       router_route, moe_up,   moe_down,   mlp_up,     mlp_down,      mla_prep,    mla_attn,        mla_combine,
       mla_attn_staged, mixed, mla_in,     q_norm,     q_b,           lat_down,    lat_norm,        lat_up,
-      moe_down_split, attnres[0], attnres[1], attnres[2], attnres_k3};
+      moe_down_split, moe_down_split_ring, attnres[0], attnres[1], attnres[2], attnres_k3};
   v.insert(v.end(), moe_down_rings.begin(), moe_down_rings.end());
   v.insert(v.end(), moe_up_rings.begin(), moe_up_rings.end());
   std::erase_if(v, [](const codegen::KernelInstance& k) { return k.op.empty(); });
@@ -346,6 +346,8 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
     l.lat_up.params["AD"] = 1;
     l.moe_down_split = l.moe_down;
     l.moe_down_split.params["SK"] = 264;
+    l.moe_down_split_ring = l.moe_down_split;
+    l.moe_down_split_ring.params["RG"] = 8;
     // DP_CHECK_RING names one depth instead (dp_kernel_build and dp_kernel_check must see the same value).
     const char* rg = std::getenv("DP_CHECK_RING");
     for (int64_t stages : rg && *rg ? std::vector<int64_t>{std::atoi(rg)} : std::vector<int64_t>{4, 6, 8}) {

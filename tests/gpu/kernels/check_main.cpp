@@ -1463,9 +1463,11 @@ void check_latent_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t se
                                         down_bytes / (down_ms * 1e-3) * 1e-9, R.used_v.size())
                           : std::string());
   // The split grid (SK): the same sum from blocks that share the tiles, against the same reference;
-  // repeated over one set of tile counters (zeroed once), which every launch must leave at zero.
-  if (!k.moe_down_split.op.empty()) {
-    const int64_t G = k.moe_down_split.params.at("SK"), tiles = (D + 15) / 16, slots = (G + tiles - 1) / tiles + 1;
+  // repeated over one set of tile counters (zeroed once), which every launch must leave at zero. Also
+  // through the weight ring (RG), the blocks sharing the (tile, expert) pairs.
+  for (const codegen::KernelInstance* split : {&k.moe_down_split, &k.moe_down_split_ring}) {
+    if (split->op.empty()) continue;
+    const int64_t G = split->params.at("SK"), tiles = (D + 15) / 16, slots = (G + tiles - 1) / tiles + 1;
     DevBuf parts(tiles * slots * 16 * T * 4), cnt = device_copy(std::vector<uint32_t>(tiles, 0u));
     parts.poison();
     DevBuf sum2(T * D * 2);
@@ -1473,16 +1475,19 @@ void check_latent_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t se
     std::map<std::string, Arg> split_args = down_args(sum2);
     split_args.emplace("partials", parts);
     split_args.emplace("done", cnt);
-    const float split_ms = ctx.kernels.launch(k.moe_down_split, split_args, repeat);
-    ctx.report.add(c.name(), fmt::format("moe_down mxfp4 split over {} blocks", G), rel(bf16_out(sum2), sums_both[0]),
-                   kBf16Tol,
+    const float split_ms = ctx.kernels.launch(*split, split_args, repeat);
+    const std::string form =
+        split->params.count("RG") ? fmt::format(", ring of {} stages", split->params.at("RG")) : std::string();
+    ctx.report.add(c.name(), fmt::format("moe_down mxfp4 split over {} blocks{}", G, form),
+                   rel(bf16_out(sum2), sums_both[0]), kBf16Tol,
                    ctx.time ? fmt::format("{:.1f} us, {:.0f} GB/s on {} experts' packed bytes", split_ms * 1e3,
                                           down_bytes / (split_ms * 1e-3) * 1e-9, R.used_v.size())
                             : std::string());
     int64_t left = 0;
     for (uint32_t v : cnt.download<uint32_t>()) left += v != 0;
-    ctx.report.zero(c.name(), "moe_down split: tile counters left nonzero", left);
+    ctx.report.zero(c.name(), fmt::format("moe_down split{}: tile counters left nonzero", form), left);
   }
+
   // The weight ring (RG): the same sum, the weights streamed through shared memory by bulk copies.
   for (const codegen::KernelInstance& ring : k.moe_down_rings) {
     DevBuf sum3(T * D * 2);

@@ -143,7 +143,10 @@ TEST(PdlOrderCompile, TheEarlyWeightsGemmLoadsOnlyWeightsBeforeItsWait) {
 // wait; the width-1 e4m3 gemm (kEarly) issues only its weights' bulk copies before it.
 TEST(PdlOrderCompile, TheWeightRingsCopyByBulkCopiesAndWaitFirstUnlessEarly) {
   DP_SKIP_WITHOUT(backend::Vendor::nvidia);
+  KernelInstance split_ring = ring(q4(moe_down(4, 3584, 3072, 896, 16, 0)), 8);
+  split_ring.params["SK"] = 264;
   const std::vector<KernelInstance> waits_first = {
+      split_ring,
       ring(q4(moe_down(1, 3584, 3072, 896, 16, 0)), 8),
       ring(q4(moe_down(8, 3584, 3072, 896, 16, 0)), 4),
       ring(q4(moe_up(1, 3584, 3072, 896, 16, 0, 1)), 2),

@@ -14,6 +14,11 @@ namespace {
 
 using namespace test_ops;
 
+KernelInstance split(KernelInstance k, int64_t blocks = 264) {
+  k.params["SK"] = blocks;
+  return k;
+}
+
 TEST(RingOps, NamesCarryTheStages) {
   EXPECT_EQ(kernel_name(ring(q8(gemm(1, 4096, {2304})))), "gemm_w1_k4096_na2304_q81_rg6");
   EXPECT_EQ(kernel_name(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)), 3)),
@@ -33,13 +38,10 @@ TEST(RingOps, RefuseWhatTheRingCannotStream) {
   expect_error([] { kernel_name(ring(q8(gemm_norm(1, 4096, 2304)))); }, Errc::input,
                {"RG = 6", "fused-norm"});
   expect_error([] { kernel_name(ring(q8(moe_down(2, 2304, 1024, 256, 8, 1024)))); }, Errc::input,
-               {"RG = 6", "one row's (W = 1) for e4m3"});
+               {"RG = 6", "the e4m3 ring form is one row's (W = 1)"});
   KernelInstance split = ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024)));
   split.params["SK"] = 264;
   expect_error([&] { kernel_name(split); }, Errc::input, {"RG = 6", "SK = 0"});
-  KernelInstance split4 = ring(q4(moe_down(4, 3584, 3072, 896, 16, 0)));
-  split4.params["SK"] = 264;
-  expect_error([&] { kernel_name(split4); }, Errc::input, {"RG = 6", "SK = 0"});
   expect_error([] { kernel_name(ring(q8(gemm(1, 4096, {2304})), 9)); }, Errc::input, {"RG = 9 is out of range"});
   // The gate/ups' rings, one per warp, must fit a block's shared memory.
   expect_error([] { kernel_name(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)), 6)); }, Errc::input,
@@ -71,6 +73,10 @@ TEST(RingOps, DeviceCallsPassTheStages) {
             launch_shape(q4(moe_up(1, 3584, 3072, 896, 16, 0, 1))).grid[0]);
   EXPECT_NE(generate_source(ring(q4(moe_down(8, 3584, 3072, 896, 16, 0)), 8))
                 .find("dp_moe_down_q4<8, 3584, 3072, 896, 16, 0, 16, 8>("),
+            std::string::npos);
+  // ... and over the split grid (SK): the blocks share the (tile, expert) pairs.
+  EXPECT_NE(generate_source(split(ring(q4(moe_down(4, 3584, 3072, 896, 16, 0)), 8)))
+                .find("dp_moe_down_q4_split<4, 3584, 3072, 896, 16, 0, 16, 264, 8>("),
             std::string::npos);
   EXPECT_EQ(launch_shape(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)), 2)).grid[0],
             launch_shape(q8(moe_up(1, 2304, 1024, 256, 8, 1024))).grid[0]);
@@ -121,6 +127,9 @@ std::vector<KernelInstance> compile_set(const std::string& t) {
       ring(q4(moe_down(1, 3584, 3072, 896, 16, 0, t)), 8),  // the K3 latent sum
       ring(q4(moe_down(8, 3584, 3072, 896, 16, 0, t)), 8),
       ring(q4(moe_down(3, 256, 1056, 16, 4, 0, t))),  // I with a partial stage and a partial chunk
+      split(ring(q4(moe_down(1, 3584, 3072, 896, 16, 0, t)), 8)),
+      split(ring(q4(moe_down(8, 3584, 3072, 896, 16, 0, t)), 8)),
+      split(ring(q4(moe_down(3, 256, 1056, 16, 4, 0, t)), 4)),
       ring(q4(moe_up(1, 3584, 3072, 896, 16, 0, 1, t)), 2),
       ring(q4(moe_up(8, 3584, 3072, 896, 16, 0, 1, t)), 3),
       ring(q4(moe_up(3, 1056, 136, 16, 4, 0, 0, t)), 2),  // D with a partial stage and a partial chunk
