@@ -703,6 +703,80 @@ struct dp_moe_split {
   static constexpr int kTiles = (D + M - 1) / M;
   static constexpr int kSlots = (G + kTiles - 1) / kTiles + 1;  // most blocks one tile's units can span
 };
+#if DP_HAS_BULK_COPY
+// The MXFP4 latent sum through the weight ring (dp_moe_down_impl with kQ4 and kRing; sm_90): the pairs
+// [lo, hi) of (tile, expert) (pair p: tile p / items, expert p % items) stream their 16 rows as one
+// sequence of stages of 1024 columns (8 chunks, 512 bytes a row; gemm.h, dp_ring_stream). Each of the
+// block's groups takes one chunk of every stage, and adds its products, weighted per activation row, to
+// acc; a chunk's activation columns, scale bytes and row weights are loaded one stage ahead. Every thread
+// calls leave(tile) after the last stage of each tile (the split grid closes the tile there).
+//   wrow(tile, item, m): dp_fp4_row of row m of the tile of expert item; act_row(item, t, coef) and
+//   row_weight(item, t): as dp_moe_down_impl's
+template <int T, int I, int M, int kRing, typename WRow, typename ActRow, typename RowWeight, typename Leave>
+__device__ __forceinline__ void dp_moe_down_q4_ring(dp_u64 lo, dp_u64 hi, int items, WRow wrow, ActRow act_row,
+                                                    RowWeight row_weight, float (&acc)[(T + 7) / 8][4], Leave leave) {
+  constexpr int NT = (T + 7) / 8;
+  constexpr int kChunks = 8, kCols = kChunks * DP_FP4_CHUNK / 2;                    // a stage: chunks, bytes a row
+  constexpr int nI = (I + kChunks * DP_FP4_CHUNK - 1) / (kChunks * DP_FP4_CHUNK);  // stages of a pair
+  const int group = (int)threadIdx.x / DP_GROUP, lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
+  struct Ops {
+    dp_fp4_chunk_ops<1, NT> o;
+    float coef[NT][2];  // weight of the expert in rows 8 nt + 2 q + k, times 2^32 (0: not used)
+  };
+  auto pair_of = [&](int j) { return lo + (dp_u64)(j / nI); };
+  auto chunk_of = [&](int j) { return (j % nI) * kChunks + group; };  // the group's chunk of the expert's row
+  auto load = [&](int j, Ops& o) {
+    const dp_u64 p = pair_of(j);
+    const int item = (int)(p % items), c = chunk_of(j);
+    const bool in = DP_FP4_CHUNK * c + DP_FP4_GROUP * q < I;
+    const dp_bf16* xp[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const dp_bf16* x = 8 * nt + g < T ? act_row(item, 8 * nt + g, nullptr) : nullptr;
+      xp[nt] = x ? x + DP_FP4_GROUP * q : nullptr;
+    }
+    dp_load_x_chunk_fp4<NT>(xp, DP_FP4_CHUNK * c, in, o.o.x);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) o.o.sc[0][r] = in ? (dp_u32)wrow(p / items, item, g + 8 * r).s[4 * c + q] : 0u;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int k = 0; k < 2; ++k) o.coef[nt][k] = row_weight(item, 8 * nt + 2 * q + k) * DP_FP4_UNSHIFT;
+  };
+  Ops cur, next;
+  const int stages = (int)(hi - lo) * nI;
+  dp_ring_stream<M, kCols, kRing, 0>(
+      stages,
+      [&](int j) {
+        const int left = I / 2 - (j % nI) * kCols;
+        return left < kCols ? left : kCols;
+      },
+      [&](int j, int i) {
+        const dp_u64 p = pair_of(j);
+        return wrow(p / items, (int)(p % items), i).w + (j % nI) * kCols;
+      },
+      [&](int j, const unsigned char* stage) {
+        if (j == 0)
+          load(j, cur);
+        else
+          cur = next;
+        if (j + 1 < stages) load(j + 1, next);
+        const int c = chunk_of(j);
+        if (DP_FP4_CHUNK * c < I) {  // uniform over the group
+          float sum[1][NT][4] = {};
+          dp_mma_ring_chunk_fp4<1, NT, dp_ring_geometry<M, kCols>::kRowBytes>(
+              stage, 0, DP_FP4_CHUNK / 2 * group, DP_FP4_CHUNK * c + DP_FP4_GROUP * q < I, cur.o, sum);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) acc[nt][k] += cur.coef[nt][k % 2] * sum[0][nt][k];
+        }
+        const dp_u64 tile = pair_of(j) / items;
+        if (j + 1 == stages || pair_of(j + 1) / items != tile) leave(tile);  // the same for every thread
+      });
+}
+#endif
+
 template <int T, int D, int I, int E, int KT, int SI, int M, int kQ8, int kQ4 = 0, int kSplit = 0, int kRing = 0>
 __device__ __forceinline__ void dp_moe_down_impl(
     const dp_bf16* __restrict__ h,             // [T, KT, I] bf16 from dp_moe_up
@@ -819,17 +893,20 @@ __device__ __forceinline__ void dp_moe_down_impl(
       typedef dp_moe_split<D, M, kSplit> Split;
 #if DP_HAS_BULK_COPY
       if constexpr (kQ4 != 0 && kRing > 0) {
-        // MXFP4 through the weight ring: the block takes an equal range of the (tile, expert) pairs, tile
-        // by tile, and streams their rows as one sequence of stages of 1024 columns (as the one-block-
-        // per-tile ring below, each group one chunk of every stage), closing each tile it leaves.
-        constexpr int kChunks = 8, kCols = kChunks * DP_FP4_CHUNK / 2;
-        constexpr int nI = (I + kChunks * DP_FP4_CHUNK - 1) / (kChunks * DP_FP4_CHUNK);  // stages of a pair
+        // MXFP4 through the weight ring (dp_moe_down_q4_ring): the block takes an equal range of the
+        // (tile, expert) pairs and closes each tile it leaves.
         const dp_u64 total = (dp_u64)Split::kTiles * items;  // pairs
         const dp_u64 blocks = total < (dp_u64)kSplit ? total : (dp_u64)kSplit;
         if ((dp_u64)blockIdx.x >= blocks) return;  // the whole block (no pairs for it)
         const dp_u64 lo = (dp_u64)blockIdx.x * total / blocks, hi = ((dp_u64)blockIdx.x + 1) * total / blocks;
         auto block_of = [&](dp_u64 p) { return (int)(((p + 1) * blocks + total - 1) / total) - 1; };
-        auto pair_of = [&](int j) { return lo + (dp_u64)(j / nI); };
+        // Row m of tile `tile` of expert item `item` (rows past the matrix re-read row 0).
+        auto wrow = [&](dp_u64 tile, int item, int m) {
+          const int r = (int)tile * M + m < D ? (int)tile * M + m : 0;
+          const dp_u64 e = (dp_u64)experts[1 + item];
+          return dp_fp4_matrix_row<I>((const dp_u8*)w2 + e * stride_w2, (const dp_u8*)w2_scale + e * stride_w2_scale,
+                                      r);
+        };
         __shared__ dp_u32 last;
         // The end of the block's part of a tile (rows from row0), as the loop below ends each tile: the
         // groups' sums, the block's slot, the count, and the last block's sum of the slots. (A copy: the
@@ -868,75 +945,12 @@ __device__ __forceinline__ void dp_moe_down_impl(
           }
           __syncthreads();  // partial[] and `last` are reused by the next tile
         };
-        // Row m of tile `tile` of expert item `item` (rows past the matrix re-read row 0).
-        auto wrow = [&](dp_u64 tile, int item, int m) {
-          const int r = (int)tile * M + m < D ? (int)tile * M + m : 0;
-          const dp_u64 e = (dp_u64)experts[1 + item];
-          return dp_fp4_matrix_row<I>((const dp_u8*)w2 + e * stride_w2, (const dp_u8*)w2_scale + e * stride_w2_scale,
-                                      r);
-        };
-        struct Ops {
-          dp_fp4_chunk_ops<1, NT> o;
-          float coef[NT][2];  // weight of the expert in rows 8 nt + 2 q + k, times 2^32 (0: not used)
-        };
-        auto chunk_of = [&](int j) { return (j % nI) * kChunks + group; };
-        auto load = [&](int j, Ops& o) {
-          const dp_u64 p = pair_of(j);
-          const int item = (int)(p % items), c = chunk_of(j);
-          const bool in = DP_FP4_CHUNK * c + DP_FP4_GROUP * q < I;
-          const dp_bf16* xp[NT];
+        dp_moe_down_q4_ring<T, I, M, kRing>(lo, hi, items, wrow, act_row, row_weight, acc, [&](dp_u64 tile) {
+          row0 = (int)tile * M;
+          finish_tile(tile, block_of(tile * items), block_of((tile + 1) * items - 1));
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const dp_bf16* x = 8 * nt + g < T ? act_row(item, 8 * nt + g, nullptr) : nullptr;
-            xp[nt] = x ? x + DP_FP4_GROUP * q : nullptr;
-          }
-          dp_load_x_chunk_fp4<NT>(xp, DP_FP4_CHUNK * c, in, o.o.x);
-#pragma unroll
-          for (int r = 0; r < 2; ++r) o.o.sc[0][r] = in ? (dp_u32)wrow(p / items, item, g + 8 * r).s[4 * c + q] : 0u;
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int k = 0; k < 2; ++k) o.coef[nt][k] = row_weight(item, 8 * nt + 2 * q + k) * DP_FP4_UNSHIFT;
-        };
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-        Ops cur, next;
-        const int stages = (int)(hi - lo) * nI;
-        dp_ring_stream<M, kCols, kRing, 0>(
-            stages,
-            [&](int j) {
-              const int left = I / 2 - (j % nI) * kCols;
-              return left < kCols ? left : kCols;
-            },
-            [&](int j, int i) {
-              const dp_u64 p = pair_of(j);
-              return wrow(p / items, (int)(p % items), i).w + (j % nI) * kCols;
-            },
-            [&](int j, const unsigned char* stage) {
-              if (j == 0)
-                load(j, cur);
-              else
-                cur = next;
-              if (j + 1 < stages) load(j + 1, next);
-              const int c = chunk_of(j);
-              if (DP_FP4_CHUNK * c < I) {  // uniform over the group
-                float sum[1][NT][4] = {};
-                dp_mma_ring_chunk_fp4<1, NT, dp_ring_geometry<M, kCols>::kRowBytes>(
-                    stage, 0, DP_FP4_CHUNK / 2 * group, DP_FP4_CHUNK * c + DP_FP4_GROUP * q < I, cur.o, sum);
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                  for (int k = 0; k < 4; ++k) acc[nt][k] += cur.coef[nt][k % 2] * sum[0][nt][k];
-              }
-              // The block leaves the tile after this stage: close it (every thread takes this branch).
-              const dp_u64 tile = pair_of(j) / items;
-              if (j + 1 == stages || pair_of(j + 1) / items != tile) {
-                row0 = (int)tile * M;
-                finish_tile(tile, block_of(tile * items), block_of((tile + 1) * items - 1));
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-              }
-            });
+          for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        });
       } else
 #endif
       {
@@ -1003,60 +1017,11 @@ __device__ __forceinline__ void dp_moe_down_impl(
     } else {  // one block per tile
 #if DP_HAS_BULK_COPY
     if constexpr (kQ4 != 0 && kRing > 0) {
-      // MXFP4, any width: the tile's 16 rows of every used expert through the ring (gemm.h,
-      // dp_ring_stream). A stage holds 1024 columns (8 chunks, 512 bytes a row) of one expert, so each
-      // group takes one chunk of every stage; its products are weighted per activation row as they are
-      // added (the chunk's activation columns, scale bytes and row weights are loaded one stage ahead).
-      constexpr int kChunks = 8, kCols = kChunks * DP_FP4_CHUNK / 2;  // a stage: chunks, bytes a row
-      constexpr int nI = (I + kChunks * DP_FP4_CHUNK - 1) / (kChunks * DP_FP4_CHUNK);  // stages of an expert
-      struct Ops {
-        dp_fp4_chunk_ops<1, NT> o;
-        float coef[NT][2];  // weight of the expert in rows 8 nt + 2 q + k, times 2^32 (0: not used)
-      };
-      auto chunk_of = [&](int j) { return (j % nI) * kChunks + group; };  // the group's chunk of the expert's row
-      auto load = [&](int j, Ops& o) {
-        const int item = j / nI, c = chunk_of(j);
-        const bool in = DP_FP4_CHUNK * c + DP_FP4_GROUP * q < I;
-        const dp_bf16* xp[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const dp_bf16* x = 8 * nt + g < T ? act_row(item, 8 * nt + g, nullptr) : nullptr;
-          xp[nt] = x ? x + DP_FP4_GROUP * q : nullptr;
-        }
-        dp_load_x_chunk_fp4<NT>(xp, DP_FP4_CHUNK * c, in, o.o.x);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) o.o.sc[0][r] = in ? (dp_u32)weight_row(item, g + 8 * r).s[4 * c + q] : 0u;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int k = 0; k < 2; ++k) o.coef[nt][k] = row_weight(item, 8 * nt + 2 * q + k) * DP_FP4_UNSHIFT;
-      };
-      Ops cur, next;
-      const int stages = items * nI;
-      dp_ring_stream<M, kCols, kRing, 0>(
-          stages,
-          [&](int j) {
-            const int left = I / 2 - (j % nI) * kCols;
-            return left < kCols ? left : kCols;
-          },
-          [&](int j, int i) { return weight_row(j / nI, i).w + (j % nI) * kCols; },
-          [&](int j, const unsigned char* stage) {
-            if (j == 0)
-              load(j, cur);
-            else
-              cur = next;
-            if (j + 1 < stages) load(j + 1, next);
-            const int c = chunk_of(j);
-            if (DP_FP4_CHUNK * c < I) {  // uniform over the group
-              float sum[1][NT][4] = {};
-              dp_mma_ring_chunk_fp4<1, NT, dp_ring_geometry<M, kCols>::kRowBytes>(
-                  stage, 0, DP_FP4_CHUNK / 2 * group, DP_FP4_CHUNK * c + DP_FP4_GROUP * q < I, cur.o, sum);
-#pragma unroll
-              for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int k = 0; k < 4; ++k) acc[nt][k] += cur.coef[nt][k % 2] * sum[0][nt][k];
-            }
-          });
+      // MXFP4, any width: the tile's pairs (tile, expert) through the ring.
+      const dp_u64 tile = (dp_u64)row0 / M;
+      dp_moe_down_q4_ring<T, I, M, kRing>(
+          tile * items, (tile + 1) * items, items,
+          [&](dp_u64, int item, int m) { return weight_row(item, m); }, act_row, row_weight, acc, [&](dp_u64) {});
     } else
     if constexpr (T == 1 && kQ8 != 0 && kRing > 0) {
       // One row, e4m3: the tile's 16 rows of every item through the ring (gemm.h, dp_ring_stream), the
