@@ -704,56 +704,74 @@ struct dp_moe_split {
   static constexpr int kSlots = (G + kTiles - 1) / kTiles + 1;  // most blocks one tile's units can span
 };
 #if DP_HAS_BULK_COPY
-// The MXFP4 latent sum through the weight ring (dp_moe_down_impl with kQ4 and kRing; sm_90): the pairs
-// [lo, hi) of (tile, expert) (pair p: tile p / items, expert p % items) stream their 16 rows as one
-// sequence of stages of 1024 columns (8 chunks, 512 bytes a row; gemm.h, dp_ring_stream). Each of the
-// block's groups takes one chunk of every stage, and adds its products, weighted per activation row, to
-// acc; a chunk's activation columns, scale bytes and row weights are loaded one stage ahead. Every thread
-// calls leave(tile) after the last stage of each tile (the split grid closes the tile there).
-//   wrow(tile, item, m): dp_fp4_row of row m of the tile of expert item; act_row(item, t, coef) and
-//   row_weight(item, t): as dp_moe_down_impl's
+// moe_down's weight ring over pairs (dp_moe_down_impl with kRing; sm_90; MXFP4 or e4m3 rows): the pairs
+// [lo, hi) of (tile, item) (pair p: tile p / items, item p % items) stream their 16 rows as one sequence
+// of stages of 1024 columns (512 bytes a row for MXFP4, 1024 for e4m3; gemm.h, dp_ring_stream). Each of
+// the block's groups takes one 128-column unit of every stage, and adds its products, weighted per
+// activation row, to acc; a unit's activation columns, scales and row weights are loaded one stage
+// ahead. Every item is I columns wide. Every thread calls leave(tile) after the last stage of each tile
+// (the split grid closes the tile there).
+//   wrow(tile, item, m): dp_fp4_row or dp_fp8_row of row m of the tile of item; act_row(item, t, coef)
+//   and row_weight(item, t): as dp_moe_down_impl's
 template <int T, int I, int M, int kRing, typename WRow, typename ActRow, typename RowWeight, typename Leave>
-__device__ __forceinline__ void dp_moe_down_q4_ring(dp_u64 lo, dp_u64 hi, int items, WRow wrow, ActRow act_row,
-                                                    RowWeight row_weight, float (&acc)[(T + 7) / 8][4], Leave leave) {
+__device__ __forceinline__ void dp_moe_down_ring(dp_u64 lo, dp_u64 hi, int items, WRow wrow, ActRow act_row,
+                                                 RowWeight row_weight, float (&acc)[(T + 7) / 8][4], Leave leave) {
+  typedef decltype(wrow(0, 0, 0)) Row;
+  constexpr bool kFp4 = dp_is_fp4_row<Row>::value;
+  static_assert(kFp4 || dp_is_fp8_row<Row>::value, "moe_down weight ring: MXFP4 or e4m3 rows");
   constexpr int NT = (T + 7) / 8;
-  constexpr int kChunks = 8, kCols = kChunks * DP_FP4_CHUNK / 2;                    // a stage: chunks, bytes a row
-  constexpr int nI = (I + kChunks * DP_FP4_CHUNK - 1) / (kChunks * DP_FP4_CHUNK);  // stages of a pair
+  constexpr int kUnits = DP_GEMM_GROUPS;                              // 128-column units a stage, one a group
+  constexpr int kUnitBytes = kFp4 ? DP_FP4_CHUNK / 2 : DP_FP8_BLOCK;  // bytes of a unit of a row
+  constexpr int kCols = kUnits * kUnitBytes;                          // bytes of a row a stage
+  constexpr int nI = (I + 128 * kUnits - 1) / (128 * kUnits);         // stages of a pair
+  constexpr int kRowBytes = kFp4 ? I / 2 : I;
   const int group = (int)threadIdx.x / DP_GROUP, lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
   struct Ops {
-    dp_fp4_chunk_ops<1, NT> o;
-    float coef[NT][2];  // weight of the expert in rows 8 nt + 2 q + k, times 2^32 (0: not used)
+    typename dp_conditional<kFp4, dp_fp4_chunk_ops<1, NT>, dp_fp8_block_ops<1, NT>>::type o;
+    float coef[NT][2];  // weight of the item in rows 8 nt + 2 q + k (MXFP4: times 2^32; 0: not used)
   };
   auto pair_of = [&](int j) { return lo + (dp_u64)(j / nI); };
-  auto chunk_of = [&](int j) { return (j % nI) * kChunks + group; };  // the group's chunk of the expert's row
+  auto unit_of = [&](int j) { return (j % nI) * kUnits + group; };  // the group's unit of the item's row
   auto load = [&](int j, Ops& o) {
     const dp_u64 p = pair_of(j);
-    const int item = (int)(p % items), c = chunk_of(j);
-    const bool in = DP_FP4_CHUNK * c + DP_FP4_GROUP * q < I;
+    const int item = (int)(p % items), b = unit_of(j);
     const dp_bf16* xp[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const dp_bf16* x = 8 * nt + g < T ? act_row(item, 8 * nt + g, nullptr) : nullptr;
-      xp[nt] = x ? x + DP_FP4_GROUP * q : nullptr;
+      xp[nt] = x && kFp4 ? x + DP_FP4_GROUP * q : x;
     }
-    dp_load_x_chunk_fp4<NT>(xp, DP_FP4_CHUNK * c, in, o.o.x);
+    if constexpr (kFp4) {
+      const bool in = DP_FP4_CHUNK * b + DP_FP4_GROUP * q < I;
+      dp_load_x_chunk_fp4<NT>(xp, DP_FP4_CHUNK * b, in, o.o.x);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) o.o.sc[0][r] = in ? (dp_u32)wrow(p / items, item, g + 8 * r).s[4 * c + q] : 0u;
+      for (int r = 0; r < 2; ++r) o.o.sc[0][r] = in ? (dp_u32)wrow(p / items, item, g + 8 * r).s[4 * b + q] : 0u;
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = DP_FP8_BLOCK * b + 64 * h + 16 * q;
+        dp_load_x_half_fp8<NT, 0>(xp, col, col < I, o.o.x[h]);
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) o.o.sc[0][r] = DP_FP8_BLOCK * b < I ? wrow(p / items, item, g + 8 * r).s[b] : 0.0f;
+    }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int k = 0; k < 2; ++k) o.coef[nt][k] = row_weight(item, 8 * nt + 2 * q + k) * DP_FP4_UNSHIFT;
+      for (int k = 0; k < 2; ++k)
+        o.coef[nt][k] = row_weight(item, 8 * nt + 2 * q + k) * (kFp4 ? DP_FP4_UNSHIFT : 1.0f);
   };
   Ops cur, next;
   const int stages = (int)(hi - lo) * nI;
   dp_ring_stream<M, kCols, kRing, 0>(
       stages,
       [&](int j) {
-        const int left = I / 2 - (j % nI) * kCols;
+        const int left = kRowBytes - (j % nI) * kCols;
         return left < kCols ? left : kCols;
       },
       [&](int j, int i) {
         const dp_u64 p = pair_of(j);
-        return wrow(p / items, (int)(p % items), i).w + (j % nI) * kCols;
+        return (const void*)(wrow(p / items, (int)(p % items), i).w + (j % nI) * kCols);
       },
       [&](int j, const unsigned char* stage) {
         if (j == 0)
@@ -761,11 +779,15 @@ __device__ __forceinline__ void dp_moe_down_q4_ring(dp_u64 lo, dp_u64 hi, int it
         else
           cur = next;
         if (j + 1 < stages) load(j + 1, next);
-        const int c = chunk_of(j);
-        if (DP_FP4_CHUNK * c < I) {  // uniform over the group
+        const int b = unit_of(j);
+        if (128 * b < I) {  // uniform over the group
           float sum[1][NT][4] = {};
-          dp_mma_ring_chunk_fp4<1, NT, dp_ring_geometry<M, kCols>::kRowBytes>(
-              stage, 0, DP_FP4_CHUNK / 2 * group, DP_FP4_CHUNK * c + DP_FP4_GROUP * q < I, cur.o, sum);
+          if constexpr (kFp4)
+            dp_mma_ring_chunk_fp4<1, NT, dp_ring_geometry<M, kCols>::kRowBytes>(
+                stage, 0, kUnitBytes * group, DP_FP4_CHUNK * b + DP_FP4_GROUP * q < I, cur.o, sum);
+          else
+            dp_mma_ring_block_fp8<1, NT, dp_ring_geometry<M, kCols>::kRowBytes>(stage, 0, kUnitBytes * group,
+                                                                                I - DP_FP8_BLOCK * b, cur.o, sum);
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -892,20 +914,29 @@ __device__ __forceinline__ void dp_moe_down_impl(
       static_assert(kSplit > 0 && M == 16, "moe_down: the split grid is the tensor-core path's");
       typedef dp_moe_split<D, M, kSplit> Split;
 #if DP_HAS_BULK_COPY
-      if constexpr (kQ4 != 0 && kRing > 0) {
-        // MXFP4 through the weight ring (dp_moe_down_q4_ring): the block takes an equal range of the
-        // (tile, expert) pairs and closes each tile it leaves.
+      if constexpr ((kQ4 != 0 || kQ8 != 0) && kRing > 0) {
+        // MXFP4 or e4m3 through the weight ring (dp_moe_down_ring): the block takes an equal range of the
+        // (tile, item) pairs and closes each tile it leaves.
+        static_assert(kShared == 0 || SI == I, "moe_down: the split ring takes a shared expert as wide as the experts");
         const dp_u64 total = (dp_u64)Split::kTiles * items;  // pairs
         const dp_u64 blocks = total < (dp_u64)kSplit ? total : (dp_u64)kSplit;
         if ((dp_u64)blockIdx.x >= blocks) return;  // the whole block (no pairs for it)
         const dp_u64 lo = (dp_u64)blockIdx.x * total / blocks, hi = ((dp_u64)blockIdx.x + 1) * total / blocks;
         auto block_of = [&](dp_u64 p) { return (int)(((p + 1) * blocks + total - 1) / total) - 1; };
-        // Row m of tile `tile` of expert item `item` (rows past the matrix re-read row 0).
+        // Row m of tile `tile` of item `item` (rows past the matrix re-read row 0).
         auto wrow = [&](dp_u64 tile, int item, int m) {
           const int r = (int)tile * M + m < D ? (int)tile * M + m : 0;
-          const dp_u64 e = (dp_u64)experts[1 + item];
-          return dp_fp4_matrix_row<I>((const dp_u8*)w2 + e * stride_w2, (const dp_u8*)w2_scale + e * stride_w2_scale,
-                                      r);
+          if constexpr (kQ4 != 0) {
+            const dp_u64 e = (dp_u64)experts[1 + item];
+            return dp_fp4_matrix_row<I>((const dp_u8*)w2 + e * stride_w2,
+                                        (const dp_u8*)w2_scale + e * stride_w2_scale, r);
+          } else {
+            if (kShared && item == 0)
+              return dp_fp8_matrix_row<SI>((const dp_u8*)shared_down, (const float*)shared_down_scale, r);
+            const dp_u64 e = (dp_u64)experts[1 + item - kShared];
+            return dp_fp8_matrix_row<I>((const dp_u8*)w2 + e * stride_w2, (const float*)w2_scale + e * stride_w2_scale,
+                                        r);
+          }
         };
         __shared__ dp_u32 last;
         // The end of the block's part of a tile (rows from row0), as the loop below ends each tile: the
@@ -945,7 +976,7 @@ __device__ __forceinline__ void dp_moe_down_impl(
           }
           __syncthreads();  // partial[] and `last` are reused by the next tile
         };
-        dp_moe_down_q4_ring<T, I, M, kRing>(lo, hi, items, wrow, act_row, row_weight, acc, [&](dp_u64 tile) {
+        dp_moe_down_ring<T, I, M, kRing>(lo, hi, items, wrow, act_row, row_weight, acc, [&](dp_u64 tile) {
           row0 = (int)tile * M;
           finish_tile(tile, block_of(tile * items), block_of((tile + 1) * items - 1));
 #pragma unroll
@@ -1019,7 +1050,7 @@ __device__ __forceinline__ void dp_moe_down_impl(
     if constexpr (kQ4 != 0 && kRing > 0) {
       // MXFP4, any width: the tile's pairs (tile, expert) through the ring.
       const dp_u64 tile = (dp_u64)row0 / M;
-      dp_moe_down_q4_ring<T, I, M, kRing>(
+      dp_moe_down_ring<T, I, M, kRing>(
           tile * items, (tile + 1) * items, items,
           [&](dp_u64, int item, int m) { return weight_row(item, m); }, act_row, row_weight, acc, [&](dp_u64) {});
     } else
@@ -1202,7 +1233,7 @@ __device__ __forceinline__ void dp_moe_down_split(const dp_bf16* __restrict__ h,
   dp_moe_down_impl<T, D, I, E, KT, SI, M, 0, 0, G>(h, hs, w2, nullptr, shared_down, nullptr, experts, expert_slots,
                                                    topk_weights, out, routed_scaling, stride_w2, 0, partials, done);
 }
-template <int T, int D, int I, int E, int KT, int SI, int M, int G>
+template <int T, int D, int I, int E, int KT, int SI, int M, int G, int kRing = 0>
 __device__ __forceinline__ void dp_moe_down_q8_split(const dp_bf16* __restrict__ h, const dp_bf16* __restrict__ hs,
                                                      const dp_u8* w2, const float* w2_scale, const dp_u8* shared_down,
                                                      const float* shared_down_scale,
@@ -1211,12 +1242,12 @@ __device__ __forceinline__ void dp_moe_down_q8_split(const dp_bf16* __restrict__
                                                      const float* __restrict__ topk_weights, dp_bf16* __restrict__ out,
                                                      float routed_scaling, dp_u32 stride_w2, dp_u32 stride_w2_scale,
                                                      float* partials, dp_u32* done) {
-  dp_moe_down_impl<T, D, I, E, KT, SI, M, 1, 0, G>(h, hs, w2, w2_scale, shared_down, shared_down_scale, experts,
-                                                   expert_slots, topk_weights, out, routed_scaling, stride_w2,
-                                                   stride_w2_scale, partials, done);
+  dp_moe_down_impl<T, D, I, E, KT, SI, M, 1, 0, G, kRing>(h, hs, w2, w2_scale, shared_down, shared_down_scale,
+                                                          experts, expert_slots, topk_weights, out, routed_scaling,
+                                                          stride_w2, stride_w2_scale, partials, done);
 }
 // The MXFP4 form over a grid of G blocks that share every tile's work evenly (dp_moe_split; kSplit = G).
-// kRing > 0 (sm_90): the weight ring, the blocks sharing the (tile, expert) pairs evenly.
+// kRing > 0 (sm_90; also in the e4m3 form): the weight ring, the blocks sharing the (tile, item) pairs.
 template <int T, int D, int I, int E, int KT, int SI, int M, int G, int kRing = 0>
 __device__ __forceinline__ void dp_moe_down_q4_split(const dp_bf16* __restrict__ h, const dp_u8* w2,
                                                      const dp_u8* w2_scale, const dp_i32* __restrict__ experts,

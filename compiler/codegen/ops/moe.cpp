@@ -306,8 +306,8 @@ std::vector<OpSpec> moe_ops() {
             "blocks that share every tile's work evenly (the split grid; 0: one block per tile); not bf16 at "
             "one row", true},
            ring_param("the tile's rows of every item through a shared-memory ring of RG stages (bulk copies; 0: "
-                      "register loads): e4m3 at one row, one block per tile; MXFP4 at any width, also over the "
-                      "split grid")},
+                      "register loads): over the split grid (SK), or one block per tile (MXFP4 at any width, e4m3 "
+                      "at one row)")},
           [](const Params& p, const std::string& who) {
             check_multiple_of_8(p, who, {"D", "I", "S"});
             if (p.at("Q8")) check_multiple_of_16(p, who, {"I", "S"});
@@ -316,8 +316,11 @@ std::vector<OpSpec> moe_ops() {
             if (p.at("SK") && moe_down_rows(p) != kTileRows)
               fail(Errc::input, "{}: parameter SK = {} (the split grid) needs the tensor-core tiles: bf16 experts at "
                    "one row (W = 1) take the lane-FMA loop", who, p.at("SK"));
-            check_ring(p, who, p.at("Q4") || (p.at("W") == 1 && !p.at("SK")),
-                       "the e4m3 ring form is one row's (W = 1), one block per tile (SK = 0)");
+            check_ring(p, who, p.at("Q4") || p.at("SK") || p.at("W") == 1,
+                       "the e4m3 ring form with one block per tile (SK = 0) is one row's (W = 1)");
+            if (p.at("RG") && p.at("SK") && p.at("Q8") && p.at("S") && p.at("S") != p.at("I"))
+              fail(Errc::input, "{}: parameters RG = {} and SK = {} with S = {}: the split ring takes a shared "
+                   "expert as wide as the routed ones (I = {})", who, p.at("RG"), p.at("SK"), p.at("S"), p.at("I"));
           },
           [](const Params& p) {
             std::vector<int64_t> a{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"), moe_down_rows(p)};

@@ -325,6 +325,11 @@ CaseKernels kernels_of(const Case& c, const std::string& target) {
     k.moe_down_split = k.moe_down;
     k.moe_down_split.params["SK"] = 264;
   }
+  if (c.fp8) {  // the split grid through the weight ring, every FP8 case (its shared expert is as wide as I)
+    k.moe_down_split_ring = k.moe_down;
+    k.moe_down_split_ring.params["SK"] = 264;
+    k.moe_down_split_ring.params["RG"] = 6;
+  }
   if (c.mxfp4) {
     const int64_t D = m.latent;
     CaseKernels l;

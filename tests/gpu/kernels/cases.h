@@ -127,7 +127,8 @@ struct CaseKernels {
   // and moe_up through a ring per warp at 2 and 3 stages, beside the register forms (timed side by side).
   std::vector<codegen::KernelInstance> moe_down_rings;
   std::vector<codegen::KernelInstance> moe_up_rings;
-  codegen::KernelInstance moe_down_split_ring;  // MXFP4 cases: the split grid (SK 264) through the ring (RG 8)
+  codegen::KernelInstance moe_down_split_ring;  // the split grid (SK 264) through the ring: MXFP4 cases (RG 8),
+                                                // FP8 cases whose shared expert is as wide as I (RG 6)
   // K3 cases (attn_res_block > 0, not FP8; op "" otherwise): attnres at stage 0 (before the input norm,
   // may push), 1 (before the post-attention norm) and 2 (the final norm), at the model's shape, and at
   // Kimi-K3's own (H 7168, block 12, 8 blocks; stage 0) over the same rows.

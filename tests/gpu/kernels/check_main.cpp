@@ -1214,9 +1214,13 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
                  fmt::format("{} experts used", used_v.size()));
   // The split grid (SK): the same sums from blocks that share the tiles, against the same reference,
   // twice over one set of tile counters (zeroed once), which each launch must leave at zero; the two
-  // launches give the same bits (the slots are added in a fixed order).
-  if (!k.moe_down_split.op.empty()) {
-    const int64_t G = k.moe_down_split.params.at("SK"), tiles = (H + 15) / 16, slots = (G + tiles - 1) / tiles + 1;
+  // launches give the same bits (the slots are added in a fixed order). Also through the weight ring (RG;
+  // e4m3), the blocks sharing the (tile, item) pairs.
+  for (const codegen::KernelInstance* split : {&k.moe_down_split, &k.moe_down_split_ring}) {
+    if (split->op.empty()) continue;
+    const int64_t G = split->params.at("SK"), tiles = (H + 15) / 16, slots = (G + tiles - 1) / tiles + 1;
+    const std::string form =
+        split->params.count("RG") ? fmt::format(", ring of {} stages", split->params.at("RG")) : std::string();
     DevBuf parts(tiles * slots * 16 * T * 4), cnt = device_copy(std::vector<uint32_t>(tiles, 0u));
     parts.poison();
     std::vector<std::vector<double>> outs;
@@ -1228,18 +1232,19 @@ void check_moe(Ctx& ctx, const Case& c, const CaseKernels& k, uint64_t seed) {
       split_args.insert_or_assign("out", Arg(out2));
       split_args.emplace("partials", parts);
       split_args.emplace("done", cnt);
-      split_ms = ctx.kernels.launch(k.moe_down_split, split_args);
+      split_ms = ctx.kernels.launch(*split, split_args);
       outs.push_back(bf16_out(out2));
     }
-    ctx.report.add(c.name(), fmt::format("moe_down split over {} blocks", G), rel(outs[0], down_ref(h_gpu, hs_gpu, gw_d)),
-                   kBf16Tol, ctx.time ? fmt::format("{:.1f} us (one block per tile: {:.1f} us)", split_ms * 1e3,
+    ctx.report.add(c.name(), fmt::format("moe_down split over {} blocks{}", G, form),
+                   rel(outs[0], down_ref(h_gpu, hs_gpu, gw_d)), kBf16Tol, ctx.time ? fmt::format("{:.1f} us (one block per tile: {:.1f} us)", split_ms * 1e3,
                                                     down_ms * 1e3)
                                       : std::string());
     int64_t left = 0, differ = 0;
     for (uint32_t v : cnt.download<uint32_t>()) left += v != 0;
     for (size_t i = 0; i < outs[0].size(); ++i) differ += outs[0][i] != outs[1][i];
-    ctx.report.zero(c.name(), "moe_down split: tile counters left nonzero", left);
-    ctx.report.zero(c.name(), "moe_down split: launches that differ", differ, "output values, second launch vs first");
+    ctx.report.zero(c.name(), fmt::format("moe_down split{}: tile counters left nonzero", form), left);
+    ctx.report.zero(c.name(), fmt::format("moe_down split{}: launches that differ", form), differ,
+                    "output values, second launch vs first");
   }
 }
 

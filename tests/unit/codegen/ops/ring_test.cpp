@@ -38,10 +38,9 @@ TEST(RingOps, RefuseWhatTheRingCannotStream) {
   expect_error([] { kernel_name(ring(q8(gemm_norm(1, 4096, 2304)))); }, Errc::input,
                {"RG = 6", "fused-norm"});
   expect_error([] { kernel_name(ring(q8(moe_down(2, 2304, 1024, 256, 8, 1024)))); }, Errc::input,
-               {"RG = 6", "the e4m3 ring form is one row's (W = 1)"});
-  KernelInstance split = ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024)));
-  split.params["SK"] = 264;
-  expect_error([&] { kernel_name(split); }, Errc::input, {"RG = 6", "SK = 0"});
+               {"RG = 6", "one block per tile (SK = 0) is one row's (W = 1)"});
+  expect_error([] { kernel_name(split(ring(q8(moe_down(8, 2304, 1024, 256, 8, 512))))); }, Errc::input,
+               {"RG = 6 and SK = 264 with S = 512", "as wide as the routed ones (I = 1024)"});
   expect_error([] { kernel_name(ring(q8(gemm(1, 4096, {2304})), 9)); }, Errc::input, {"RG = 9 is out of range"});
   // The gate/ups' rings, one per warp, must fit a block's shared memory.
   expect_error([] { kernel_name(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)), 6)); }, Errc::input,
@@ -74,7 +73,10 @@ TEST(RingOps, DeviceCallsPassTheStages) {
   EXPECT_NE(generate_source(ring(q4(moe_down(8, 3584, 3072, 896, 16, 0)), 8))
                 .find("dp_moe_down_q4<8, 3584, 3072, 896, 16, 0, 16, 8>("),
             std::string::npos);
-  // ... and over the split grid (SK): the blocks share the (tile, expert) pairs.
+  // ... and over the split grid (SK): the blocks share the (tile, item) pairs; e4m3 at any width too.
+  EXPECT_NE(generate_source(split(ring(q8(moe_down(8, 2304, 1024, 256, 8, 1024)))))
+                .find("dp_moe_down_q8_split<8, 2304, 1024, 256, 8, 1024, 16, 264, 6>("),
+            std::string::npos);
   EXPECT_NE(generate_source(split(ring(q4(moe_down(4, 3584, 3072, 896, 16, 0)), 8)))
                 .find("dp_moe_down_q4_split<4, 3584, 3072, 896, 16, 0, 16, 264, 8>("),
             std::string::npos);
@@ -130,6 +132,9 @@ std::vector<KernelInstance> compile_set(const std::string& t) {
       split(ring(q4(moe_down(1, 3584, 3072, 896, 16, 0, t)), 8)),
       split(ring(q4(moe_down(8, 3584, 3072, 896, 16, 0, t)), 8)),
       split(ring(q4(moe_down(3, 256, 1056, 16, 4, 0, t)), 4)),
+      split(ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024, t)))),
+      split(ring(q8(moe_down(8, 2304, 1024, 256, 8, 1024, t)))),
+      split(ring(q8(moe_down(3, 256, 144, 16, 4, 144, t)), 4)),  // I with a partial stage and block
       ring(q4(moe_up(1, 3584, 3072, 896, 16, 0, 1, t)), 2),
       ring(q4(moe_up(8, 3584, 3072, 896, 16, 0, 1, t)), 3),
       ring(q4(moe_up(3, 1056, 136, 16, 4, 0, 0, t)), 2),  // D with a partial stage and a partial chunk
