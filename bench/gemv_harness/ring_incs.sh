@@ -22,23 +22,16 @@ done
 for f in "$gen"/gemm_w8_k*_q8*.inc; do  # kEarly 0, then the ring
   sed -E "s/(dp_gemm_q8<[^>]*)>/\1, 0, $n>/" "$f" > "$dir/$(basename "$f")"
 done
-# moe_up and the dense gate/up, both widths: warp tiles (kWarpTiles 1, the last argument) -> block tiles
-# with the ring (the width-8 routed gate/up then needs a block per tile: -DGRID_U8=4160)
-if [ -n "$m" ]; then  # warp tiles kept, a ring per warp of M stages
-  for f in "$gen"/moe_up_w*.inc; do
-    sed -E "s/(dp_moe_up_q8<[^>]*), 1>/\1, 1, $m>/" "$f" > "$dir/$(basename "$f")"
-  done
-  for f in "$gen"/mlp_up_w*.inc; do
-    sed -E "s/(dp_mlp_up_q8<[^>]*), 1>/\1, 1, $m>/" "$f" > "$dir/$(basename "$f")"
-  done
-else
-  for f in "$gen"/moe_up_w*.inc; do
-    sed -E "s/(dp_moe_up_q8<[^>]*), 1>/\1, 0, $n>/" "$f" > "$dir/$(basename "$f")"
-  done
-  for f in "$gen"/mlp_up_w*.inc; do
-    sed -E "s/(dp_mlp_up_q8<[^>]*), 1>/\1, 0, $n>/" "$f" > "$dir/$(basename "$f")"
-  done
-fi
+# moe_up and the dense gate/up, both widths: warp tiles (kWarpTiles 1, the last argument) -> warp tiles
+# with a ring per warp of M stages, or block tiles with a ring of N (the width-8 routed gate/up then needs
+# a block per tile: -DGRID_U8=4160)
+if [ -n "$m" ]; then tiles="1, $m"; else tiles="0, $n"; fi
+for f in "$gen"/moe_up_w*.inc; do
+  sed -E "s/(dp_moe_up_q8<[^>]*), 1>/\1, $tiles>/" "$f" > "$dir/$(basename "$f")"
+done
+for f in "$gen"/mlp_up_w*.inc; do
+  sed -E "s/(dp_mlp_up_q8<[^>]*), 1>/\1, $tiles>/" "$f" > "$dir/$(basename "$f")"
+done
 f=$(ls "$gen"/moe_down_w1_*.inc)
 sed -E "s/(dp_moe_down_q8<[^>]*)>/\1, $n>/" "$f" > "$dir/$(basename "$f")"
 grep -h "dp_gemm_q8<\|dp_moe_up_q8<\|dp_mlp_up_q8<\|dp_moe_down_q8<" "$dir"/*.inc | sed 's/(.*//'
