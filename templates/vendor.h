@@ -210,7 +210,8 @@ __device__ __forceinline__ void dp_prefetch_l2(const void* p, dp_u32 bytes /* <=
 // barrier for one arrival (dp_mbar_init, then dp_mbar_init_fence and a block barrier); a producer
 // announces a stage's bytes (dp_mbar_expect_bytes, the one arrival) and issues the copies
 // (dp_bulk_copy_shared: 16-byte aligned addresses, size a multiple of 16); consumers wait for the phase
-// (dp_mbar_wait with its parity, 0 on the first use, flipping on each reuse).
+// (dp_mbar_wait with its parity, 0 on the first use, flipping on each reuse; it traps if the phase never
+// completes).
 #if __CUDA_ARCH__ >= 900
 #define DP_HAS_BULK_COPY 1
 __device__ __forceinline__ dp_u32 dp_smem_addr(const void* p) { return (dp_u32)__cvta_generic_to_shared(p); }
@@ -236,12 +237,22 @@ __device__ __forceinline__ void dp_bulk_copy_shared(void* dst, const void* src, 
       "l"((dp_u64)__cvta_generic_to_global(src)), "r"(bytes), "r"(dp_smem_addr(bar))
       : "memory");
 }
-__device__ __forceinline__ void dp_mbar_wait(dp_u64* bar, dp_u32 parity) {
+__device__ __forceinline__ bool dp_mbar_try_wait(dp_u64* bar, dp_u32 parity) {  // true once the phase is done
+  dp_u32 done;
   asm volatile(
-      "{\n\t.reg .pred p;\n\tDP_MBAR_WAIT:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t@!p bra DP_MBAR_WAIT;\n\t}" ::"r"(dp_smem_addr(bar)),
-      "r"(parity)
+      "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+      : "=r"(done)
+      : "r"(dp_smem_addr(bar)), "r"(parity)
       : "memory");
+  return done != 0;
+}
+// A phase that has not completed after about 2^34 cycles (several seconds; its copies take microseconds)
+// never will: the kernel traps, a launch error the host sees, rather than hanging the stream.
+__device__ __forceinline__ void dp_mbar_wait(dp_u64* bar, dp_u32 parity) {
+  if (dp_mbar_try_wait(bar, parity)) return;
+  const long long start = clock64();
+  while (!dp_mbar_try_wait(bar, parity))
+    if (clock64() - start > (1ll << 34)) __trap();
 }
 #endif
 #endif  // vendor
