@@ -85,6 +85,11 @@ inline KernelInstance q4(KernelInstance k, int64_t v = 1) {
   k.params["Q4"] = v;
   return k;
 }
+// moe_down over the split grid (SK = blocks).
+inline KernelInstance split(KernelInstance k, int64_t blocks = 264) {
+  k.params["SK"] = blocks;
+  return k;
+}
 // The weight-ring form (RG stages) of an e4m3 or MXFP4 op.
 inline KernelInstance ring(KernelInstance k, int64_t stages = 6) {
   k.params["RG"] = stages;

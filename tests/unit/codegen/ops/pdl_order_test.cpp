@@ -143,13 +143,9 @@ TEST(PdlOrderCompile, TheEarlyWeightsGemmLoadsOnlyWeightsBeforeItsWait) {
 // wait; the width-1 e4m3 gemm (kEarly) issues only its weights' bulk copies before it.
 TEST(PdlOrderCompile, TheWeightRingsCopyByBulkCopiesAndWaitFirstUnlessEarly) {
   DP_SKIP_WITHOUT(backend::Vendor::nvidia);
-  KernelInstance split_ring = ring(q4(moe_down(4, 3584, 3072, 896, 16, 0)), 8);
-  split_ring.params["SK"] = 264;
-  KernelInstance split_ring8 = ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024)));
-  split_ring8.params["SK"] = 264;
   const std::vector<KernelInstance> waits_first = {
-      split_ring,
-      split_ring8,
+      split(ring(q4(moe_down(4, 3584, 3072, 896, 16, 0)), 8)),
+      split(ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024)))),
       ring(q4(moe_down(1, 3584, 3072, 896, 16, 0)), 8),
       ring(q4(moe_down(8, 3584, 3072, 896, 16, 0)), 4),
       ring(q4(moe_up(1, 3584, 3072, 896, 16, 0, 1)), 2),

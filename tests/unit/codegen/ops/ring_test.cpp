@@ -14,11 +14,6 @@ namespace {
 
 using namespace test_ops;
 
-KernelInstance split(KernelInstance k, int64_t blocks = 264) {
-  k.params["SK"] = blocks;
-  return k;
-}
-
 TEST(RingOps, NamesCarryTheStages) {
   EXPECT_EQ(kernel_name(ring(q8(gemm(1, 4096, {2304})))), "gemm_w1_k4096_na2304_q81_rg6");
   EXPECT_EQ(kernel_name(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)), 3)),
