@@ -506,9 +506,26 @@ __device__ __forceinline__ void dp_mma_rows_fp8(WRow wrow, XRow xrow, int b0, in
           }
         }
     if constexpr (kEarly != 0) dp_grid_dependency_wait();  // after the first round: a no-op later
+    // The activation vectors of half-block j = 2u + h of the round (row g's 16 columns, raw bf16), loaded
+    // one half-block ahead: half j + 1's before half j's products, so their L2 round trip overlaps them.
+    auto load_x = [&](int j, dp_u32x4 (&xr)[NT][2]) {
+      const int b = bb + j / 2, col = DP_FP8_BLOCK * b + 64 * (j % 2) + 16 * q;
+      const bool in = b < b_end && col < K;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (in && xp[nt]) {
+          xr[nt][0] = kEarly ? dp_load16_coherent(xp[nt] + col) : dp_load16(xp[nt] + col);
+          xr[nt][1] = kEarly ? dp_load16_coherent(xp[nt] + col + 8) : dp_load16(xp[nt] + col + 8);
+        } else {
+          xr[nt][0].x = xr[nt][0].y = xr[nt][0].z = xr[nt][0].w = 0u;
+          xr[nt][1] = xr[nt][0];
+        }
+      }
+    };
+    dp_u32x4 xnext[NT][2];
+    load_x(0, xnext);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int b = bb + u;
       float blk[MT][NT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -516,19 +533,17 @@ __device__ __forceinline__ void dp_mma_rows_fp8(WRow wrow, XRow xrow, int b0, in
         for (int nt = 0; nt < NT; ++nt) blk[mt][nt][0] = blk[mt][nt][1] = blk[mt][nt][2] = blk[mt][nt][3] = 0.0f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int col = DP_FP8_BLOCK * b + 64 * h + 16 * q;
-        const bool in = b < b_end && col < K;
+        dp_u32x4 xr[NT][2];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          xr[nt][0] = xnext[nt][0];
+          xr[nt][1] = xnext[nt][1];
+        }
+        if (2 * u + h + 1 < 2 * kUnroll) load_x(2 * u + h + 1, xnext);
         dp_u32 xw[NT][8];  // activation row g's 16 columns as bf16 pairs, paired as the weights
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          dp_u32x4 x0, x1;
-          if (in && xp[nt]) {
-            x0 = kEarly ? dp_load16_coherent(xp[nt] + col) : dp_load16(xp[nt] + col);
-            x1 = kEarly ? dp_load16_coherent(xp[nt] + col + 8) : dp_load16(xp[nt] + col + 8);
-          } else {
-            x0.x = x0.y = x0.z = x0.w = 0u;
-            x1 = x0;
-          }
+          const dp_u32x4 x0 = xr[nt][0], x1 = xr[nt][1];
           dp_pair_even_odd(x0.x, x0.y, xw[nt][0], xw[nt][1]);
           dp_pair_even_odd(x0.z, x0.w, xw[nt][2], xw[nt][3]);
           dp_pair_even_odd(x1.x, x1.y, xw[nt][4], xw[nt][5]);
@@ -1010,12 +1025,10 @@ __device__ __forceinline__ void dp_mma_rows_fp4(WRow wrow, XRow xrow, int c0, in
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) sum[mt][nt][0] = sum[mt][nt][1] = sum[mt][nt][2] = sum[mt][nt][3] = 0.0f;
-  // One chunk: the lane's weight vectors and scale bytes of rows g, g+8 of every tile, converted and
-  // multiplied with its activation columns.
-  auto process = [&](int c, const dp_u32x4 (&wv)[MT][2], const dp_u32 (&sc)[MT][2]) {
-    dp_u32 xw[NT][16];  // activation row g's 32 columns as bf16 pairs, paired as the weights
-    dp_load_x_chunk_fp4<NT>(xp, DP_FP4_CHUNK * c, DP_FP4_CHUNK * c + DP_FP4_GROUP * q < K, xw);
-    dp_mma_chunk_fp4<MT, NT>(wv, sc, xw, sum);
+  // The activation columns are loaded a chunk ahead: chunk c + 1's before the wait for chunk c's weights,
+  // so their L2 round trip overlaps that wait and chunk c's products.
+  auto load_x = [&](int c, dp_u32 (&xw)[NT][16]) {
+    dp_load_x_chunk_fp4<NT>(xp, DP_FP4_CHUNK * c, c < c_end && DP_FP4_CHUNK * c + DP_FP4_GROUP * q < K, xw);
   };
   // The weights stream through the warp's ring with cp.async, kStages chunks ahead of their use (no
   // registers held for them: measured 2-5% faster than chunks of loads into registers); the scale
@@ -1041,11 +1054,19 @@ __device__ __forceinline__ void dp_mma_rows_fp4(WRow wrow, XRow xrow, int c0, in
   };
 #pragma unroll
   for (int st = 0; st < kStages; ++st) issue(c0 + st, st);
+  dp_u32 xn[NT][16];  // the next chunk's activation columns (row g's 32 columns as bf16 pairs)
+  load_x(c0, xn);
   for (int cb = c0; cb < c_end; cb += kStages) {
 #pragma unroll
     for (int st = 0; st < kStages; ++st) {
       const int c = cb + st;
       if (c < c_end) {  // uniform over the warp
+        dp_u32 xw[NT][16];  // this chunk's, paired as the weights
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int i = 0; i < 16; ++i) xw[nt][i] = xn[nt][i];
+        load_x(c + 1, xn);
         asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 1));
         dp_u32x4 wv[MT][2];
         dp_u32 sc[MT][2];
@@ -1061,7 +1082,7 @@ __device__ __forceinline__ void dp_mma_rows_fp4(WRow wrow, XRow xrow, int c0, in
             if (!in) wv[mt][r].x = wv[mt][r].y = wv[mt][r].z = wv[mt][r].w = 0u;
             sc[mt][r] = scr[st][mt][r];
           }
-        process(c, wv, sc);
+        dp_mma_chunk_fp4<MT, NT>(wv, sc, xw, sum);
         issue(c + kStages, st);
       }
     }

@@ -216,6 +216,65 @@ TEST(PdlOrderCompile, TheFusedTailsCountTheBlockAfterItsStoresAndReadTheOutputCo
   }
 }
 
+// The MXFP4 register loop (templates/gemm.h dp_mma_rows_fp4) loads a chunk's activation columns one chunk
+// ahead: in PTX order, a 16-byte global load (the next chunk's activations; the scale bytes are single
+// bytes) lies between every tensor-core step that precedes a ring wait and that wait. "" when so, else
+// the first wait without one, with its line number. The final `wait_group 0` (nothing left in flight) is
+// not a step of the loop; a wait with no tensor-core step before it (the first chunk) is not checked.
+std::string loads_ahead_violation(const std::string& ptx) {
+  std::istringstream in(ptx);
+  bool mma_seen = false, load_since_mma = false;
+  int n = 0;
+  for (std::string line; std::getline(in, line);) {
+    ++n;
+    const size_t b = line.find_first_not_of(" \t");
+    if (b == std::string::npos) continue;
+    const std::string op = line.substr(b);
+    if (op.rfind("mma.sync", 0) == 0) {
+      mma_seen = true;
+      load_since_mma = false;
+    } else if (op.rfind("ld.global", 0) == 0 && op.find(".v4.") != std::string::npos) {
+      load_since_mma = true;
+    } else if (op.rfind("cp.async.wait_group", 0) == 0 && op.rfind("cp.async.wait_group 0;", 0) != 0) {
+      if (mma_seen && !load_since_mma) return "line " + std::to_string(n) + ": " + op;
+    }
+  }
+  return "";
+}
+
+TEST(PdlOrderCompile, TheMxfp4LoopIssuesTheNextActivationsBeforeItWaitsForWeights) {
+  DP_SKIP_WITHOUT(backend::Vendor::nvidia);
+  // K3's expert shapes (I = 3072 up, D = 3072 latent down): 24 chunks a row, so the loop is not fully
+  // unrolled and the check sees its steady state.
+  const std::vector<KernelInstance> set = {
+      q4(moe_up(1, 3072, 3072, 896, 16, 0, 1)),
+      q4(moe_down(1, 3072, 3072, 896, 16, 0)),
+      q4(moe_down(4, 3072, 3072, 896, 16, 0)),
+      q4(moe_up(8, 3072, 3072, 896, 16, 0, 1)),
+  };
+  const backend::CompileReport report = compile_with_ptx(set);
+  ASSERT_EQ(report.kernels.size(), set.size());
+  for (const backend::CompiledKernel& k : report.kernels) {
+    ASSERT_FALSE(k.ptx.empty()) << k.key;
+    ASSERT_NE(k.ptx.find("cp.async.wait_group"), std::string::npos) << k.key << ": not the register loop";
+    EXPECT_EQ(loads_ahead_violation(k.ptx), "") << k.key << ": a ring wait with no activation load ahead of it";
+  }
+}
+
+// The loads-ahead check: a wait right after a tensor-core step (activations loaded after the wait) is
+// found; a 16-byte load in between, the first wait and the final wait_group 0 pass.
+TEST(PdlOrder, TheLoadsAheadCheckFindsAWaitBeforeItsLoads) {
+  const std::string ahead =
+      "\tcp.async.wait_group 3;\n\tld.global.nc.v4.u32 {%r1,%r2,%r3,%r4}, [%rd1];\n\tmma.sync.aligned.m16n8k16;\n"
+      "\tld.global.nc.u8 %rs1, [%rd2];\n\tld.global.nc.v4.u32 {%r5,%r6,%r7,%r8}, [%rd3];\n"
+      "\tcp.async.wait_group 3;\n\tmma.sync.aligned.m16n8k16;\n\tcp.async.wait_group 0;\n";
+  EXPECT_EQ(loads_ahead_violation(ahead), "");
+  const std::string behind =
+      "\tcp.async.wait_group 3;\n\tld.global.nc.v4.u32 {%r1,%r2,%r3,%r4}, [%rd1];\n\tmma.sync.aligned.m16n8k16;\n"
+      "\tld.global.nc.u8 %rs1, [%rd2];\n\tcp.async.wait_group 3;\n";
+  EXPECT_EQ(loads_ahead_violation(behind), "line 5: cp.async.wait_group 3;");
+}
+
 TEST(PdlOrder, TheHandoffCheckNamesTheMissingStep) {
   const std::string ok =
       "\tgriddepcontrol.wait;\n\tst.global.u16 [a], r;\n\tfence.acq_rel.gpu;\n\tbar.sync 0;\n"
