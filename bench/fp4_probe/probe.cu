@@ -9,7 +9,7 @@
 // whole K, tiles handed out grid-stride; 2 blocks of 8 warps per SM. Both read the same packed bytes.
 // Output: time, GB/s on the packed bytes (codes + scales), share of a read ceiling measured in the same
 // process, and each form's relative L2 error against a float64 reference on the host.
-//   usage: fp4_probe [REPS]
+//   usage: fp4_probe [REPS [BLOCKS]]      (BLOCKS: the grid, default 2 per SM)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -215,7 +215,7 @@ struct Shape {
 };
 
 template <int K>
-static void run_shape(const Shape& sh, int reps, double ceil_gbs, int sms) {
+static void run_shape(const Shape& sh, int reps, double ceil_gbs, int grid) {
   const int N = sh.N, E = sh.E, W = sh.W;
   const size_t codes = (size_t)E * N * K / 2, scales = (size_t)E * N * K / 32, bytes = codes + scales;
   const int xsets = sh.shared_x ? 1 : E;
@@ -290,7 +290,6 @@ static void run_shape(const Shape& sh, int reps, double ceil_gbs, int sms) {
   CK(cudaMalloc(&dy, ref.size() * 4));
   const long xe_bf16 = sh.shared_x ? 0 : (long)W * K;  // elements between experts' rows
   const long xe_q = sh.shared_x ? 0 : (long)8 * K;      // (times 2 bytes in the kernel)
-  const int grid = 2 * sms;
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
@@ -332,9 +331,9 @@ static void run_shape(const Shape& sh, int reps, double ceil_gbs, int sms) {
   CK(cudaDeviceSynchronize());
   const double errq = error();
   const double mb = bytes / 1e6;
-  std::printf("%-9s N %5d K %5d E %3d W %d  %7.1f MB | bf16 %7.2f us %6.0f GB/s %5.1f%% err %.2e | e4m3 %7.2f us "
+  std::printf("%-9s N %5d K %5d E %3d W %d grid %3d %7.1f MB | bf16 %7.2f us %6.0f GB/s %5.1f%% err %.2e | e4m3 %7.2f us "
               "%6.0f GB/s %5.1f%% err %.2e | x8 residual max %.1e\n",
-              sh.name, N, K, E, W, mb, tb, bytes / tb / 1e3, 100.0 * bytes / tb / 1e3 / ceil_gbs, errb, tq,
+              sh.name, N, K, E, W, grid, mb, tb, bytes / tb / 1e3, 100.0 * bytes / tb / 1e3 / ceil_gbs, errb, tq,
               bytes / tq / 1e3, 100.0 * bytes / tq / 1e3 / ceil_gbs, errq, worst_rep);
   for (int i = 0; i < 2; ++i) {
     CK(cudaFree(dw[i]));
@@ -350,6 +349,7 @@ int main(int argc, char** argv) {
   const int reps = argc > 1 ? std::atoi(argv[1]) : 20;
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
+  const int grid = argc > 2 ? std::atoi(argv[2]) : 2 * prop.multiProcessorCount;
   // Read ceiling: a streaming read over 4 GiB, median of 5.
   const size_t cbytes = (size_t)4 << 30;
   uint4* big;
@@ -379,9 +379,9 @@ int main(int argc, char** argv) {
   // rows; N = 2 I = 6144, K = 3584), 16 experts (one token's top 16), 1 and 8 activation rows.
   const Shape down1{"moe_down", 3584, 3072, 16, 1, false}, down8{"moe_down", 3584, 3072, 16, 8, false};
   const Shape up1{"moe_up", 6144, 3584, 16, 1, true}, up8{"moe_up", 6144, 3584, 16, 8, true};
-  run_shape<3072>(down1, reps, ceil_gbs, prop.multiProcessorCount);
-  run_shape<3072>(down8, reps, ceil_gbs, prop.multiProcessorCount);
-  run_shape<3584>(up1, reps, ceil_gbs, prop.multiProcessorCount);
-  run_shape<3584>(up8, reps, ceil_gbs, prop.multiProcessorCount);
+  run_shape<3072>(down1, reps, ceil_gbs, grid);
+  run_shape<3072>(down8, reps, ceil_gbs, grid);
+  run_shape<3584>(up1, reps, ceil_gbs, grid);
+  run_shape<3584>(up8, reps, ceil_gbs, grid);
   return 0;
 }
