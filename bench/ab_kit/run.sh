@@ -1,0 +1,61 @@
+#!/bin/bash
+# The GPU side of an A/B kit (make.sh): base against new, the most telling measurements first, until a
+# deadline. Every result goes to a log of its own under a folder that is packed into OUT_TGZ after each
+# step, so a run cut short keeps what it measured.
+#   usage: KIT/run.sh KIT DEADLINE_SECONDS OUT_TGZ
+# Order: the e4m3 harness; the MXFP4 probe (base set); the K3-shaped MXFP4 kernels at width 1 (timed), base,
+# new; the 48B-shaped FP8 whole step at width 1, base, new, base, new; the K3 kernels at width 4 (timed);
+# the new set's kernel checks of the K3-tiny MXFP4 and the FP8 cases; `run --check --graph` of the new
+# K3-tiny bundle at widths 1, 3, 8; the MXFP4 probe (new set).
+set -u
+kit=$(cd "${1:?usage: run.sh KIT DEADLINE_SECONDS OUT_TGZ}" && pwd)
+deadline=${2:?deadline}
+tgz=${3:?output archive}
+out=$(mktemp -d)/ab
+mkdir -p "$out"
+t0=$(date +%s)
+say() { echo "[$(($(date +%s) - t0)) s] $*" | tee -a "$out/log.txt"; tar -czf "$tgz" -C "$(dirname "$out")" ab; }
+left() { [ $(($(date +%s) - t0 + $1)) -lt "$deadline" ]; }
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv > "$out/smi.txt" 2>&1
+work=$(mktemp -d)
+for v in base new; do
+  mkdir -p "$work/cub-$v"
+  xz -dc "$kit/cub-$v.tar.xz" | tar -C "$work/cub-$v" -xf -
+done
+xz -dc "$kit/cli.tar.xz" | tar -C "$work" -xf -
+cli=$work/cli
+dp="env LD_LIBRARY_PATH=$cli $cli/decodepack"
+chk=$kit/dp_kernel_check
+"$chk" "$work/cub-base" --list > "$out/cases.txt"
+case_of() { awk -F'\t' -v n="$1" '$2 == n {print $1}' "$out/cases.txt"; }
+say "unpacked; $($dp --version 2>&1 | head -1)"
+timeout 90 "$kit/gemv_harness" > "$out/gemv.txt" 2>&1; say "harness rc $?"
+timeout 60 "$kit/fp4_probe-base" 20 > "$out/probe-base.txt" 2>&1; say "probe base rc $?"
+k1=$(case_of "kimi-k3 w1 q1 mxfp4"); k4=$(case_of "kimi-k3 w4 q1 mxfp4")
+for v in base new; do timeout 60 "$chk" "$work/cub-$v" --case "$k1" --time > "$out/k3-w1-$v.txt" 2>&1; say "K3 w1 $v rc $?"; done
+model=$cli/kimi-linear-48b-shaped-4-layers-fp8.json
+for pass in 1 2; do
+  for v in base new; do
+    left 80 || { say "no time for the step bench ($v, pass $pass)"; continue; }
+    timeout 100 $dp bench "$cli/b48fp8-$v.dpk" --model "$model" --widths 1 --replays 50 --no-kernels \
+      > "$out/step-w1-$v-$pass.txt" 2>&1
+    say "step w1 $v pass $pass rc $? $(grep -A1 '^whole step' "$out/step-w1-$v-$pass.txt" | tail -1 | awk '{print $4, "us"}')"
+  done
+done
+for v in base new; do
+  left 75 || break
+  timeout 100 "$chk" "$work/cub-$v" --case "$k4" --time > "$out/k3-w4-$v.txt" 2>&1; say "K3 w4 $v rc $?"
+done
+for c in $(awk -F'\t' '$2 ~ /^kimi-k3-tiny .*mxfp4$/ || $2 ~ / fp8$/ {print $1}' "$out/cases.txt"); do
+  left 25 || { say "no time for case $c"; break; }
+  timeout 40 "$chk" "$work/cub-new" --case "$c" > "$out/check-new-$c.txt" 2>&1
+  say "check new case $c rc $? $(grep -E 'checks,' "$out/check-new-$c.txt" | tail -1)"
+done
+for w in 1 3 8; do
+  left 30 || { say "no time for run --check w$w"; break; }
+  timeout 40 $dp run "$cli/k3t-new.dpk" --model kimi-k3-tiny --width "$w" --check --graph --steps 3 --context 3000 \
+    > "$out/run-k3t-new-w$w.txt" 2>&1
+  say "run --check K3-tiny new w$w rc $? $(grep -E 'checks' "$out/run-k3t-new-w$w.txt" | tail -1)"
+done
+left 30 && { timeout 60 "$kit/fp4_probe-new" 20 > "$out/probe-new.txt" 2>&1; say "probe new rc $?"; }
+say done
