@@ -944,8 +944,8 @@ __device__ __forceinline__ void dp_load_x_chunk_fp4(const dp_bf16* const (&xp)[N
 // One warp's products over one MXFP4 chunk: lane (g, q)'s weight vectors (group q of rows g, g + 8 of
 // every tile) and their scale bytes, converted (dp_e2m1x8_to_bf16x8) and multiplied with its paired
 // activation columns (dp_load_x_chunk_fp4) in eight 16-deep steps; the products times 2^-32 are added
-// to sum. The even and the odd steps are two chains, added at the end, so that no step waits for the
-// one before it to finish (with the activations a chunk ahead, dp_mma_rows_fp4: K3's width-1 moe_down
+// to sum. The even and the odd steps are two chains, added at the end, so that each step waits for the
+// one two before it, not the one just before (with the activations a chunk ahead, dp_mma_rows_fp4: K3's width-1 moe_down
 // 57.8 -> 54.6 us, width 4 146.5 -> 140.9, moe_up 1-2% faster; H100, tests/results/gpu-2026-12-07).
 template <int MT, int NT>
 __device__ __forceinline__ void dp_mma_chunk_fp4(const dp_u32x4 (&wv)[MT][2], const dp_u32 (&sc)[MT][2],
