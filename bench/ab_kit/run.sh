@@ -3,7 +3,7 @@
 # deadline. Every result goes to a log of its own under a folder that is packed into OUT_TGZ after each
 # step, so a run cut short keeps what it measured.
 #   usage: KIT/run.sh KIT DEADLINE_SECONDS OUT_TGZ
-# Order: the e4m3 harness; the MXFP4 probe (base set); the K3-shaped MXFP4 kernels at width 1 (timed), base,
+# Order: the e4m3 harness; the MXFP4 probe (base set, 2 blocks an SM and 224 blocks); the K3-shaped MXFP4 kernels at width 1 (timed), base,
 # new; the 48B-shaped FP8 whole step at width 1, base, new, base, new; the K3 kernels at width 4 (timed);
 # the new set's kernel checks of the K3-tiny MXFP4 and the FP8 cases; `run --check --graph` of the new
 # K3-tiny bundle at widths 1, 3, 8; the MXFP4 probe (new set).
@@ -31,6 +31,8 @@ case_of() { awk -F'\t' -v n="$1" '$2 == n {print $1}' "$out/cases.txt"; }
 say "unpacked; $($dp --version 2>&1 | head -1)"
 timeout 90 "$kit/gemv_harness" > "$out/gemv.txt" 2>&1; say "harness rc $?"
 timeout 60 "$kit/fp4_probe-base" 20 > "$out/probe-base.txt" 2>&1; say "probe base rc $?"
+# The same with 224 blocks, K3's width-1 moe_down grid (bench/NOTES.md, 2026-12-07).
+timeout 60 "$kit/fp4_probe-base" 20 224 > "$out/probe-base-224.txt" 2>&1; say "probe base, 224 blocks, rc $?"
 k1=$(case_of "kimi-k3 w1 q1 mxfp4"); k4=$(case_of "kimi-k3 w4 q1 mxfp4")
 for v in base new; do timeout 60 "$chk" "$work/cub-$v" --case "$k1" --time > "$out/k3-w1-$v.txt" 2>&1; say "K3 w1 $v rc $?"; done
 model=$cli/kimi-linear-48b-shaped-4-layers-fp8.json
