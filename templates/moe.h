@@ -422,6 +422,16 @@ __device__ __forceinline__ void dp_gate_up_warp_ring(int total, Tile tile, XRow 
 }
 #endif
 
+// The first tile of this warp in the warp tiles' walk (the warps then go on with a stride of all the
+// grid's warps): kWarpTiles 1 deals the tiles block by block (warp w of block b first takes tile 8b + w),
+// 2 warp by warp (tile w * gridDim.x + b), which spreads fewer tiles than warps over every block of the
+// grid (the compiler's choice, codegen warp_tiles_form).
+template <int kWarpTiles>
+__device__ __forceinline__ int dp_warp_tile_first() {
+  const int warp = (int)threadIdx.x / DP_GROUP;
+  return kWarpTiles == 2 ? warp * (int)gridDim.x + (int)blockIdx.x : (int)blockIdx.x * DP_GEMM_GROUPS + warp;
+}
+
 // Routed + shared gate/up. Two work splits (kWarpTiles, chosen by the compiler from T):
 //   0: block tiles. Launch: grid = nS + U*nI blocks, block 256, where nI = ceil(I/RB) tiles of one
 //      expert, nS = ceil(SI/RB) tiles of the shared expert (0 without one): shared tiles first, then
@@ -494,7 +504,7 @@ __device__ __forceinline__ void dp_moe_up_impl(
     constexpr int tS = (SI + 7) / 8, tI = (I + 7) / 8;  // 8-feature tiles of the shared expert, of one expert
     const int warps = (int)gridDim.x * DP_GEMM_GROUPS;
     const int total = tS + experts[0] * tI;
-    for (int it = (int)blockIdx.x * DP_GEMM_GROUPS + (int)threadIdx.x / DP_GROUP; it < total; it += warps) {
+    for (int it = dp_warp_tile_first<kWarpTiles>(); it < total; it += warps) {
       if (it < tS) {
         dp_gate_up_warp_tile<T, D, kAct>(
             [&](int t) { return x + (dp_u64)t * D; }, mat(shared_gate, shared_gate_scale, 0, 0),
@@ -626,7 +636,7 @@ __device__ __forceinline__ void dp_mlp_up_impl(const dp_bf16* __restrict__ x,  /
     // with a stride.
     constexpr int tI = (I + 7) / 8;
     const int warps = (int)gridDim.x * DP_GEMM_GROUPS;
-    for (int it = (int)blockIdx.x * DP_GEMM_GROUPS + (int)threadIdx.x / DP_GROUP; it < tI; it += warps)
+    for (int it = dp_warp_tile_first<kWarpTiles>(); it < tI; it += warps)
       dp_gate_up_warp_tile<T, D, kAct>([&](int t) { return x + (dp_u64)t * D; }, w_gate, w_up, I, 8 * it, act_beta,
                                        act_lbeta,
                                        [&](int t, int f, float v) { h[(dp_u64)t * I + f] = dp_f32_to_bf16(v); });

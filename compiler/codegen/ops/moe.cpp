@@ -32,6 +32,16 @@ bool moe_up_warp_tiles(const Params& p) { return p.at("W") >= 2 || p.at("Q4") ||
 // and 20.4 -> 19.6 us at width 8 for the 48B shape (same run). bf16 keeps the block tiles (not measured).
 bool mlp_up_warp_tiles(const Params& p) { return p.at("Q8") != 0; }
 
+// The warp tiles' grid and walk. With at least kTargetBlocks blocks of tiles, kTargetBlocks blocks whose
+// warps take tiles block by block with a stride (kWarpTiles 1). With fewer (the 48B shape's e4m3 gate/ups
+// at one row: 1152 tiles, 144 blocks of 8), the tiles are dealt warp by warp over kTargetBlocks blocks
+// (kWarpTiles 2: warp w of block b takes tile w * blocks + b first), so that every SM holds 8 or 9 busy
+// warps where 12 SMs held 16 and the other 120 held 8, and the kernel waited for the 12.
+int64_t warp_tiles_form(int64_t tiles) { return tiles < kTargetBlocks * kGemmGroups ? 2 : 1; }
+int64_t moe_up_tiles(const Params& p) {
+  return (p.at("S") + 7) / 8 + moe_max_used(p) * ((p.at("I") + 7) / 8);
+}
+
 // The gate/up weight ring: one per warp (kGemmGroups), of RG stages of 256 bytes of the warp tile's 16
 // rows (two e4m3 blocks or four MXFP4 chunks).
 constexpr int64_t kGateUpRingCols = 256;
@@ -209,7 +219,8 @@ std::vector<OpSpec> moe_ops() {
           },
           [](const Params& p) {
             std::vector<int64_t> a{p.at("W"), p.at("D"), p.at("I"), p.at("E"), p.at("K"), p.at("S"),
-                                   p.at("ACT"), 1, kFfnSlices, moe_up_warp_tiles(p) ? 1 : 0};
+                                   p.at("ACT"), 1, kFfnSlices,
+                                   moe_up_warp_tiles(p) ? warp_tiles_form(moe_up_tiles(p)) : 0};
             if (p.at("RG")) a.push_back(p.at("RG"));  // dp_moe_up_q8's or _q4's kRing
             return a;
           },
@@ -272,10 +283,9 @@ std::vector<OpSpec> moe_ops() {
           [](const Params& p) {
             LaunchShape s;
             if (moe_up_warp_tiles(p)) {
-              // Warp tiles of 8 features: enough blocks of 8 warps for the most tiles a step can have,
-              // at most kTargetBlocks (the warps walk the tiles with a stride).
-              const int64_t tiles = (p.at("S") + 7) / 8 + moe_max_used(p) * ((p.at("I") + 7) / 8);
-              s.grid[0] = static_cast<uint32_t>(std::min(kTargetBlocks, (tiles + kGemmGroups - 1) / kGemmGroups));
+              // Warp tiles of 8 features over kTargetBlocks blocks (warp_tiles_form: how the warps take
+              // the most tiles a step can have).
+              s.grid[0] = static_cast<uint32_t>(kTargetBlocks);
               s.block[0] = kGemmThreads;
               return s;
             }
@@ -415,7 +425,7 @@ std::vector<OpSpec> moe_ops() {
           },
           [](const Params& p) {
             std::vector<int64_t> a{p.at("W"), p.at("D"), p.at("I"), p.at("ACT"), 1, kFfnSlices,
-                                   mlp_up_warp_tiles(p) ? 1 : 0};
+                                   mlp_up_warp_tiles(p) ? warp_tiles_form((p.at("I") + 7) / 8) : 0};
             if (p.at("RG")) a.push_back(p.at("RG"));  // dp_mlp_up_q8's kRing
             return a;
           },
@@ -446,9 +456,8 @@ std::vector<OpSpec> moe_ops() {
           [](const Params& p) {
             LaunchShape s;
             if (mlp_up_warp_tiles(p)) {
-              // Warp tiles of 8 features walked with a stride: one warp a tile, at most kTargetBlocks.
-              const int64_t tiles = (p.at("I") + 7) / 8;
-              s.grid[0] = static_cast<uint32_t>(std::min(kTargetBlocks, (tiles + kGemmGroups - 1) / kGemmGroups));
+              // Warp tiles of 8 features over kTargetBlocks blocks (warp_tiles_form).
+              s.grid[0] = static_cast<uint32_t>(kTargetBlocks);
             } else {
               s.grid[0] = static_cast<uint32_t>((p.at("I") + kFfnFeatures - 1) / kFfnFeatures);
             }

@@ -67,10 +67,11 @@ TEST(MoeOps, LaunchShapes) {
   EXPECT_EQ(launch_shape(route(4, 256, 8)).grid[0], 1u);
   // moe_up, one row: shared tiles + min(E, W*K) experts' tiles, 16 features per block.
   EXPECT_EQ(launch_shape(moe_up(1, 2304, 1024, 256, 8, 1024)).grid[0], 64u + 8u * 64u);
-  // From 2 rows: warp tiles of 8 features walked with a grid stride; blocks of 8 warps for the most
-  // tiles a step can have (no shared expert, 16 experts x 32 tiles of I = 256 at width 2), at most 264.
-  EXPECT_EQ(launch_shape(moe_up(2, 2304, 256, 256, 8, 0)).grid[0], 16u * 32u / 8u);
-  EXPECT_EQ(launch_shape(moe_up(2, 2304, 1024, 256, 8, 1024)).grid[0], 264u);  // 272 capped
+  // From 2 rows: warp tiles of 8 features walked with a grid stride over 264 blocks of 8 warps, dealt
+  // warp by warp when the most tiles a step can have fill fewer (no shared expert, 16 experts x 32 tiles
+  // of I = 256 at width 2: 512 tiles), block by block otherwise (2176 tiles).
+  EXPECT_EQ(launch_shape(moe_up(2, 2304, 256, 256, 8, 0)).grid[0], 264u);
+  EXPECT_EQ(launch_shape(moe_up(2, 2304, 1024, 256, 8, 1024)).grid[0], 264u);
   EXPECT_EQ(launch_shape(moe_up(64 / 4, 2304, 1024, 256, 8, 1024)).grid[0], 264u);
   // moe_down: M output features per block, the items spread over its groups (M = 4 for one row, then
   // a 16-row tensor-core tile).
@@ -79,6 +80,26 @@ TEST(MoeOps, LaunchShapes) {
   EXPECT_EQ(launch_shape(moe_down(8, 2304, 1024, 256, 8, 1024)).grid[0], 144u);
   EXPECT_EQ(launch_shape(moe_down(16, 2304, 1024, 256, 8, 1024)).grid[0], 144u);
   EXPECT_EQ(launch_shape(mlp_up(4, 2304, 9216)).grid[0], 576u);
+}
+
+// The warp tiles' walk (dp_warp_tile_first's kWarpTiles, the call's last template argument): warp by
+// warp (2) where the step's tiles are fewer than the 264 blocks' warps, so that they spread over every
+// SM; block by block (1) otherwise.
+TEST(MoeOps, WarpTilesAreDealtWarpByWarpWhenTheyDoNotFillTheGrid) {
+  auto call_of = [](const KernelInstance& k) {
+    const std::string g = generate_source(k);
+    const size_t at = g.find("dp_m");
+    return at == std::string::npos ? std::string() : g.substr(at, g.find('(', at) - at);
+  };
+  KernelInstance up_q8 = moe_up(1, 2304, 1024, 256, 8, 1024);  // 128 + 8 x 128 = 1152 tiles
+  up_q8.params["Q8"] = 1;
+  EXPECT_EQ(call_of(up_q8), "dp_moe_up_q8<1, 2304, 1024, 256, 8, 1024, 0, 1, 4, 2>");
+  KernelInstance mlp_q8 = mlp_up(1, 2304, 9216);  // 1152 tiles
+  mlp_q8.params["Q8"] = 1;
+  EXPECT_EQ(call_of(mlp_q8), "dp_mlp_up_q8<1, 2304, 9216, 0, 1, 4, 2>");
+  EXPECT_EQ(launch_shape(mlp_q8).grid[0], 264u);
+  EXPECT_EQ(call_of(moe_up(2, 2304, 1024, 256, 8, 1024)), "dp_moe_up<2, 2304, 1024, 256, 8, 1024, 0, 1, 4, 1>");
+  EXPECT_EQ(call_of(moe_up(1, 2304, 1024, 256, 8, 1024)), "dp_moe_up<1, 2304, 1024, 256, 8, 1024, 0, 1, 4, 0>");
 }
 
 TEST(MoeOps, GemmShapedOpsTakeTwoBlocksPerSmUpToEightRows) {
