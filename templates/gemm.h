@@ -464,9 +464,6 @@ __device__ __forceinline__ void dp_mma_half_fp8(const dp_u32x4 (&wv)[MT][2][2], 
 template <int MT, int kSpan>
 __host__ __device__ constexpr int dp_fp8_unroll() {
   if (MT != 1) return 1;
-#ifdef DP_FP8_UNROLL  // an experiment's override (bench/gemv_harness variants): every range
-  return DP_FP8_UNROLL;
-#endif
   if (kSpan == 4) return 4;
   if (kSpan > 0 && kSpan % 3 == 0 && kSpan % 2 != 0) return 3;
   return 2;
@@ -487,89 +484,6 @@ __device__ __forceinline__ void dp_mma_rows_fp8(WRow wrow, XRow xrow, int b0, in
   }
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) xp[nt] = xrow(8 * nt + g);
-#ifdef DP_FP8_PIPE
-  if constexpr (MT == 1) {
-    // An experiment (bench/gemv_harness variants): the next round's weights and scales are loaded
-    // before this round's products, so a round's memory latency overlaps the previous round's work.
-    struct Round {
-      dp_u32x4 wv[kUnroll][2][2];
-      float sc[kUnroll][2];
-    };
-    auto load_round = [&](int bb, Round& rd) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int b = bb + u;
-          rd.sc[u][r] = b < b_end ? wr[0][r].s[b] : 0.0f;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int col = DP_FP8_BLOCK * b + 64 * h + 16 * q;
-            if (b < b_end && col < K) {
-              rd.wv[u][r][h] = dp_load16(wr[0][r].w + col);
-            } else {
-              rd.wv[u][r][h].x = rd.wv[u][r][h].y = rd.wv[u][r][h].z = rd.wv[u][r][h].w = 0u;
-            }
-          }
-        }
-    };
-    Round cur, next;
-    load_round(b0, cur);
-    if constexpr (kEarly != 0) dp_grid_dependency_wait();
-    for (int bb = b0; bb < b_end; bb += kUnroll) {
-      if (bb + kUnroll < b_end) load_round(bb + kUnroll, next);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int b = bb + u;
-        float blk[NT][4];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) blk[nt][0] = blk[nt][1] = blk[nt][2] = blk[nt][3] = 0.0f;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int col = DP_FP8_BLOCK * b + 64 * h + 16 * q;
-          const bool in = b < b_end && col < K;
-          dp_u32 xw[NT][8];
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            dp_u32x4 x0, x1;
-            if (in && xp[nt]) {
-              x0 = kEarly ? dp_load16_coherent(xp[nt] + col) : dp_load16(xp[nt] + col);
-              x1 = kEarly ? dp_load16_coherent(xp[nt] + col + 8) : dp_load16(xp[nt] + col + 8);
-            } else {
-              x0.x = x0.y = x0.z = x0.w = 0u;
-              x1 = x0;
-            }
-            dp_pair_even_odd(x0.x, x0.y, xw[nt][0], xw[nt][1]);
-            dp_pair_even_odd(x0.z, x0.w, xw[nt][2], xw[nt][3]);
-            dp_pair_even_odd(x1.x, x1.y, xw[nt][4], xw[nt][5]);
-            dp_pair_even_odd(x1.z, x1.w, xw[nt][6], xw[nt][7]);
-          }
-          dp_u32 a[2][8];
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const dp_u32x4 v = cur.wv[u][r][h];
-            dp_e4m3x4_to_bf16x4(v.x, a[r][0], a[r][1]);
-            dp_e4m3x4_to_bf16x4(v.y, a[r][2], a[r][3]);
-            dp_e4m3x4_to_bf16x4(v.z, a[r][4], a[r][5]);
-            dp_e4m3x4_to_bf16x4(v.w, a[r][6], a[r][7]);
-          }
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-              dp_mma_16816(blk[nt], a[0][2 * i], a[1][2 * i], a[0][2 * i + 1], a[1][2 * i + 1], xw[nt][2 * i],
-                           xw[nt][2 * i + 1]);
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int k = 0; k < 4; ++k) acc[0][nt][k] += blk[nt][k] * cur.sc[u][k / 2];
-      }
-      cur = next;
-    }
-    return;
-  }
-#endif
   for (int bb = b0; bb < b_end; bb += kUnroll) {
     dp_u32x4 wv[kUnroll][MT][2][2];  // [block, tile, row g / g+8, column half]
     float sc[kUnroll][MT][2];        // block scales of rows g, g+8

@@ -50,13 +50,13 @@
 #define GRID_Q8 393
 #endif
 #ifndef GRID_M1
-#define GRID_M1 576
+#define GRID_M1 264
 #endif
 #ifndef GRID_M8
-#define GRID_M8 576
+#define GRID_M8 264
 #endif
 #ifndef GRID_U1
-#define GRID_U1 576
+#define GRID_U1 264
 #endif
 #ifndef GRID_U8
 #define GRID_U8 264

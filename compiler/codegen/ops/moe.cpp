@@ -36,7 +36,9 @@ bool mlp_up_warp_tiles(const Params& p) { return p.at("Q8") != 0; }
 // warps take tiles block by block with a stride (kWarpTiles 1). With fewer (the 48B shape's e4m3 gate/ups
 // at one row: 1152 tiles, 144 blocks of 8), the tiles are dealt warp by warp over kTargetBlocks blocks
 // (kWarpTiles 2: warp w of block b takes tile w * blocks + b first), so that every SM holds 8 or 9 busy
-// warps where 12 SMs held 16 and the other 120 held 8, and the kernel waited for the 12.
+// warps where 12 SMs held 16 and the other 120 held 8, and the kernel waited for the 12: the dense and
+// routed e4m3 gate/ups -4 to -6% at width 1, the dense one -4% at width 8 (H100, 2026-12-07,
+// tests/results/gpu-2026-12-07b).
 int64_t warp_tiles_form(int64_t tiles) { return tiles < kTargetBlocks * kGemmGroups ? 2 : 1; }
 int64_t moe_up_tiles(const Params& p) {
   return (p.at("S") + 7) / 8 + moe_max_used(p) * ((p.at("I") + 7) / 8);
