@@ -436,11 +436,11 @@ __device__ __forceinline__ int dp_warp_tile_first() {
 //   0: block tiles. Launch: grid = nS + U*nI blocks, block 256, where nI = ceil(I/RB) tiles of one
 //      expert, nS = ceil(SI/RB) tiles of the shared expert (0 without one): shared tiles first, then
 //      used expert u's tiles at nS + u*nI .. (u+1)*nI - 1.
-//   1: warp tiles of 8 features (dp_gate_up_warp_tile), the shared expert's first, then each used
-//      expert's, walked by all warps of the grid with a stride (any grid; the compiler sizes it to the
-//      most tiles a step can have, at most about two blocks per SM). On AMD: the block tiles of 0,
-//      walked by the blocks of the grid with a stride. MXFP4 and e4m3 experts (kQ4, kQ8) take the warp
-//      tiles from one row on NVIDIA.
+//   1, 2: warp tiles of 8 features (dp_gate_up_warp_tile), the shared expert's first, then each used
+//      expert's, walked by all warps of the grid with a stride (any grid; the compiler launches about two
+//      blocks per SM), dealt block by block (1) or warp by warp (2: dp_warp_tile_first). On AMD: the
+//      block tiles of 0, walked by the blocks of the grid with a stride. MXFP4 and e4m3 experts (kQ4,
+//      kQ8) take the warp tiles from one row on NVIDIA.
 // Expert storage: bf16; e4m3 with 128 x 128 block scales (kQ8, every matrix, routed and shared); or
 // MXFP4 (kQ4: the routed experts' packed E2M1 codes [I, D/2] bytes and E8M0 scales [I, D/32] bytes,
 // strides in bytes; no shared expert, SI == 0).
@@ -612,8 +612,8 @@ __device__ __forceinline__ void dp_moe_up_q4(const dp_bf16* __restrict__ x, cons
 // Dense MLP gate/up: h = act(gate x, up x). dp_mlp_up: bf16 weights; dp_mlp_up_q8: e4m3 gate_proj and
 // up_proj with their 128 x 128 block scales. Two work splits (kWarpTiles, chosen by the compiler):
 //   0: block tiles of RB features. Launch: grid ceil(I/RB), block 256.
-//   1 (NVIDIA): warp tiles of 8 features (dp_gate_up_warp_tile) walked by every warp of the grid with a
-//      stride (any grid), as dp_moe_up_impl's warp tiles.
+//   1, 2 (NVIDIA): warp tiles of 8 features (dp_gate_up_warp_tile) walked by every warp of the grid with
+//      a stride (any grid), dealt as dp_moe_up_impl's warp tiles.
 template <int T, int D, int I, int kAct, int MT, int S, int kWarpTiles, int kRing, typename WM>
 __device__ __forceinline__ void dp_mlp_up_impl(const dp_bf16* __restrict__ x,  // [T, D] bf16
                                                WM w_gate,                      // [I, D] gate_proj
