@@ -86,15 +86,18 @@ TEST(Fp8Ops, ExpertSignatures) {
   EXPECT_EQ(comb.params.back().shape, "[64, 4] fp32");  // 32 heads x 256 rows, 512 columns
 }
 
-// e4m3 gate/up takes the warp tiles from one row (dense and routed): one warp per 8-feature tile, the
-// grid sized for the tiles (1152 for the 48B shape: 144 blocks), at most two blocks per SM.
+// e4m3 gate/up takes the warp tiles from one row (dense and routed): one warp per 8-feature tile over
+// 264 blocks (two per SM), dealt warp by warp where the tiles are fewer than the blocks' warps (1152 for
+// the 48B shape), block by block where they are not (4224 for K3's dense MLP).
 TEST(Fp8Ops, GateUpTakesWarpTilesFromOneRow) {
-  EXPECT_EQ(launch_shape(q8(mlp_up(1, 2304, 9216))).grid[0], 9216u / 8 / 8);
-  EXPECT_EQ(launch_shape(q8(mlp_up(8, 2304, 9216))).grid[0], 9216u / 8 / 8);
-  EXPECT_EQ(launch_shape(q8(mlp_up(1, 7168, 33792))).grid[0], 264u);  // 528 capped
-  EXPECT_EQ(launch_shape(mlp_up(1, 2304, 9216)).grid[0], 576u);       // bf16: the block tiles
-  EXPECT_EQ(launch_shape(q8(moe_up(1, 2304, 1024, 256, 8, 1024))).grid[0], (1024u / 8) * 9 / 8);
-  EXPECT_NE(generate_source(q8(mlp_up(1, 2304, 9216))).find("dp_mlp_up_q8<1, 2304, 9216, 0, 1, 4, 1>"),
+  EXPECT_EQ(launch_shape(q8(mlp_up(1, 2304, 9216))).grid[0], 264u);
+  EXPECT_EQ(launch_shape(q8(mlp_up(8, 2304, 9216))).grid[0], 264u);
+  EXPECT_EQ(launch_shape(q8(mlp_up(1, 7168, 33792))).grid[0], 264u);
+  EXPECT_EQ(launch_shape(mlp_up(1, 2304, 9216)).grid[0], 576u);  // bf16: the block tiles
+  EXPECT_EQ(launch_shape(q8(moe_up(1, 2304, 1024, 256, 8, 1024))).grid[0], 264u);
+  EXPECT_NE(generate_source(q8(mlp_up(1, 2304, 9216))).find("dp_mlp_up_q8<1, 2304, 9216, 0, 1, 4, 2>"),
+            std::string::npos);
+  EXPECT_NE(generate_source(q8(mlp_up(1, 7168, 33792))).find("dp_mlp_up_q8<1, 7168, 33792, 0, 1, 4, 1>"),
             std::string::npos);
   EXPECT_NE(generate_source(mlp_up(1, 2304, 9216)).find("dp_mlp_up<1, 2304, 9216, 0, 1, 4, 0>"), std::string::npos);
 }

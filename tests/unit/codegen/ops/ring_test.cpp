@@ -50,11 +50,12 @@ TEST(RingOps, DeviceCallsPassTheStages) {
   EXPECT_NE(generate_source(ring(q8(gemm(8, 4096, {2304})), 4))
                 .find("dp_gemm_q8<8, 4096, 2304, 0, 0, 0, 0, 0, 0, 1, 8, 1, 0, 4>("),
             std::string::npos);
-  // The gate/ups keep their warp tiles (kWarpTiles 1) under the ring, and their grid.
+  // The gate/ups keep their warp tiles (kWarpTiles 2 here: fewer tiles than the grid's warps) under the
+  // ring, and their grid; the ring's own walk deals them block by block (dp_gate_up_warp_ring).
   EXPECT_NE(generate_source(ring(q8(moe_up(1, 2304, 1024, 256, 8, 1024)), 2))
-                .find("dp_moe_up_q8<1, 2304, 1024, 256, 8, 1024, 0, 1, 4, 1, 2>("),
+                .find("dp_moe_up_q8<1, 2304, 1024, 256, 8, 1024, 0, 1, 4, 2, 2>("),
             std::string::npos);
-  EXPECT_NE(generate_source(ring(q8(mlp_up(1, 2304, 9216)), 2)).find("dp_mlp_up_q8<1, 2304, 9216, 0, 1, 4, 1, 2>("),
+  EXPECT_NE(generate_source(ring(q8(mlp_up(1, 2304, 9216)), 2)).find("dp_mlp_up_q8<1, 2304, 9216, 0, 1, 4, 2, 2>("),
             std::string::npos);
   EXPECT_NE(generate_source(ring(q8(moe_down(1, 2304, 1024, 256, 8, 1024))))
                 .find("dp_moe_down_q8<1, 2304, 1024, 256, 8, 1024, 16, 6>("),
