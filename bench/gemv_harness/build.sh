@@ -28,6 +28,19 @@ for w in 1 8; do
     sed -n '/^#include/,$p' "$out/gen/src/$k.sm_90a.cu" | sed 's/extern "C" //' > "$out/gen/$k.inc"
   done
 done
+# Each kernel's grid as the product launches it (the generated source's "launch:" line), unless a
+# variant sets its own with -DGRID_<kernel>=N.
+: > "$out/gen/grids.h"
+for w in 1 8; do
+  for pair in "O:gemm_w${w}_k4096_na2304_q81" "D:gemm_w${w}_k9216_na2304_q81" \
+              "Q:gemm_w${w}_k2304_na4096_nb4096_nc4096_nd128_ne128_nf32_q87" "M:mlp_up_w${w}_d2304_i9216_act0_q81" \
+              "U:moe_up_w${w}_d2304_i1024_e256_k8_s1024_act0_q81" \
+              "N:moe_down_w${w}_d2304_i1024_e256_k8_s1024_q81$([ $w = 8 ] && echo _sk264)"; do
+    grid=$(sed -n 's/^\/\/ launch: .* grid \([0-9]*\) blocks.*/\1/p' "$out/gen/src/${pair#*:}.sm_90a.cu")
+    [ -n "$grid" ] || { echo "build.sh: no launch line in ${pair#*:}" >&2; exit 1; }
+    printf '#ifndef GRID_%s%s\n#define GRID_%s%s %s\n#endif\n' "${pair%%:*}" $w "${pair%%:*}" $w "$grid" >> "$out/gen/grids.h"
+  done
+done
 objs=(); decls=; list=; i=0
 for spec in "$@"; do
   name=${spec%%:*}; flags=${spec#*:}

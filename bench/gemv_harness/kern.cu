@@ -30,43 +30,9 @@
 #include "moe_up_w8_d2304_i1024_e256_k8_s1024_act0_q81.inc"
 #include "moe_down_w1_d2304_i1024_e256_k8_s1024_q81.inc"
 #include "moe_down_w8_d2304_i1024_e256_k8_s1024_q81_sk264.inc"
-// Grids: the generated launch's by default; a variant may override one with -DGRID_<kernel>=N.
-#ifndef GRID_O1
-#define GRID_O1 144
-#endif
-#ifndef GRID_O8
-#define GRID_O8 144
-#endif
-#ifndef GRID_D1
-#define GRID_D1 144
-#endif
-#ifndef GRID_D8
-#define GRID_D8 144
-#endif
-#ifndef GRID_Q1
-#define GRID_Q1 393
-#endif
-#ifndef GRID_Q8
-#define GRID_Q8 393
-#endif
-#ifndef GRID_M1
-#define GRID_M1 264
-#endif
-#ifndef GRID_M8
-#define GRID_M8 264
-#endif
-#ifndef GRID_U1
-#define GRID_U1 264
-#endif
-#ifndef GRID_U8
-#define GRID_U8 264
-#endif
-#ifndef GRID_N1
-#define GRID_N1 144
-#endif
-#ifndef GRID_N8
-#define GRID_N8 264
-#endif
+// Grids: the generated launch's by default (grids.h, written by build.sh); a variant may override one
+// with -DGRID_<kernel>=N.
+#include "grids.h"
 // Buffers: P = pointers by role, set s (0/1) picks the weight copy (L2-cold alternation).
 struct Buf { void* x; void* out; void* w[6]; float* s[6]; void* h; void* hs; int* ex; int* sl; float* tw; float* part; unsigned* done; };
 // Dynamic shared memory of the kernels whose e4m3 weights stream through a ring (-DRING_STAGES=N with the
