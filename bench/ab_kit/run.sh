@@ -3,10 +3,11 @@
 # deadline. Every result goes to a log of its own under a folder that is packed into OUT_TGZ after each
 # step, so a run cut short keeps what it measured.
 #   usage: KIT/run.sh KIT DEADLINE_SECONDS OUT_TGZ
-# Order: the e4m3 harness; the MXFP4 probe (base set, 2 blocks an SM and 224 blocks); the K3-shaped MXFP4 kernels at width 1 (timed), base,
-# new; the 48B-shaped FP8 whole step at width 1, base, new, base, new; the K3 kernels at width 4 (timed);
+# Order: the e4m3 harness; the MXFP4 probe (base set); the K3-shaped MXFP4 kernels at width 1 (timed),
+# base, new; the 48B-shaped FP8 whole step at width 1, base, new, base, new; the K3 kernels at width 4 (timed);
 # the new set's kernel checks of the K3-tiny MXFP4 and the FP8 cases; `run --check --graph` of the new
-# K3-tiny bundle at widths 1, 3, 8; the MXFP4 probe (new set).
+# K3-tiny bundle at widths 1, 3, 8; the MXFP4 probe (new set); hardware counters of the new set's
+# quantized GEMVs (ncu), last.
 set -u
 kit=$(cd "${1:?usage: run.sh KIT DEADLINE_SECONDS OUT_TGZ}" && pwd)
 deadline=${2:?deadline}
@@ -31,8 +32,6 @@ case_of() { awk -F'\t' -v n="$1" '$2 == n {print $1}' "$out/cases.txt"; }
 say "unpacked; $($dp --version 2>&1 | head -1)"
 timeout 90 "$kit/gemv_harness" > "$out/gemv.txt" 2>&1; say "harness rc $?"
 timeout 60 "$kit/fp4_probe-base" 20 > "$out/probe-base.txt" 2>&1; say "probe base rc $?"
-# The same with 224 blocks, K3's width-1 moe_down grid (bench/NOTES.md, 2026-12-07).
-timeout 60 "$kit/fp4_probe-base" 20 224 > "$out/probe-base-224.txt" 2>&1; say "probe base, 224 blocks, rc $?"
 k1=$(case_of "kimi-k3 w1 q1 mxfp4"); k4=$(case_of "kimi-k3 w4 q1 mxfp4")
 for v in base new; do timeout 60 "$chk" "$work/cub-$v" --case "$k1" --time > "$out/k3-w1-$v.txt" 2>&1; say "K3 w1 $v rc $?"; done
 model=$cli/kimi-linear-48b-shaped-4-layers-fp8.json
@@ -60,4 +59,18 @@ for w in 1 3 8; do
   say "run --check K3-tiny new w$w rc $? $(grep -E 'checks' "$out/run-k3t-new-w$w.txt" | tail -1)"
 done
 left 30 && { timeout 60 "$kit/fp4_probe-new" 20 > "$out/probe-new.txt" 2>&1; say "probe new rc $?"; }
+# Hardware counters of the new set's quantized GEMVs (one launch each; the clocks are left alone, so the
+# durations are not figures to compare): stall reasons, issue rate, SM activity, DRAM throughput.
+ncu_sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section SchedulerStats --section WarpStateStats"
+ncu_sections="$ncu_sections --section Occupancy --section LaunchStats --section InstructionStats"
+ncu_stalls="regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
+k65=$(case_of "kimi-linear-48b w1 q1 fp8")
+for spec in "$k1:moe_down_w1_d3584_i3072_e896_k16_s0_q41\$" "$k1:moe_up_w1_d3584_i3072_e896_k16_s0_act1_q41\$" \
+            "$k65:(mlp_up|moe_up|moe_down|gemm)_w1_.*q81\$"; do
+  left 60 || { say "no time for the profile of ${spec#*:}"; break; }
+  # shellcheck disable=SC2086
+  timeout 120 ncu --clock-control none $ncu_sections --metrics "$ncu_stalls" -k "regex:${spec#*:}" -c 4 \
+    "$chk" "$work/cub-new" --case "${spec%%:*}" > "$out/ncu-${spec%%:*}-$(echo "${spec#*:}" | tr -dc 'a-z0-9_' | cut -c1-24).txt" 2>&1
+  say "profile ${spec#*:} rc $?"
+done
 say done
