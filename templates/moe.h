@@ -290,6 +290,16 @@ __device__ __forceinline__ void dp_gate_up_warp_tile(XRow xrow, WM wg, WM wu, in
 }
 #endif
 
+// The first tile of this warp in the warp tiles' walk (the warps then go on with a stride of all the
+// grid's warps): kWarpTiles 1 deals the tiles block by block (warp w of block b first takes tile 8b + w),
+// 2 warp by warp (tile w * gridDim.x + b), which spreads fewer tiles than warps over every block of the
+// grid (the compiler's choice, codegen warp_tiles_form).
+template <int kWarpTiles>
+__device__ __forceinline__ int dp_warp_tile_first() {
+  const int warp = (int)threadIdx.x / DP_GROUP;
+  return kWarpTiles == 2 ? warp * (int)gridDim.x + (int)blockIdx.x : (int)blockIdx.x * DP_GEMM_GROUPS + warp;
+}
+
 #if DP_HAS_BULK_COPY
 // A gate/up tile of dp_gate_up_warp_ring: the gate and up matrices (dp_fp8_matrix<D> or
 // dp_fp4_matrix<D>), their rows (features) and the tile's first feature.
@@ -324,7 +334,7 @@ __device__ __forceinline__ void dp_gate_up_warp_ring(int total, Tile tile, XRow 
   typedef typename dp_conditional<kFp4, dp_u32, float>::type Scale;  // E8M0 byte, or fp32 block scale
   const int lane = (int)dp_lane_id() % DP_GROUP, g = lane / 4, q = lane % 4;
   const int warps = (int)gridDim.x * DP_GEMM_GROUPS;
-  const int first = (int)blockIdx.x * DP_GEMM_GROUPS + (int)threadIdx.x / DP_GROUP;  // this warp's first tile
+  const int first = dp_warp_tile_first<1>();  // this warp's first tile (dealt block by block)
   const int tiles = first < total ? (total - first + warps - 1) / warps : 0;        // this warp's tiles
   auto tile_of = [&](int j) { return first + (j / nSt) * warps; };                 // the tile of stage j
   // Row m of tile `it`: the gate (m < 8) or up row of feature f0 + m % 8.
@@ -421,16 +431,6 @@ __device__ __forceinline__ void dp_gate_up_warp_ring(int total, Tile tile, XRow 
       });
 }
 #endif
-
-// The first tile of this warp in the warp tiles' walk (the warps then go on with a stride of all the
-// grid's warps): kWarpTiles 1 deals the tiles block by block (warp w of block b first takes tile 8b + w),
-// 2 warp by warp (tile w * gridDim.x + b), which spreads fewer tiles than warps over every block of the
-// grid (the compiler's choice, codegen warp_tiles_form).
-template <int kWarpTiles>
-__device__ __forceinline__ int dp_warp_tile_first() {
-  const int warp = (int)threadIdx.x / DP_GROUP;
-  return kWarpTiles == 2 ? warp * (int)gridDim.x + (int)blockIdx.x : (int)blockIdx.x * DP_GEMM_GROUPS + warp;
-}
 
 // Routed + shared gate/up. Two work splits (kWarpTiles, chosen by the compiler from T):
 //   0: block tiles. Launch: grid = nS + U*nI blocks, block 256, where nI = ceil(I/RB) tiles of one
