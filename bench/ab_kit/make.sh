@@ -5,7 +5,10 @@
 # machine and start run.sh there).
 #   usage: bench/ab_kit/make.sh KIT_DIR BASE_TEMPLATES NEW_TEMPLATES
 # Environment: BUILD (default build/ci: dp_kernel_build, dp_kernel_check, decodepack), STATIC (default
-# build/static: a decodepack configured with -DDP_LLVM_STATIC=ON, so that the kit carries no libLLVM).
+# build/static: a decodepack configured with -DDP_LLVM_STATIC=ON, so that the kit carries no libLLVM),
+# NEW_BUILD (default BUILD): the build whose dp_kernel_build and decodepack make the new set's code objects
+# and bundles, for a change to the compiler's plan or codegen as well as to the templates (the harness's
+# variants keep BUILD's generated entry points).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 kit=${1:?usage: make.sh KIT_DIR BASE_TEMPLATES NEW_TEMPLATES}
@@ -13,7 +16,9 @@ base=$(cd "${2:?base templates}" && pwd)
 new=$(cd "${3:?new templates}" && pwd)
 build=${BUILD:-$root/build/ci}
 static=${STATIC:-$root/build/static}
-for t in "$build/tests/gpu/kernels/dp_kernel_build" "$build/tests/gpu/kernels/dp_kernel_check" "$static/tools/decodepack"; do
+new_build=${NEW_BUILD:-$build}
+for t in "$build/tests/gpu/kernels/dp_kernel_build" "$build/tests/gpu/kernels/dp_kernel_check" "$static/tools/decodepack" \
+         "$new_build/tests/gpu/kernels/dp_kernel_build" "$new_build/tools/decodepack"; do
   [ -x "$t" ] || { echo "make.sh: $t is not built (README.md)" >&2; exit 2; }
 done
 mkdir -p "$kit"
@@ -24,9 +29,9 @@ say() { echo "== $*"; }
 
 # Kernel checks' code objects, one set per template set (about 2.5 min each on 2 cores).
 for v in base new; do
-  tpl=$base; [ $v = new ] && tpl=$new
+  tpl=$base b=$build; [ $v = new ] && tpl=$new b=$new_build
   say "kernels ($v)"
-  DECODEPACK_TEMPLATES_DIR=$tpl "$build/tests/gpu/kernels/dp_kernel_build" "$work/cub-$v" > "$work/kb-$v.log" 2>&1 ||
+  DECODEPACK_TEMPLATES_DIR=$tpl "$b/tests/gpu/kernels/dp_kernel_build" "$work/cub-$v" > "$work/kb-$v.log" 2>&1 ||
     grep -E "spills|written" "$work/kb-$v.log"
   tar -C "$work/cub-$v" -cf - . | xz -T2 -6 > "$kit/cub-$v.tar.xz"
 done
@@ -60,10 +65,10 @@ cp "$model" "$cli/"
 echo '{ "targets": ["sm_90a"], "widths": [1, 8], "prefetch": { "points": ["oproj_down", "attention_moe", "next_attention", "attention_oproj"] } }' > "$work/w18.json"
 echo '{ "targets": ["sm_90a"], "widths": [1, 2, 3, 4, 5, 6, 7, 8] }' > "$work/w1to8.json"
 for v in base new; do
-  tpl=$base; [ $v = new ] && tpl=$new
-  DECODEPACK_TEMPLATES_DIR=$tpl "$build/tools/decodepack" build --model "$model" --deploy "$work/w18.json" \
+  tpl=$base b=$build; [ $v = new ] && tpl=$new b=$new_build
+  DECODEPACK_TEMPLATES_DIR=$tpl "$b/tools/decodepack" build --model "$model" --deploy "$work/w18.json" \
     -o "$cli/b48fp8-$v.dpk" -j 2 --no-weights > "$work/b48-$v.log" 2>&1 || { cat "$work/b48-$v.log"; exit 1; }
-  DECODEPACK_TEMPLATES_DIR=$tpl "$build/tools/decodepack" build --model kimi-k3-tiny --deploy "$work/w1to8.json" \
+  DECODEPACK_TEMPLATES_DIR=$tpl "$b/tools/decodepack" build --model kimi-k3-tiny --deploy "$work/w1to8.json" \
     -o "$cli/k3t-$v.dpk" -j 2 --no-weights > "$work/k3t-$v.log" 2>&1 || { cat "$work/k3t-$v.log"; exit 1; }
 done
 tar -C "$work" -cf - cli | xz -T2 -9 > "$kit/cli.tar.xz"
