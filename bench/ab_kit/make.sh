@@ -26,10 +26,14 @@ kit=$(cd "$kit" && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 say() { echo "== $*"; }
+# The template set and the build of set $1 (base or new): tpl, b.
+set_of() {
+  if [ "$1" = new ]; then tpl=$new b=$new_build; else tpl=$base b=$build; fi
+}
 
 # Kernel checks' code objects, one set per template set (about 2.5 min each on 2 cores).
 for v in base new; do
-  tpl=$base b=$build; [ $v = new ] && tpl=$new b=$new_build
+  set_of $v
   say "kernels ($v)"
   DECODEPACK_TEMPLATES_DIR=$tpl "$b/tests/gpu/kernels/dp_kernel_build" "$work/cub-$v" > "$work/kb-$v.log" 2>&1 ||
     grep -E "spills|written" "$work/kb-$v.log"
@@ -44,7 +48,7 @@ say "e4m3 harness and MXFP4 probe"
 DECODEPACK="$build/tools/decodepack" "$root/bench/gemv_harness/build.sh" "$work/gh" "base:-I$base" "new:-I$new" > /dev/null
 cp "$work/gh/gemv_harness" "$kit/"
 for v in base new; do
-  tpl=$base; [ $v = new ] && tpl=$new
+  set_of $v
   "$root/bench/fp4_probe/build.sh" "$work/probe-$v" "$tpl" > /dev/null
   cp "$work/probe-$v/fp4_probe" "$kit/fp4_probe-$v"
 done
@@ -65,7 +69,7 @@ cp "$model" "$cli/"
 echo '{ "targets": ["sm_90a"], "widths": [1, 8], "prefetch": { "points": ["oproj_down", "attention_moe", "next_attention", "attention_oproj"] } }' > "$work/w18.json"
 echo '{ "targets": ["sm_90a"], "widths": [1, 2, 3, 4, 5, 6, 7, 8] }' > "$work/w1to8.json"
 for v in base new; do
-  tpl=$base b=$build; [ $v = new ] && tpl=$new b=$new_build
+  set_of $v
   DECODEPACK_TEMPLATES_DIR=$tpl "$b/tools/decodepack" build --model "$model" --deploy "$work/w18.json" \
     -o "$cli/b48fp8-$v.dpk" -j 2 --no-weights > "$work/b48-$v.log" 2>&1 || { cat "$work/b48-$v.log"; exit 1; }
   DECODEPACK_TEMPLATES_DIR=$tpl "$b/tools/decodepack" build --model kimi-k3-tiny --deploy "$work/w1to8.json" \
