@@ -62,7 +62,7 @@ struct dp_kda_geometry {
 };
 
 template <int W, int Q, int NH, int D, int CK, int FR, int GR, int kSafeGate, int kOnormF32, int kALogByRank = 0,
-          int VS = 1>
+          int VS = 1, int kEarly = 0>
 __device__ __forceinline__ void dp_kda_step(
     const dp_bf16* __restrict__ proj,        // [W*Q, NP] bf16: q | k | v | f_a | g_a (or g) | b
     const dp_bf16* __restrict__ w_fb,        // [P, FR] bf16 f_b_proj
@@ -137,6 +137,7 @@ __device__ __forceinline__ void dp_kda_step(
   const dp_i32 read_slot = (acc >= 1 && acc <= Q) ? slots[r * Q + acc - 1] : 0;
   if (first == 0 || read_slot == 0) {
     // Padded request (NULL_BLOCK_ID): no state read or written, zero output rows.
+    if constexpr (kEarly != 0) dp_grid_dependency_wait();  // out may still be read by the kernel before
     if (tid < CB)
       for (int i = 0; i < Q; ++i) out[(dp_u64)(r * Q + i) * P + j * D + v0 + tid] = dp_f32_to_bf16(0.0f);
     return;
@@ -163,6 +164,21 @@ __device__ __forceinline__ void dp_kda_step(
 #pragma unroll
     for (int kk = 0; kk < KR; ++kk) s[kk] = src[(kslice * KR + kk) * D + vcol];
   }
+  if constexpr (kEarly != 0) {
+    // Everything above is this layer's own state (written by this kernel in an earlier step), the
+    // weights or the host's step inputs: none of it is written by the kernels before this one in the
+    // step, so it is read before the wait (the entry point only triggered its dependents). The gate
+    // projections' weight rows go to L2 now; proj, the previous kernel's output, is read after the
+    // wait with coherent loads.
+    if (role == 1) dp_prefetch_l2(w_fb + (dp_u64)ch * FR, FR * 2);
+    if (GR > 0 && role == 3 && mine) dp_prefetch_l2(w_gb + (dp_u64)ch * (GR > 0 ? GR : 8), GR * 2);
+    dp_grid_dependency_wait();
+  }
+  // proj element e of the current row (bf16 bits): coherent after an early wait.
+  auto proj_at = [&](const dp_bf16* row, int e) -> float {
+    if constexpr (kEarly != 0) return dp_bits_to_f32((dp_u32)dp_load_u16_coherent(row + e) << 16);
+    else return dp_bf16_to_f32(row[e]);
+  };
 
   for (int i = 0; i < Q; ++i) {
     const int t = r * Q + i;
@@ -170,13 +186,13 @@ __device__ __forceinline__ void dp_kda_step(
     const dp_bf16* row = proj + (dp_u64)t * NP;  // [NP] bf16
     // f_a and g_a through shared memory: every forget/output-gate thread reads all of them, and proj
     // rows are only 2-byte aligned (NP need not be a multiple of 8), so no 16-byte loads from proj.
-    for (int e = tid; e < FR + GR; e += G::kThreads) gate_in[e] = dp_bf16_to_f32(row[kFaCol + e]);
+    for (int e = tid; e < FR + GR; e += G::kThreads) gate_in[e] = proj_at(row, kFaCol + e);
     __syncthreads();
 
     // ---- Phase A: conv + SiLU (q, k, v), forget gate (k threads), output gate, beta ----
     float sq = 0.0f;
     if (role < 3 && mine) {
-      const float xn = dp_bf16_to_f32(row[role * P + ch]);
+      const float xn = proj_at(row, role * P + ch);
       float y = taps[CK - 1] * xn;
 #pragma unroll
       for (int k = 0; k < CH; ++k) y += taps[k] * hist[k];
@@ -229,10 +245,10 @@ __device__ __forceinline__ void dp_kda_step(
         }
         g = dp_round_bf16(g);
       } else {
-        g = dp_bf16_to_f32(row[kGCol + ch]);
+        g = proj_at(row, kGCol + ch);
       }
       gs[c] = g;
-      if (c == v0) beta_s = dp_sigmoid(dp_bf16_to_f32(row[kBCol + j]));
+      if (c == v0) beta_s = dp_sigmoid(proj_at(row, kBCol + j));
     }
     sq = dp_group_sum(sq);  // groups never straddle roles (D is a multiple of 64)
     if (lane == 0 && role < 2) sums[role][group % G::kVGroups] = sq;

@@ -336,6 +336,7 @@ __device__ __forceinline__ void dp_or_system(dp_u32* p, dp_u32 bits) {
 // before it (on gfx9 that fence invalidates the CU's L1, so a plain load then reads L2 / memory).
 __device__ __forceinline__ dp_u32x4 dp_load16_coherent(const void* p) { return *(const dp_u32x4*)p; }
 __device__ __forceinline__ float dp_load_f32_coherent(const float* p) { return *p; }
+__device__ __forceinline__ dp_u16 dp_load_u16_coherent(const void* p) { return *(const dp_u16*)p; }
 // Nanoseconds of a constant-rate clock shared by the device: s_memrealtime counts the 100 MHz
 // reference clock on gfx9 (gfx90a, gfx942), whatever the shader clock does.
 __device__ __forceinline__ dp_u64 dp_timer_ns() { return __builtin_amdgcn_s_memrealtime() * 10ull; }
@@ -371,6 +372,11 @@ __device__ __forceinline__ dp_u32x4 dp_load16_coherent(const void* p) {
 __device__ __forceinline__ float dp_load_f32_coherent(const float* p) {
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ dp_u16 dp_load_u16_coherent(const void* p) {
+  dp_u16 v;
+  asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
   return v;
 }
 // %globaltimer: nanoseconds, the same clock on every SM (updated about every microsecond).

@@ -8,9 +8,16 @@
 #include "common/error.h"
 
 namespace dp::codegen::ops {
+namespace {
+
+// The one-block-per-head form reads its state, conv history and weights before the dependency wait
+// (templates/kda.h, kEarly): none of them is written by the kernels before it in a step.
+bool kda_early(const Params& p) { return !p.at("VS"); }
+
+}  // namespace
 
 std::vector<OpSpec> kda_ops() {
-  return {
+  std::vector<OpSpec> ops{
       {
           // KDA recurrent step: conv + gates + L2 norm + gated delta rule + gated RMSNorm, all heads.
           "kda_step",
@@ -46,8 +53,9 @@ std::vector<OpSpec> kda_ops() {
           [](const Params& p) {
             std::vector<int64_t> a{p.at("W"),  p.at("Q"),  p.at("NH"), p.at("D"), p.at("CV"),
                                    p.at("FR"), p.at("GR"), p.at("SG"), p.at("ON")};
-            if (p.at("AR") || p.at("VS")) a.push_back(p.at("AR"));  // the device template's default is 0
-            if (p.at("VS")) a.push_back(p.at("VS"));
+            a.push_back(p.at("AR"));
+            a.push_back(std::max<int64_t>(p.at("VS"), 1));
+            if (kda_early(p)) a.push_back(1);  // dp_kda_step's kEarly
             return a;
           },
           [](const Params& p) {
@@ -126,6 +134,8 @@ std::vector<OpSpec> kda_ops() {
           },
       },
   };
+  ops[0].early_weights = kda_early;
+  return ops;
 }
 
 }  // namespace dp::codegen::ops

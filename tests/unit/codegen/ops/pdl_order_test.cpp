@@ -10,7 +10,8 @@
 // its first weight loads before the wait; then only the weights' non-coherent loads and their scales
 // may come first, no store, and the activations are read coherently (ld.global.cg) after the wait. (Its
 // two earlier forms, with activations read through ld.global.nc after a wait inside the loop, gave
-// wrong outputs; bench/NOTES.md.)
+// wrong outputs; bench/NOTES.md.) And kda_step (codegen kda_early, templates/kda.h kEarly): its own state,
+// conv history and weights before the wait, the projection rows coherently after it.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -94,7 +95,6 @@ TEST(PdlOrderCompile, NoKernelTouchesGlobalMemoryBeforeItsDependencyWait) {
       q8(moe_up(8, 2304, 1024, 256, 8, 1024)),
       moe_down(1, 2304, 1024, 256, 8, 1024),
       q8(moe_down(1, 2304, 1024, 256, 8, 1024)),
-      kda(1, 1, 32),
       mla_prep(1, 1, 32),
       mla_attn(1, 1, 32),
       mla_combine(1, 1, 32),
@@ -176,6 +176,63 @@ TEST(PdlOrderCompile, TheWeightRingsCopyByBulkCopiesAndWaitFirstUnlessEarly) {
       EXPECT_NE(memory_before_wait(k.ptx), "") << k.key << ": no weights in flight during the wait";
     }
   }
+}
+
+// The early form of kda_step (templates/kda.h, kEarly): before the wait it loads only what no kernel before
+// it in the step writes (its own recurrent state and conv history, weights, the step's slots; PTX cannot
+// tell those addresses apart, so the check is that nothing is stored, counted or read coherently before
+// the wait), and the projection rows, the previous kernel's output, after it with coherent loads
+// (ld.global.cg). Its value-split form (VS) waits first.
+std::string early_state_violation(const std::string& ptx) {
+  std::istringstream in(ptx);
+  bool waited = false, coherent_after = false;
+  for (std::string line; std::getline(in, line);) {
+    const size_t b = line.find_first_not_of(" \t");
+    if (b == std::string::npos) continue;
+    const std::string op = line.substr(b);
+    if (op.rfind("griddepcontrol.wait", 0) == 0) waited = true;
+    if (waited) {
+      coherent_after = coherent_after || op.rfind("ld.global.cg", 0) == 0;
+      continue;
+    }
+    for (const char* m : {"st.global", "atom.", "red.", "ld.global.cg", "ld.volatile.global", "cp.async"})
+      if (op.rfind(m, 0) == 0 && op.rfind("cp.async.bulk.prefetch", 0) != 0) return op;
+  }
+  if (!waited) return "no griddepcontrol.wait";
+  return coherent_after ? "" : "no coherent load after the wait";
+}
+
+TEST(PdlOrderCompile, TheEarlyKdaStepStoresNothingBeforeItsWait) {
+  DP_SKIP_WITHOUT(backend::Vendor::nvidia);
+  KernelInstance vs = kda(1, 1, 32);
+  vs.params["VS"] = 4;
+  const std::vector<KernelInstance> set = {kda(1, 1, 32), kda(8, 2, 32), kda(1, 1, 96, 0, true), vs};
+  const backend::CompileReport report = compile_with_ptx(set);
+  ASSERT_EQ(report.kernels.size(), set.size());
+  for (size_t i = 0; i < report.kernels.size(); ++i) {
+    const backend::CompiledKernel& k = report.kernels[i];
+    ASSERT_FALSE(k.ptx.empty()) << k.key;
+    if (i + 1 < set.size()) {
+      EXPECT_EQ(early_state_violation(k.ptx), "") << k.key;
+      EXPECT_NE(memory_before_wait(k.ptx), "") << k.key << ": nothing in flight during the wait";
+      EXPECT_NE(k.ptx.find("cp.async.bulk.prefetch.L2.global"), std::string::npos) << k.key << ": no gate rows to L2";
+    } else {
+      EXPECT_EQ(memory_before_wait(k.ptx), "") << k.key << ": the split form reads before its wait";
+    }
+  }
+}
+
+// The early-state check: a store, an atomic or a coherent load before the wait is found; loads and the L2
+// prefetch are not; a missing wait or no coherent load after it is named.
+TEST(PdlOrder, TheEarlyStateCheckFindsStoresBeforeTheWait) {
+  const std::string after = "\tgriddepcontrol.wait;\n\tld.global.cg.u16 %rs1, [%rd9];\n";
+  EXPECT_EQ(early_state_violation("\tld.global.f32 %f1, [%rd1];\n\tld.global.nc.u32 %r1, [%rd2];\n"
+                                  "\tcp.async.bulk.prefetch.L2.global [%rd3], 256;\n" + after), "");
+  EXPECT_EQ(early_state_violation("\tst.global.u16 [%rd1], %rs1;\n" + after), "st.global.u16 [%rd1], %rs1;");
+  EXPECT_EQ(early_state_violation("\tld.global.cg.u16 %rs1, [%rd1];\n" + after), "ld.global.cg.u16 %rs1, [%rd1];");
+  EXPECT_EQ(early_state_violation("\tld.global.f32 %f1, [%rd1];\n"), "no griddepcontrol.wait");
+  EXPECT_EQ(early_state_violation("\tgriddepcontrol.wait;\n\tld.global.nc.u16 %rs1, [%rd1];\n"),
+            "no coherent load after the wait");
 }
 
 // The hand-off between blocks of the fused tails (gemm NM 1, dp_gemm_norm_tail; TK, dp_moe_route_tail; kda_step
