@@ -68,7 +68,8 @@ struct OpSpec {
   // family's header: gemm's fused routing is in moe.h).
   std::function<const char*(const Params&)> header_for = {};
   // When set and true for an instance: its entry point only triggers its dependents, and the device
-  // function waits for the previous kernel itself, after its first weight loads (vendor.h).
+  // function waits for the previous kernel itself, after its first loads of what no earlier kernel of
+  // the step writes (weights; kda_step also its own state; vendor.h).
   std::function<bool(const Params&)> early_weights = {};
   // When set: the dynamic shared memory an instance is launched with on `target` (launch_shape; 0 where
   // the target's code does not use it).
