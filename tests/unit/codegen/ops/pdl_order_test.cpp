@@ -30,14 +30,17 @@ namespace {
 
 using namespace test_ops;
 
-// One pass over the PTX: the first global memory instruction before the first griddepcontrol.wait
-// that does not start with one of `allowed` ("" if none), whether there is a wait, and whether a
-// coherent load (ld.global.cg) follows it.
+// One pass over the PTX: the first instruction before the first griddepcontrol.wait that starts with one
+// of `flagged` (by default every global memory access) and not with one of `allowed` ("" if none),
+// whether there is a wait, and whether a coherent load (ld.global.cg) follows it.
 struct WaitScan {
   std::string before;
   bool waited = false, coherent_after = false;
 };
-WaitScan scan_wait(const std::string& ptx, std::initializer_list<const char*> allowed = {}) {
+constexpr std::initializer_list<const char*> kGlobalAccess = {"ld.global", "st.global",         "atom.",
+                                                              "red.",      "cp.async",          "ld.volatile.global"};
+WaitScan scan_wait(const std::string& ptx, std::initializer_list<const char*> allowed = {},
+                   std::initializer_list<const char*> flagged = kGlobalAccess) {
   WaitScan r;
   std::istringstream in(ptx);
   for (std::string line; std::getline(in, line);) {
@@ -52,7 +55,7 @@ WaitScan scan_wait(const std::string& ptx, std::initializer_list<const char*> al
     bool ok = false;
     for (const char* a : allowed) ok = ok || op.rfind(a, 0) == 0;
     if (ok || !r.before.empty()) continue;
-    for (const char* m : {"ld.global", "st.global", "atom.", "red.", "cp.async", "ld.volatile.global"})
+    for (const char* m : flagged)
       if (op.rfind(m, 0) == 0) r.before = op;
   }
   return r;
@@ -184,22 +187,11 @@ TEST(PdlOrderCompile, TheWeightRingsCopyByBulkCopiesAndWaitFirstUnlessEarly) {
 // the wait), and the projection rows, the previous kernel's output, after it with coherent loads
 // (ld.global.cg). Its value-split form (VS) waits first.
 std::string early_state_violation(const std::string& ptx) {
-  std::istringstream in(ptx);
-  bool waited = false, coherent_after = false;
-  for (std::string line; std::getline(in, line);) {
-    const size_t b = line.find_first_not_of(" \t");
-    if (b == std::string::npos) continue;
-    const std::string op = line.substr(b);
-    if (op.rfind("griddepcontrol.wait", 0) == 0) waited = true;
-    if (waited) {
-      coherent_after = coherent_after || op.rfind("ld.global.cg", 0) == 0;
-      continue;
-    }
-    for (const char* m : {"st.global", "atom.", "red.", "ld.global.cg", "ld.volatile.global", "cp.async"})
-      if (op.rfind(m, 0) == 0 && op.rfind("cp.async.bulk.prefetch", 0) != 0) return op;
-  }
-  if (!waited) return "no griddepcontrol.wait";
-  return coherent_after ? "" : "no coherent load after the wait";
+  const WaitScan r = scan_wait(ptx, {"cp.async.bulk.prefetch"},
+                               {"st.global", "atom.", "red.", "ld.global.cg", "ld.volatile.global", "cp.async"});
+  if (!r.waited) return "no griddepcontrol.wait";
+  if (!r.before.empty()) return r.before;
+  return r.coherent_after ? "" : "no coherent load after the wait";
 }
 
 TEST(PdlOrderCompile, TheEarlyKdaStepStoresNothingBeforeItsWait) {
