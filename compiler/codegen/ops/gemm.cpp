@@ -24,17 +24,55 @@ int64_t pow2_floor(int64_t x) {
   return p;
 }
 
-// Rows per block from the matrix height: about kTargetBlocks blocks where the matrix is tall enough,
-// otherwise one tile of 16 rows per block with K split over the 8 groups, as far as K is long enough
-// that every slice still keeps a lane's loads in flight.
-GemmGeometry gemm_geometry(int64_t /*t*/, int64_t k, int64_t n_total) {
-  const int64_t rb = std::clamp<int64_t>(pow2_floor(std::max<int64_t>(1, n_total / kTargetBlocks)), kTileRows,
-                                         kGemmGroups * kTileRows);
-  GemmGeometry g;
-  g.s = kGemmGroups * kTileRows / rb;
-  const int64_t chunks = (k + kChunkElems - 1) / kChunkElems;
-  g.s = std::min(g.s, std::max<int64_t>(1, pow2_floor(chunks / kMinSliceChunks)));
-  return g;
+constexpr const char* kGemmSegKeys[6] = {"NA", "NB", "NC", "ND", "NE", "NF"};
+
+int64_t gemm_ntot(const Params& p) {
+  int64_t n = 0;
+  for (const char* k : kGemmSegKeys) n += p.at(k);
+  return n;
+}
+
+// Blocks of a launch whose blocks take rb rows of every weight (each weight's tiles apart).
+int64_t gemm_blocks(const Params& p, int64_t rb) {
+  int64_t blocks = 0;
+  for (const char* key : kGemmSegKeys) blocks += (p.at(key) + rb - 1) / rb;
+  return blocks;
+}
+
+// The split: S K-slices per block, so RB = 128 / S rows a block, where S keeps every slice long enough
+// for a lane's loads in flight.
+// - One activation row, and more than 8 (one block per SM, gemv_bounds): about kTargetBlocks blocks where
+//   the matrix is tall enough, otherwise one tile of 16 rows per block with K split over the 8 groups.
+// - 2 to 8 rows (two blocks per SM): of the splits, the one with the fewest waves of kTargetBlocks
+//   blocks, and of those the one with the most blocks. A partial last wave costs about a whole one
+//   there: the 48B-shaped stacked KDA projection (12576 rows) at 8 rows took 15.7 us as 393 blocks of 32
+//   rows (a wave and a half) and 14.8 us as 197 blocks of 64 (one); at one row 15.5 and 15.7 us, and
+//   16 rows spill on gfx942 at S = 2 (H100, 2026-12-08, bench/NOTES.md).
+GemmGeometry gemm_geometry(const Params& p) {
+  const int64_t chunks = (p.at("K") + kChunkElems - 1) / kChunkElems;
+  const int64_t s_max = std::min(kGemmGroups, std::max<int64_t>(1, pow2_floor(chunks / kMinSliceChunks)));
+  const int64_t t = p.at("W");
+  if (t == 1 || t > kMaxTwoBlockRows) {
+    const int64_t rb = std::clamp<int64_t>(pow2_floor(std::max<int64_t>(1, gemm_ntot(p) / kTargetBlocks)), kTileRows,
+                                           kGemmGroups * kTileRows);
+    GemmGeometry g;
+    g.s = std::min(kGemmGroups * kTileRows / rb, s_max);
+    return g;
+  }
+  GemmGeometry best;
+  int64_t best_waves = 0, best_blocks = 0;
+  for (int64_t s = s_max; s >= 1; s /= 2) {
+    GemmGeometry g;
+    g.s = s;
+    const int64_t blocks = gemm_blocks(p, g.rows());
+    const int64_t waves = (blocks + kTargetBlocks - 1) / kTargetBlocks;
+    if (best_blocks == 0 || waves < best_waves || (waves == best_waves && blocks > best_blocks)) {
+      best = g;
+      best_waves = waves;
+      best_blocks = blocks;
+    }
+  }
+  return best;
 }
 
 // One activation row, e4m3 weights, no addend: the first round of weight loads is issued before the
@@ -43,22 +81,10 @@ GemmGeometry gemm_geometry(int64_t /*t*/, int64_t k, int64_t n_total) {
 // (the activations then come from L2 for every group instead of L1), so only one row takes it.
 bool gemm_early(const Params& p) { return p.at("W") == 1 && p.at("Q8") != 0 && !p.at("AD"); }
 
-constexpr const char* kGemmSegKeys[6] = {"NA", "NB", "NC", "ND", "NE", "NF"};
 constexpr const char* kWeightNames[6] = {"w0", "w1", "w2", "w3", "w4", "w5"};
 constexpr const char* kScaleNames[6] = {"w0_scale", "w1_scale", "w2_scale", "w3_scale", "w4_scale", "w5_scale"};
 
-int64_t gemm_ntot(const Params& p) {
-  int64_t n = 0;
-  for (const char* k : kGemmSegKeys) n += p.at(k);
-  return n;
-}
-
-uint32_t gemm_grid(const Params& p) {
-  const int64_t rb = gemm_geometry(p.at("W"), p.at("K"), gemm_ntot(p)).rows();
-  int64_t blocks = 0;
-  for (const char* k : kGemmSegKeys) blocks += (p.at(k) + rb - 1) / rb;
-  return static_cast<uint32_t>(blocks);
-}
+uint32_t gemm_grid(const Params& p) { return static_cast<uint32_t>(gemm_blocks(p, gemm_geometry(p).rows())); }
 
 }  // namespace
 
@@ -122,7 +148,7 @@ std::vector<OpSpec> gemm_ops() {
                      kGemmSegKeys[i], p.at(kGemmSegKeys[i]), kGemmSegKeys[i - 1]);
           },
           [](const Params& p) {
-            const GemmGeometry g = gemm_geometry(p.at("W"), p.at("K"), gemm_ntot(p));
+            const GemmGeometry g = gemm_geometry(p);
             std::vector<int64_t> a{p.at("W"),  p.at("K"),  p.at("NA"), p.at("NB"), p.at("NC"), p.at("ND"),
                                    p.at("NE"), p.at("NF"), p.at("F"),  g.mt,       g.s};
             if (p.at("Q8") || p.at("AD") || p.at("NM") || p.at("TK")) a.push_back(p.at("Q8"));
@@ -229,7 +255,7 @@ std::vector<OpSpec> gemm_ops() {
     // The ring: stages of 128 S columns of the block's rows (dp_fp8_ring_bytes), no more than K has.
     op.dynamic_shared = [](const Params& p, const std::string& target) {
       if (!p.at("RG") || !bulk_copy_target(target)) return uint32_t{0};
-      const GemmGeometry g = gemm_geometry(p.at("W"), p.at("K"), gemm_ntot(p));
+      const GemmGeometry g = gemm_geometry(p);
       const int64_t cols = kFp8Block * g.s, stages = std::min(p.at("RG"), (p.at("K") + cols - 1) / cols);
       return ring_bytes(g.rows(), cols, stages);
     };

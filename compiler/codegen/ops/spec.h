@@ -105,7 +105,10 @@ inline constexpr int64_t kTargetBlocks = 264;  // about two blocks per SM of a 1
 // blocks per SM, up to 8 activation rows (one tensor-core column tile); their grids have more blocks
 // than SMs, and at one block per SM the rest ran as a second wave (templates/gemm.h). From 9 rows the
 // second column tile's accumulators do not fit 128 registers (spills), so one block per SM.
-inline const char* gemv_bounds(const Params& p) { return p.at("W") <= 8 ? "DP_KERNEL_BOUNDS_2" : "DP_KERNEL_BOUNDS"; }
+inline constexpr int64_t kMaxTwoBlockRows = 8;  // activation rows up to which they take two blocks per SM
+inline const char* gemv_bounds(const Params& p) {
+  return p.at("W") <= kMaxTwoBlockRows ? "DP_KERNEL_BOUNDS_2" : "DP_KERNEL_BOUNDS";
+}
 
 // ---- Weight ring (templates/gemm.h, dp_ring_stream) ----------------------------------------------
 // RG > 0: the e4m3 (or MXFP4) weights of a GEMM-shaped block stream through a ring of RG stages in shared memory,

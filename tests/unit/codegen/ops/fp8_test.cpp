@@ -51,7 +51,8 @@ TEST(Fp8Ops, GemmSignatureAndCallPerSegment) {
   EXPECT_EQ(s.params[3].shape, "[32, 18] fp32");
   EXPECT_EQ(s.params[8].shape, "[128, 2304] bf16");
   const std::string src = generate_source(k);
-  EXPECT_NE(src.find("dp_gemm_q8<4, 2304, 4096, 4096, 4096, 128, 128, 32, 0, 1, 4, 7>(x, out, w0, w0_scale, w1, "
+  // Four rows: 197 blocks of 64 rows (S = 2), one wave of two blocks per SM (gemm_geometry).
+  EXPECT_NE(src.find("dp_gemm_q8<4, 2304, 4096, 4096, 4096, 128, 128, 32, 0, 1, 2, 7>(x, out, w0, w0_scale, w1, "
                      "w1_scale, w2, w2_scale, w3, nullptr, w4, nullptr, w5, nullptr);"),
             std::string::npos)
       << src;

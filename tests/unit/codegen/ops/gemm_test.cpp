@@ -71,6 +71,16 @@ TEST(GemmOp, LaunchShapes) {
   EXPECT_EQ(p.grid[0], 3u * 128u + 4u + 4u + 1u);  // 32 rows per block (2 slots, 4 K-slices)
   // Tall matrices: 128 rows per block (8 slots of one tile), no split-K.
   EXPECT_EQ(launch_shape(gemm(1, 2304, {163840})).grid[0], 1280u);
+  // 2 to 8 rows: the fewest waves of 264 blocks, then the most blocks. The stacked projections as 197
+  // blocks of 64 rows (one wave) instead of 393 of 32 (two); o_proj keeps its 144 blocks of 16 rows (one
+  // wave either way, the most blocks); the LM head 1280 blocks of 128 rows (5 waves, the fewest).
+  EXPECT_EQ(launch_shape(gemm(8, 2304, {4096, 4096, 4096, 128, 128, 32})).grid[0], 3u * 64u + 2u + 2u + 1u);
+  EXPECT_EQ(launch_shape(gemm(2, 2304, {4096, 4096, 4096, 128, 128, 32})).grid[0], 197u);
+  EXPECT_EQ(launch_shape(gemm(8, 4096, {2304})).grid[0], 144u);
+  EXPECT_EQ(launch_shape(gemm(8, 2304, {6144, 576})).grid[0], 96u * 2u + 18u);
+  EXPECT_EQ(launch_shape(gemm(8, 2304, {163840})).grid[0], 1280u);
+  // From 9 rows (one block per SM) the one-row rule again.
+  EXPECT_EQ(launch_shape(gemm(16, 2304, {4096, 4096, 4096, 128, 128, 32})).grid[0], 393u);
 }
 
 TEST(GemmOp, Source) {

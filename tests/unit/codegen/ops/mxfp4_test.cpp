@@ -159,7 +159,8 @@ TEST(Mxfp4Ops, GemmAddendSignatureAndCall) {
   EXPECT_EQ(names(s), (std::vector<std::string>{"x", "out", "w0", "add"}));
   EXPECT_EQ(s.params[3].shape, "[4, 7168] bf16");
   EXPECT_FALSE(s.params[3].nullable);
-  EXPECT_NE(generate_source(k).find("dp_gemm_add<4, 3584, 7168, 0, 0, 0, 0, 0, 0, 1, 8, 0>(x, out, w0, nullptr, "
+  // 224 blocks of 32 rows (S = 4): one wave, where 16-row blocks would be 448.
+  EXPECT_NE(generate_source(k).find("dp_gemm_add<4, 3584, 7168, 0, 0, 0, 0, 0, 0, 1, 4, 0>(x, out, w0, nullptr, "
                                     "nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, "
                                     "nullptr, add);"),
             std::string::npos)
