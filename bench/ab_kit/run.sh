@@ -4,7 +4,8 @@
 # step, so a run cut short keeps what it measured.
 #   usage: KIT/run.sh KIT DEADLINE_SECONDS OUT_TGZ
 # Order: the e4m3 harness; the MXFP4 probe (base set); the K3-shaped MXFP4 kernels at width 1 (timed),
-# base, new; the 48B-shaped FP8 whole step at width 1, base, new, base, new; its per-kernel tables at width 1,
+# base, new; the 48B-shaped FP8 whole step at width 1, base, new, base, new, then once each with the
+# prefetch tables off; its per-kernel tables at width 1,
 # base, new; the K3 kernels at width 4 (timed);
 # the new set's kernel checks of the K3-tiny MXFP4 and the FP8 cases; `run --check --graph` of the new
 # K3-tiny bundle at widths 1, 3, 8; the MXFP4 probe (new set); hardware counters of the new set's
@@ -43,6 +44,15 @@ for pass in 1 2; do
       > "$out/step-w1-$v-$pass.txt" 2>&1
     say "step w1 $v pass $pass rc $? $(grep -A1 '^whole step' "$out/step-w1-$v-$pass.txt" | tail -1 | awk '{print $4, "us"}')"
   done
+done
+# The same step with the prefetch tables off, one pass each: the kit's bundles carry four prefetch points,
+# the default deploy at TP 1 none, and beside kda_step and mla_prep a prefetch window costs each 3-4 us
+# in sequence (2026-12-08).
+for v in base new; do
+  left 60 || { say "no time for the step bench without prefetch ($v)"; break; }
+  timeout 100 $dp bench "$cli/b48fp8-$v.dpk" --model "$model" --widths 1 --replays 50 --no-kernels --prefetch off \
+    > "$out/step-w1-$v-noprefetch.txt" 2>&1
+  say "step w1 $v prefetch off rc $? $(grep -A1 '^whole step' "$out/step-w1-$v-noprefetch.txt" | tail -1 | awk '{print $4, "us"}')"
 done
 # The per-kernel tables of each set at width 1 (each kernel alone and in sequence): which kernel a step
 # difference comes from.
