@@ -171,7 +171,8 @@ __device__ __forceinline__ void dp_kda_step(
     // projections' weight rows go to L2 now; proj, the previous kernel's output, is read after the
     // wait with coherent loads.
     if (role == 1) dp_prefetch_l2(w_fb + (dp_u64)ch * FR, FR * 2);
-    if (GR > 0 && role == 3 && mine) dp_prefetch_l2(w_gb + (dp_u64)ch * (GR > 0 ? GR : 8), GR * 2);
+    if constexpr (GR > 0)
+      if (role == 3 && mine) dp_prefetch_l2(w_gb + (dp_u64)ch * GR, GR * 2);
     dp_grid_dependency_wait();
   }
   // proj element e of the current row (bf16 bits): coherent after an early wait.
